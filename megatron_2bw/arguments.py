@@ -1,0 +1,289 @@
+"""Megatron-compatible command-line flags -> a validated `Config`.
+
+Every flag is declared once, next to the config field it fills, so that tools can share the parser,
+know which flags a user actually typed (`explicit_fields`) and fill the rest from a checkpoint.
+A bad flag ends the program with one line naming the flag (`ConfigError` -> `exit_on_config_error`).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from contextlib import contextmanager
+
+from megatron_2bw.config import Config
+
+
+class ConfigError(ValueError):
+    """A user-facing configuration mistake; the message names the flag and what was expected."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, no usage dump
+        raise ConfigError(message)
+
+
+def _bool_flag(group, flag, section, field, help):
+    group.add_argument(flag, action="store_true", default=None, help=help)
+    _FIELDS.append((flag, section, field))
+
+
+# (flag, section, field) of every flag that maps onto Config
+_FIELDS: list[tuple[str, str, str]] = []
+
+
+def _flag(group, flag, section, field, **kwargs):
+    group.add_argument(flag, default=None, **kwargs)
+    _FIELDS.append((flag, section, field))
+
+
+def _dest(flag: str) -> str:
+    return flag.lstrip("-").replace("-", "_")
+
+
+def build_parser(description: str = "", extra_args_provider=None) -> argparse.ArgumentParser:
+    _FIELDS.clear()
+    parser = _Parser(description=description, allow_abbrev=False)
+
+    g = parser.add_argument_group("model")
+    _flag(g, "--num-layers", "model", "num_layers", type=int)
+    _flag(g, "--hidden-size", "model", "hidden_size", type=int)
+    _flag(g, "--num-attention-heads", "model", "num_attention_heads", type=int)
+    _flag(g, "--ffn-hidden-size", "model", "ffn_hidden_size", type=int, help="default 4*hidden")
+    _flag(g, "--seq-length", "model", "seq_length", type=int)
+    _flag(g, "--max-position-embeddings", "model", "max_position_embeddings", type=int)
+    _flag(g, "--vocab-size", "model", "vocab_size", type=int,
+          help="vocabulary for --mock-data and NullTokenizer (otherwise from the tokenizer)")
+    _flag(g, "--make-vocab-size-divisible-by", "model", "make_vocab_size_divisible_by", type=int)
+    _flag(g, "--hidden-dropout", "model", "hidden_dropout", type=float)
+    _flag(g, "--attention-dropout", "model", "attention_dropout", type=float)
+    _flag(g, "--init-method-std", "model", "init_method_std", type=float)
+    _flag(g, "--layernorm-epsilon", "model", "layernorm_epsilon", type=float)
+    g.add_argument("--bert-no-binary-head", action="store_true", help="BERT without the SOP head")
+
+    g = parser.add_argument_group("parallelism")
+    _flag(g, "--tensor-model-parallel-size", "parallel", "tensor_parallel", type=int)
+    _flag(g, "--pipeline-model-parallel-size", "parallel", "pipeline_parallel", type=int)
+    _flag(g, "--pipeline-schedule", "parallel", "schedule", choices=["2bw", "flush", "gpipe"])
+    _flag(g, "--pipeline-layer-split", "parallel", "layer_split", type=str,
+          help="layers per stage, e.g. 5,7,7,5")
+    _flag(g, "--distributed-backend", "parallel", "distributed_backend", choices=["nccl", "gloo"])
+    _flag(g, "--distributed-timeout-minutes", "parallel", "timeout_minutes", type=float)
+    _bool_flag(g, "--auto-parallel", "parallel", "auto_parallel", "choose t, p, micro batch, "
+               "recomputation and schedule with the planner")
+    _bool_flag(g, "--use-distributed-optimizer", "parallel", "use_distributed_optimizer",
+               "shard fp32 master weights and optimizer state over data-parallel replicas")
+    _flag(g, "--ddp-bucket-size", "parallel", "ddp_bucket_size", type=int)
+    g.add_argument("--local_rank", "--local-rank", type=int, default=None,
+                   help="set by the deepspeed launcher; the environment is used instead")
+
+    g = parser.add_argument_group("mixed precision")
+    _bool_flag(g, "--fp16", "precision", "fp16", "fp16 weights and activations, fp32 master")
+    _bool_flag(g, "--bf16", "precision", "bf16", "bf16 weights and activations, fp32 master")
+    _flag(g, "--loss-scale", "precision", "loss_scale", type=float, help="static loss scale")
+    _flag(g, "--initial-loss-scale", "precision", "initial_loss_scale", type=float)
+    _flag(g, "--min-loss-scale", "precision", "min_loss_scale", type=float)
+    _flag(g, "--loss-scale-window", "precision", "loss_scale_window", type=int)
+    _flag(g, "--hysteresis", "precision", "hysteresis", type=int)
+    _bool_flag(g, "--accumulate-allreduce-grads-in-fp32", "precision",
+               "accumulate_allreduce_grads_in_fp32", "fp32 gradient buffers")
+
+    g = parser.add_argument_group("activation recomputation")
+    _flag(g, "--recompute-granularity", "recompute", "granularity", choices=["full", "selective"])
+    _flag(g, "--recompute-method", "recompute", "method", choices=["uniform", "block"])
+    _flag(g, "--recompute-num-layers", "recompute", "num_layers", type=int)
+    g.add_argument("--recompute-activations", action="store_true",
+                   help="shorthand for --recompute-granularity selective")
+
+    g = parser.add_argument_group("optimizer")
+    _flag(g, "--optimizer", "optimizer", "optimizer", choices=["adam", "sgd"])
+    _flag(g, "--lr", "optimizer", "lr", type=float)
+    _flag(g, "--min-lr", "optimizer", "min_lr", type=float)
+    _flag(g, "--lr-warmup-iters", "optimizer", "lr_warmup_iters", type=int)
+    _flag(g, "--lr-decay-style", "optimizer", "lr_decay_style", choices=["constant", "linear", "cosine"])
+    _flag(g, "--lr-decay-iters", "optimizer", "lr_decay_iters", type=int)
+    _flag(g, "--weight-decay", "optimizer", "weight_decay", type=float)
+    _flag(g, "--adam-beta1", "optimizer", "adam_beta1", type=float)
+    _flag(g, "--adam-beta2", "optimizer", "adam_beta2", type=float)
+    _flag(g, "--adam-eps", "optimizer", "adam_eps", type=float)
+    _flag(g, "--sgd-momentum", "optimizer", "sgd_momentum", type=float)
+    _flag(g, "--clip-grad", "optimizer", "clip_grad", type=float, help="0 disables clipping")
+
+    g = parser.add_argument_group("training")
+    _flag(g, "--micro-batch-size", "training", "micro_batch_size", type=int)
+    _flag(g, "--global-batch-size", "training", "global_batch_size", type=int)
+    _flag(g, "--train-iters", "training", "train_iters", type=int)
+    _flag(g, "--eval-interval", "training", "eval_interval", type=int)
+    _flag(g, "--eval-iters", "training", "eval_iters", type=int)
+    _flag(g, "--log-interval", "training", "log_interval", type=int)
+    _flag(g, "--seed", "training", "seed", type=int)
+    _flag(g, "--exit-duration-in-mins", "training", "exit_duration_in_mins", type=float)
+    _bool_flag(g, "--exit-signal-handler", "training", "exit_signal_handler",
+               "save a checkpoint and exit on SIGTERM")
+    _flag(g, "--exit-interval", "training", "exit_interval", type=int)
+
+    g = parser.add_argument_group("data and tokenizer")
+    _bool_flag(g, "--mock-data", "data", "mock_data", "synthetic random tokens")
+    _flag(g, "--data-path", "data", "data_path", nargs="+", help="PREFIX or W1 PREFIX1 W2 PREFIX2 ...")
+    _flag(g, "--train-data-path", "data", "train_data_path", nargs="+")
+    _flag(g, "--valid-data-path", "data", "valid_data_path", nargs="+")
+    _flag(g, "--test-data-path", "data", "test_data_path", nargs="+")
+    _flag(g, "--split", "data", "split", type=str)
+    _flag(g, "--data-cache-path", "data", "data_cache_path", type=str)
+    _flag(g, "--num-workers", "data", "num_workers", type=int)
+    _flag(g, "--tokenizer-type", "data", "tokenizer_type", type=str, choices=[
+        "GPT2BPETokenizer", "BertWordPieceLowerCase", "BertWordPieceCase",
+        "SentencePieceTokenizer", "HuggingFaceTokenizer", "NullTokenizer"])
+    _flag(g, "--vocab-file", "data", "vocab_file", type=str)
+    _flag(g, "--merge-file", "data", "merge_file", type=str)
+    _flag(g, "--tokenizer-model", "data", "tokenizer_model", type=str)
+    _flag(g, "--mask-prob", "data", "mask_prob", type=float)
+    _flag(g, "--short-seq-prob", "data", "short_seq_prob", type=float)
+
+    g = parser.add_argument_group("checkpointing")
+    _flag(g, "--save", "checkpoint", "save", type=str)
+    _flag(g, "--save-interval", "checkpoint", "save_interval", type=int)
+    _flag(g, "--load", "checkpoint", "load", type=str)
+    _bool_flag(g, "--no-load-optim", "checkpoint", "no_load_optim", "load weights only")
+    _bool_flag(g, "--no-load-rng", "checkpoint", "no_load_rng", "do not restore RNG states")
+    _bool_flag(g, "--finetune", "checkpoint", "finetune",
+               "load weights only and start at iteration 0")
+
+    g = parser.add_argument_group("logging")
+    _flag(g, "--tensorboard-dir", "logging", "tensorboard_dir", type=str)
+    _flag(g, "--wandb-project", "logging", "wandb_project", type=str)
+    _flag(g, "--wandb-exp-name", "logging", "wandb_exp_name", type=str)
+    _flag(g, "--wandb-save-dir", "logging", "wandb_save_dir", type=str)
+    _flag(g, "--timing-log-level", "logging", "timing_log_level", type=int, choices=[0, 1, 2])
+    _flag(g, "--log-file", "logging", "log_file", type=str, help="JSON lines of the log records")
+
+    if extra_args_provider is not None:
+        extra_args_provider(parser)
+    return parser
+
+
+def explicit_fields(args: argparse.Namespace) -> set[tuple[str, str]]:
+    """(section, field) pairs the user set on the command line (their value is not None)."""
+    return {(section, field) for flag, section, field in _FIELDS
+            if getattr(args, _dest(flag)) is not None}
+
+
+def config_from_args(args: argparse.Namespace, model_type: str = "gpt",
+                     base: Config | None = None, require_data: bool = True) -> Config:
+    """Fill a Config from parsed flags; flags left unset keep `base`'s values (or the defaults)."""
+    config = Config.from_dict(base.to_dict()) if base is not None else Config()
+    config.model.model_type = model_type
+    for flag, section, field in _FIELDS:
+        value = getattr(args, _dest(flag))
+        if value is not None:
+            setattr(getattr(config, section), field, value)
+    if isinstance(config.parallel.layer_split, str):
+        try:
+            config.parallel.layer_split = [int(x) for x in config.parallel.layer_split.split(",")]
+        except ValueError:
+            raise ConfigError(f"--pipeline-layer-split expects comma-separated integers, "
+                              f"got {config.parallel.layer_split!r}") from None
+    if getattr(args, "bert_no_binary_head", False):
+        config.model.bert_binary_head = False
+    if getattr(args, "recompute_activations", False):
+        config.recompute.granularity = "selective"
+    if config.model.model_type == "bert" and config.model.num_tokentypes == 0:
+        config.model.num_tokentypes = 2
+    # derived defaults the dataclasses compute from other fields
+    if getattr(args, "ffn_hidden_size", None) is None and base is None:
+        config.model.ffn_hidden_size = 4 * config.model.hidden_size
+    if getattr(args, "max_position_embeddings", None) is None and base is None:
+        config.model.max_position_embeddings = config.model.seq_length
+    validate(config, require_data)
+    return config
+
+
+def _require(condition: bool, message: str):
+    if not condition:
+        raise ConfigError(message)
+
+
+def validate(config: Config, require_data: bool = True) -> None:
+    """Checks that need no knowledge of the world size."""
+    m, par, tr, opt = config.model, config.parallel, config.training, config.optimizer
+    for flag, value in [("--num-layers", m.num_layers), ("--hidden-size", m.hidden_size),
+                        ("--num-attention-heads", m.num_attention_heads),
+                        ("--seq-length", m.seq_length), ("--micro-batch-size", tr.micro_batch_size),
+                        ("--tensor-model-parallel-size", par.tensor_parallel),
+                        ("--pipeline-model-parallel-size", par.pipeline_parallel),
+                        ("--train-iters", tr.train_iters), ("--log-interval", tr.log_interval),
+                        ("--eval-iters", tr.eval_iters), ("--eval-interval", tr.eval_interval)]:
+        _require(value is not None and value > 0, f"{flag} must be a positive integer, got {value}")
+    _require(m.hidden_size % m.num_attention_heads == 0,
+             f"--num-attention-heads {m.num_attention_heads} must divide --hidden-size {m.hidden_size}")
+    t = par.tensor_parallel
+    _require(m.num_attention_heads % t == 0,
+             f"--tensor-model-parallel-size {t} must divide --num-attention-heads "
+             f"{m.num_attention_heads}")
+    _require(m.hidden_size % t == 0,
+             f"--tensor-model-parallel-size {t} must divide --hidden-size {m.hidden_size}")
+    _require(m.ffn_hidden_size % t == 0,
+             f"--tensor-model-parallel-size {t} must divide --ffn-hidden-size {m.ffn_hidden_size}")
+    _require(m.max_position_embeddings >= m.seq_length,
+             f"--max-position-embeddings {m.max_position_embeddings} must be >= --seq-length "
+             f"{m.seq_length}")
+    for flag, value in [("--hidden-dropout", m.hidden_dropout),
+                        ("--attention-dropout", m.attention_dropout)]:
+        _require(0.0 <= value < 1.0, f"{flag} must be in [0, 1), got {value}")
+    p = par.pipeline_parallel
+    _require(p <= m.num_layers, f"--pipeline-model-parallel-size {p} exceeds --num-layers {m.num_layers}")
+    if par.layer_split is not None:
+        _require(len(par.layer_split) == p and sum(par.layer_split) == m.num_layers
+                 and min(par.layer_split) >= 1,
+                 f"--pipeline-layer-split {','.join(map(str, par.layer_split))} must give {p} "
+                 f"positive layer counts summing to --num-layers {m.num_layers}")
+    _require(not (config.precision.fp16 and config.precision.bf16), "--fp16 and --bf16 exclude each other")
+    _require(opt.lr >= 0 and opt.min_lr >= 0, "--lr and --min-lr must be >= 0")
+    _require(opt.clip_grad >= 0, f"--clip-grad must be >= 0 (0 disables), got {opt.clip_grad}")
+    if config.recompute.granularity == "full":
+        _require(config.recompute.method is not None,
+                 "--recompute-granularity full needs --recompute-method uniform|block")
+    if config.data.mock_data:
+        _require(m.vocab_size > 0, "--mock-data needs --vocab-size N (N > 0)")
+    elif require_data and config.data.data_path is None and config.data.train_data_path is None:
+        raise ConfigError("give --data-path PREFIX (or --train-data-path ...) or --mock-data")
+
+
+def validate_for_world(config: Config, world_size: int) -> int:
+    """Checks that need the world size; returns the data-parallel size d."""
+    t, p = config.parallel.tensor_parallel, config.parallel.pipeline_parallel
+    _require(world_size % (t * p) == 0,
+             f"world size {world_size} is not divisible by --tensor-model-parallel-size {t} x "
+             f"--pipeline-model-parallel-size {p}")
+    d = world_size // (t * p)
+    tr = config.training
+    if tr.global_batch_size is None:
+        tr.global_batch_size = tr.micro_batch_size * d
+    _require(tr.global_batch_size % (tr.micro_batch_size * d) == 0,
+             f"--global-batch-size {tr.global_batch_size} must be divisible by --micro-batch-size "
+             f"{tr.micro_batch_size} x data-parallel size {d}")
+    m = tr.global_batch_size // (tr.micro_batch_size * d)
+    schedule = config.parallel.pipeline_schedule
+    if schedule in ("2bw", "flush") and p > 1:
+        _require(m >= p, f"--pipeline-schedule {schedule} needs at least as many microbatches per "
+                         f"batch as stages (1F1B keeps p in flight): m = global/(micro*d) = {m} < "
+                         f"p = {p}; raise --global-batch-size to >= {p * tr.micro_batch_size * d}")
+    return d
+
+
+def parse_config(argv=None, model_type: str = "gpt", description: str = "",
+                 extra_args_provider=None, require_data: bool = True
+                 ) -> tuple[Config, argparse.Namespace]:
+    parser = build_parser(description, extra_args_provider)
+    args = parser.parse_args(argv)
+    return config_from_args(args, model_type, require_data=require_data), args
+
+
+@contextmanager
+def exit_on_config_error(program: str | None = None):
+    """Turn a ConfigError into one line on stderr and exit code 2 (no traceback)."""
+    try:
+        yield
+    except ConfigError as error:
+        name = program or sys.argv[0].rsplit("/", 1)[-1]
+        print(f"{name}: error: {error}", file=sys.stderr, flush=True)
+        sys.exit(2)

@@ -1,0 +1,2 @@
+from megatron_2bw.checkpoint.save_load import (CheckpointError, load_checkpoint,  # noqa: F401
+                                               maybe_load_checkpoint, save_checkpoint)

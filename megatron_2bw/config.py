@@ -1,0 +1,183 @@
+"""Typed configuration: one dataclass per concern, assembled into `Config`.
+
+`arguments.py` turns Megatron-compatible flags into a `Config`; library code only ever sees these
+dataclasses (no global args object).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ModelConfig:
+    model_type: str = "gpt"  # "gpt" or "bert"
+    num_layers: int = 2
+    hidden_size: int = 64
+    num_attention_heads: int = 4
+    ffn_hidden_size: int | None = None  # default 4 * hidden_size
+    seq_length: int = 64
+    max_position_embeddings: int | None = None  # default seq_length
+    vocab_size: int = 0  # the tokenizer's vocabulary, before padding
+    make_vocab_size_divisible_by: int = 128
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.1
+    init_method_std: float = 0.02
+    layernorm_epsilon: float = 1e-5
+    # BERT only
+    bert_binary_head: bool = True
+    num_tokentypes: int = 0
+
+    def __post_init__(self):
+        if self.ffn_hidden_size is None:
+            self.ffn_hidden_size = 4 * self.hidden_size
+        if self.max_position_embeddings is None:
+            self.max_position_embeddings = self.seq_length
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def padded_vocab_size(self, tensor_parallel: int) -> int:
+        """Megatron's rule: pad to a multiple of make_vocab_size_divisible_by * t."""
+        multiple = self.make_vocab_size_divisible_by * tensor_parallel
+        return -(-self.vocab_size // multiple) * multiple
+
+
+@dataclass
+class ParallelConfig:
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    schedule: str | None = None  # "2bw" | "flush" | "gpipe"; None picks 2bw when p > 1
+    layer_split: list[int] | None = None  # layers per stage
+    distributed_backend: str | None = None  # None: nccl with CUDA, gloo otherwise
+    timeout_minutes: float = 10.0
+    auto_parallel: bool = False
+    use_distributed_optimizer: bool = False
+    ddp_bucket_size: int = 40_000_000  # elements per data-parallel all-reduce bucket
+
+    @property
+    def pipeline_schedule(self) -> str:
+        if self.schedule is not None:
+            return self.schedule
+        return "2bw" if self.pipeline_parallel > 1 else "flush"
+
+
+@dataclass
+class PrecisionConfig:
+    fp16: bool = False
+    bf16: bool = False
+    loss_scale: float | None = None  # static scale; None means dynamic (fp16)
+    initial_loss_scale: float = 2.0 ** 32
+    min_loss_scale: float = 1.0
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    accumulate_allreduce_grads_in_fp32: bool = False
+
+    @property
+    def working_dtype_name(self) -> str:
+        return "float16" if self.fp16 else "bfloat16" if self.bf16 else "float32"
+
+
+@dataclass
+class RecomputeConfig:
+    granularity: str | None = None  # None | "full" | "selective"
+    method: str | None = None  # "uniform" | "block" (full only)
+    num_layers: int = 1
+
+
+@dataclass
+class OptimizerConfig:
+    optimizer: str = "adam"  # "adam" (AdamW) | "sgd"
+    lr: float = 1e-4
+    min_lr: float = 0.0
+    lr_warmup_iters: int = 0
+    lr_decay_style: str = "linear"  # constant | linear | cosine
+    lr_decay_iters: int | None = None  # default train_iters
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    sgd_momentum: float = 0.9
+    clip_grad: float = 1.0
+
+
+@dataclass
+class TrainingConfig:
+    micro_batch_size: int = 1
+    global_batch_size: int | None = None  # default micro * d
+    train_iters: int = 100
+    eval_interval: int = 1000
+    eval_iters: int = 10
+    log_interval: int = 10
+    seed: int = 1234
+    exit_duration_in_mins: float | None = None
+    exit_signal_handler: bool = False
+    exit_interval: int | None = None
+
+
+@dataclass
+class DataConfig:
+    mock_data: bool = False
+    data_path: list[str] | None = None  # [weight, prefix, weight, prefix, ...] or [prefix]
+    train_data_path: list[str] | None = None
+    valid_data_path: list[str] | None = None
+    test_data_path: list[str] | None = None
+    split: str = "969,30,1"
+    data_cache_path: str | None = None
+    num_workers: int = 0
+    tokenizer_type: str | None = None
+    vocab_file: str | None = None
+    merge_file: str | None = None
+    tokenizer_model: str | None = None
+    mask_prob: float = 0.15
+    short_seq_prob: float = 0.1
+
+
+@dataclass
+class CheckpointConfig:
+    save: str | None = None
+    save_interval: int | None = None
+    load: str | None = None
+    no_load_optim: bool = False
+    no_load_rng: bool = False
+    finetune: bool = False
+
+
+@dataclass
+class LoggingConfig:
+    tensorboard_dir: str | None = None
+    wandb_project: str | None = None
+    wandb_exp_name: str | None = None
+    wandb_save_dir: str | None = None
+    timing_log_level: int = 0
+    log_file: str | None = None  # JSON lines of the log records, for tools/plot_logs.py
+    log_memory: bool = True
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "Config":
+        """Inverse of to_dict; unknown keys (from older checkpoints) are ignored."""
+        defaults = cls()
+        kwargs = {}
+        for f in dataclasses.fields(cls):
+            section_cls = type(getattr(defaults, f.name))
+            known = {x.name for x in dataclasses.fields(section_cls)}
+            given = values.get(f.name, {})
+            kwargs[f.name] = section_cls(**{k: v for k, v in given.items() if k in known})
+        return cls(**kwargs)

@@ -1,0 +1,79 @@
+"""Start-up: find rank/world from whatever launched the job, pick device and backend, init.
+
+Launchers: torchrun and the deepspeed launcher set RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/PORT;
+Slurm's srun (one task per device, no torchrun) sets SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID.
+A plain `python script.py` is a world of one.
+"""
+from __future__ import annotations
+
+import os
+import re
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class LaunchInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+    launcher: str
+
+
+def _first_slurm_host(nodelist: str) -> str:
+    """First host of a Slurm nodelist such as 'node[03-05,7],gpu1' -> 'node03'."""
+    match = re.match(r"([^,\[]+)(\[([^\]]+)\])?", nodelist)
+    if not match:
+        return nodelist
+    prefix, _, ranges = match.groups()
+    if ranges is None:
+        return prefix
+    return prefix + ranges.split(",")[0].split("-")[0]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def detect_launch(env=None) -> LaunchInfo:
+    env = os.environ if env is None else env
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return LaunchInfo(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)),
+                          env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", 29500)),
+                          "torchrun" if "TORCHELASTIC_RUN_ID" in env else "env")
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        addr = env.get("MASTER_ADDR") or _first_slurm_host(env.get("SLURM_JOB_NODELIST", "127.0.0.1"))
+        return LaunchInfo(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]),
+                          int(env.get("SLURM_LOCALID", 0)), addr,
+                          int(env.get("MASTER_PORT", 29500)), "slurm")
+    return LaunchInfo(0, 1, 0, "127.0.0.1", _free_port(), "single")
+
+
+def pick_device(local_rank: int) -> torch.device:
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def init_distributed(backend: str | None, timeout_minutes: float) -> tuple[LaunchInfo, torch.device]:
+    """Initialise the default process group; every collective is bounded by the timeout."""
+    info = detect_launch()
+    device = pick_device(info.local_rank)
+    if backend is None:
+        backend = "nccl" if device.type == "cuda" else "gloo"
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", info.master_addr)
+        os.environ.setdefault("MASTER_PORT", str(info.master_port))
+        dist.init_process_group(backend, rank=info.rank, world_size=info.world_size,
+                                timeout=timedelta(minutes=timeout_minutes),
+                                device_id=device if device.type == "cuda" else None)
+    return info, device

@@ -1,0 +1,17 @@
+"""Which layers each pipeline stage holds."""
+from __future__ import annotations
+
+
+def layer_ranges(num_layers: int, stages: int, split: list[int] | None = None) -> list[range]:
+    """Contiguous layer ranges per stage: `split` (layers per stage) when given, otherwise as even
+    as possible with any remainder on the middle stages (the first and last also carry the
+    embedding and the head)."""
+    if split is None:
+        base, extra = divmod(num_layers, stages)
+        middle_first = sorted(range(stages), key=lambda s: (s in (0, stages - 1), s))
+        split = [base + (1 if s in middle_first[:extra] else 0) for s in range(stages)]
+    if len(split) != stages or sum(split) != num_layers or min(split) < 1:
+        raise ValueError(f"--pipeline-layer-split {split} must give {stages} positive layer counts "
+                         f"summing to {num_layers}")
+    starts = [sum(split[:s]) for s in range(stages)]
+    return [range(start, start + n) for start, n in zip(starts, split)]

@@ -1,0 +1,323 @@
+"""Pipeline schedules as data: per-stage lists of actions, a validator, a timeline and a text picture.
+
+The runtime executor, the planner's simulator and the schedule picture all consume these lists, so
+there is exactly one definition of each schedule.
+
+Schedules (p stages, m microbatches per batch, batches numbered from 0):
+- "2bw"   PipeDream-2BW: one 1F1B sequence over all microbatches of all batches (stage r runs p-r-1
+          warm-up forwards once), never drained. Batch b uses weight version max(b-1, 0). After its
+          last backward of batch b a stage reduces the batch's gradients; the step that creates
+          version b+1 is deferred until that version is first needed (first forward of batch b+2) or
+          the gradient buffer is needed again (reduce of batch b+1), so cross-stage decisions
+          (global grad norm, fp16 overflow) complete in the background.
+- "flush" PipeDream-Flush: 1F1B drained after every batch; batch b uses version b (vanilla).
+- "gpipe" GPipe: all forwards of a batch, then all backwards, drained after every batch.
+A training run is cut into segments (at evaluation and checkpoint points); each segment is one call
+with `first_batch` and `batches`, ends drained, and leaves every step of its batches done. The
+weight-version rule depends only on batch indices, so segmenting never changes the arithmetic.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+FORWARD, BACKWARD = "forward", "backward"
+SEND_ACT, RECV_ACT, SEND_GRAD, RECV_GRAD = "send_act", "recv_act", "send_grad", "recv_grad"
+REDUCE_GRADS, STEP, RELEASE_VERSION = "reduce_grads", "step", "release_version"
+COMPUTE_KINDS = (FORWARD, BACKWARD)
+COMM_KINDS = (SEND_ACT, RECV_ACT, SEND_GRAD, RECV_GRAD)
+SCHEDULES = ("2bw", "flush", "gpipe")
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: str
+    microbatch: int | None = None  # global index k = batch * m + j
+    version: int | None = None  # used (forward/backward), created (step) or freed (release)
+    batch: int | None = None  # for reduce_grads and step
+
+    def __str__(self) -> str:
+        if self.kind in COMPUTE_KINDS:
+            return f"{self.kind[0].upper()}{self.microbatch}@v{self.version}"
+        if self.kind in COMM_KINDS:
+            return f"{self.kind}({self.microbatch})"
+        if self.kind == RELEASE_VERSION:
+            return f"release(v{self.version})"
+        return f"{self.kind}(b{self.batch}->v{self.version})" if self.kind == STEP else \
+            f"{self.kind}(b{self.batch})"
+
+
+class ScheduleError(ValueError):
+    """An action list breaks a rule; the message names the stage, position and rule."""
+
+
+def version_for_batch(schedule: str, batch: int) -> int:
+    return max(batch - 1, 0) if schedule == "2bw" else batch
+
+
+def max_in_flight(schedule: str, stages: int, microbatches: int, stage: int) -> int:
+    """Microbatches whose activations a stage holds at once."""
+    return microbatches if schedule == "gpipe" else min(stages - stage, microbatches) \
+        if schedule == "flush" else stages - stage
+
+
+def _check_args(schedule: str, stages: int, microbatches: int, batches: int, stage: int):
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule {schedule!r}; expected one of {SCHEDULES}")
+    if stages < 1 or microbatches < 1 or batches < 0 or not 0 <= stage < stages:
+        raise ValueError(f"bad schedule shape: stages={stages} microbatches={microbatches} "
+                         f"batches={batches} stage={stage}")
+    if schedule in ("2bw", "flush") and microbatches < stages:
+        raise ValueError(f"{schedule} needs microbatches per batch >= stages (1F1B keeps up to p "
+                         f"microbatches in flight): got m={microbatches} < p={stages}")
+
+
+def stage_actions(schedule: str, stages: int, microbatches: int, batches: int, stage: int,
+                  first_batch: int = 0) -> Iterator[Action]:
+    """The ordered actions of one stage for batches first_batch .. first_batch+batches-1 (lazy)."""
+    _check_args(schedule, stages, microbatches, batches, stage)
+    first, last = stage == 0, stage == stages - 1
+    m = microbatches
+    end_batch = first_batch + batches
+    pending_steps: list[int] = []  # 2bw: batches whose step is deferred
+
+    def version(k: int) -> int:
+        return version_for_batch(schedule, k // m)
+
+    def flush_pending_steps():
+        while pending_steps:
+            b = pending_steps.pop(0)
+            yield Action(STEP, version=b + 1, batch=b)
+
+    def forward(k: int):
+        if schedule == "2bw" and pending_steps and k // m >= pending_steps[0] + 2:
+            yield from flush_pending_steps()
+        if not first:
+            yield Action(RECV_ACT, k)
+        yield Action(FORWARD, k, version(k))
+        if not last:
+            yield Action(SEND_ACT, k)
+
+    def backward(k: int):
+        if not last:
+            yield Action(RECV_GRAD, k)
+        yield Action(BACKWARD, k, version(k))
+        if not first:
+            yield Action(SEND_GRAD, k)
+        if k % m == m - 1:  # the batch's last backward on this stage
+            yield from end_of_batch(k // m)
+
+    def end_of_batch(b: int):
+        v = version_for_batch(schedule, b)
+        if schedule == "2bw":
+            if version_for_batch(schedule, b + 1) != v:
+                yield Action(RELEASE_VERSION, version=v)
+            yield from flush_pending_steps()  # reduce_grads(b) needs the gradient buffer
+            yield Action(REDUCE_GRADS, batch=b)
+            pending_steps.append(b)
+        else:
+            yield Action(REDUCE_GRADS, batch=b)
+            yield Action(RELEASE_VERSION, version=v)
+            yield Action(STEP, version=b + 1, batch=b)
+
+    def one_f_one_b(ks: list[int]):
+        warmup = min(stages - stage - 1, len(ks))
+        for k in ks[:warmup]:
+            yield from forward(k)
+        for i, k in enumerate(ks[warmup:]):
+            yield from forward(k)
+            yield from backward(ks[i])
+        for k in ks[len(ks) - warmup:]:
+            yield from backward(k)
+
+    if schedule == "2bw":
+        yield from one_f_one_b(list(range(first_batch * m, end_batch * m)))
+        yield from flush_pending_steps()
+    else:
+        for b in range(first_batch, end_batch):
+            ks = list(range(b * m, (b + 1) * m))
+            if schedule == "flush":
+                yield from one_f_one_b(ks)
+            else:
+                for k in ks:
+                    yield from forward(k)
+                for k in ks:
+                    yield from backward(k)
+
+
+def build_schedule(schedule: str, stages: int, microbatches: int, batches: int,
+                   first_batch: int = 0) -> list[list[Action]]:
+    return [list(stage_actions(schedule, stages, microbatches, batches, s, first_batch))
+            for s in range(stages)]
+
+
+def forward_only_actions(stages: int, microbatches: int, stage: int) -> Iterator[Action]:
+    """Evaluation: forwards of `microbatches` microbatches with the newest weights (version None)."""
+    for k in range(microbatches):
+        if stage > 0:
+            yield Action(RECV_ACT, k)
+        yield Action(FORWARD, k)
+        if stage < stages - 1:
+            yield Action(SEND_ACT, k)
+
+
+# ---------------------------------------------------------------------------------------------
+# Timeline: event-driven replay of all stages' lists with given durations (also a deadlock check)
+
+@dataclass(frozen=True)
+class TimedAction:
+    stage: int
+    action: Action
+    start: float
+    end: float
+
+
+def _peer(stage: int, kind: str) -> tuple[int, str]:
+    """The stage and kind of the send a receive waits for."""
+    return (stage - 1, SEND_ACT) if kind == RECV_ACT else (stage + 1, SEND_GRAD)
+
+
+def timeline(actions: list[list[Action]], duration: Callable[[int, Action], float] | None = None,
+             transfer: Callable[[int, int, Action], float] | None = None) -> list[list[TimedAction]]:
+    """Replay every stage's list in order. Sends never block; a receive starts once the matching
+    send ended plus `transfer(src, dst, action)`. Raises ScheduleError naming each stuck stage."""
+    duration = duration or (lambda stage, a: {FORWARD: 1.0, BACKWARD: 2.0}.get(a.kind, 0.0))
+    transfer = transfer or (lambda src, dst, a: 0.0)
+    n = len(actions)
+    sent: dict[tuple[int, str, int], float] = {}  # (stage, kind, microbatch) -> end time
+    clock = [0.0] * n
+    position = [0] * n
+    result: list[list[TimedAction]] = [[] for _ in range(n)]
+    progress = True
+    while progress:
+        progress = False
+        for s in range(n):
+            while position[s] < len(actions[s]):
+                a = actions[s][position[s]]
+                start = clock[s]
+                if a.kind in (RECV_ACT, RECV_GRAD):
+                    src, send_kind = _peer(s, a.kind)
+                    key = (src, send_kind, a.microbatch)
+                    if key not in sent:
+                        break
+                    start = max(start, sent.pop(key) + transfer(src, s, a))
+                end = start + duration(s, a)
+                if a.kind in (SEND_ACT, SEND_GRAD):
+                    sent[(s, a.kind, a.microbatch)] = end
+                result[s].append(TimedAction(s, a, start, end))
+                clock[s] = end
+                position[s] += 1
+                progress = True
+    stuck = [s for s in range(n) if position[s] < len(actions[s])]
+    if stuck:
+        waits = "; ".join(f"stage {s} at action {position[s]} ({actions[s][position[s]]})"
+                          for s in stuck)
+        raise ScheduleError(f"deadlock: {waits} wait for sends that never come")
+    if sent:
+        (s, kind, k), _ = next(iter(sent.items()))
+        raise ScheduleError(f"stage {s}: {kind}({k}) is never received")
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation
+
+def _fail(stage: int, position: int, action: Action, rule: str):
+    raise ScheduleError(f"stage {stage}, action {position} ({action}): {rule}")
+
+
+def validate(actions: list[list[Action]], schedule: str, microbatches: int,
+             first_batch: int = 0) -> None:
+    """Check every rule of a pipeline schedule without processes; raise ScheduleError if broken."""
+    stages = len(actions)
+    m = microbatches
+    versions_of_microbatch: dict[int, int] = {}
+    for s, stage_list in enumerate(actions):
+        first, last = s == 0, s == stages - 1
+        limit = max_in_flight(schedule, stages, m, s)
+        forwarded, backwarded, received_act, received_grad = set(), set(), set(), set()
+        alive = {version_for_batch(schedule, first_batch)}
+        if schedule == "2bw":
+            alive.add(version_for_batch(schedule, first_batch + 1))
+        reduced: set[int] = set()
+        for i, a in enumerate(stage_list):
+            k = a.microbatch
+            if a.kind == FORWARD:
+                if k in forwarded:
+                    _fail(s, i, a, "microbatch forwarded twice")
+                if not first and k not in received_act:
+                    _fail(s, i, a, "forward before its activation was received from the previous stage")
+                forwarded.add(k)
+                if len(forwarded) - len(backwarded) > limit:
+                    _fail(s, i, a, f"more than {limit} microbatches in flight on stage {s}")
+            elif a.kind == BACKWARD:
+                if k not in forwarded or k in backwarded:
+                    _fail(s, i, a, "backward without a preceding forward, or twice")
+                if not last and k not in received_grad:
+                    _fail(s, i, a, "backward before its gradient was received from the next stage")
+                backwarded.add(k)
+            elif a.kind == RECV_ACT:
+                if first:
+                    _fail(s, i, a, "the first stage has no previous stage to receive from")
+                received_act.add(k)
+            elif a.kind == RECV_GRAD:
+                if last:
+                    _fail(s, i, a, "the last stage has no next stage to receive from")
+                received_grad.add(k)
+            elif a.kind == SEND_ACT and (last or k not in forwarded):
+                _fail(s, i, a, "send of an activation that was not computed (or from the last stage)")
+            elif a.kind == SEND_GRAD and (first or k not in backwarded):
+                _fail(s, i, a, "send of a gradient that was not computed (or from the first stage)")
+            elif a.kind == REDUCE_GRADS:
+                batch_ks = range(a.batch * m, (a.batch + 1) * m)
+                if not all(x in backwarded for x in batch_ks):
+                    _fail(s, i, a, "gradients reduced before every backward of the batch")
+                reduced.add(a.batch)
+            elif a.kind == STEP:
+                if a.batch not in reduced:
+                    _fail(s, i, a, "step before the batch's gradients were reduced")
+                if a.version != a.batch + 1:
+                    _fail(s, i, a, "step of batch b must create version b+1")
+                alive.add(a.version)
+            elif a.kind == RELEASE_VERSION:
+                if a.version not in alive:
+                    _fail(s, i, a, "release of a version that is not alive")
+                alive.discard(a.version)
+            if a.kind in COMPUTE_KINDS:
+                expected = version_for_batch(schedule, k // m)
+                if a.version != expected:
+                    _fail(s, i, a, f"{schedule} must use version {expected} for microbatch {k}")
+                if a.version not in alive:
+                    _fail(s, i, a, f"version {a.version} is not alive (not created yet or released)")
+                if versions_of_microbatch.setdefault(k, a.version) != a.version:
+                    _fail(s, i, a, f"microbatch {k} uses two weight versions")
+            if schedule == "2bw" and len(alive) > 2:
+                _fail(s, i, a, f"2bw holds {len(alive)} weight versions (at most 2)")
+        missing = forwarded - backwarded
+        if missing:
+            raise ScheduleError(f"stage {s}: microbatches {sorted(missing)} never run backward")
+    timeline(actions)  # raises on deadlock or an unmatched send
+
+
+# ---------------------------------------------------------------------------------------------
+# Text picture
+
+def render(actions: list[list[Action]], width: int = 200) -> str:
+    """Rank-by-time text grid (forward 1 slot, backward 2 slots): `F3` / `B3` then the version."""
+    timed = timeline(actions)
+    end = max((t.end for row in timed for t in row), default=0.0)
+    columns = min(int(end), width)
+    cell = 5
+    lines = []
+    for s, row in enumerate(timed):
+        grid = ["." * cell] * columns
+        for t in row:
+            if t.action.kind not in COMPUTE_KINDS or int(t.start) >= columns:
+                continue
+            label = f"{t.action.kind[0].upper()}{t.action.microbatch}v{t.action.version}"
+            for c in range(int(t.start), min(int(t.end), columns)):
+                grid[c] = label[:cell].ljust(cell) if c == int(t.start) else "-" * cell
+        lines.append(f"stage {s} |" + "".join(grid))
+    lines.append("F<k>v<w>: forward of microbatch k with weight version w; B: backward "
+                 "(2 slots); '.' idle")
+    return "\n".join(lines)

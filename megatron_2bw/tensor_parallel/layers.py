@@ -1,0 +1,144 @@
+"""Drop-in tensor-parallel layers (Megatron's design): column- and row-parallel linear layers and a
+vocabulary-parallel embedding. With a group of one they are plain layers.
+
+Every parameter carries a `ParamSpec` describing its full (unsharded) shape, which dimension is
+split over the tensor-parallel group and how to initialise it, so that initialisation, gradient-norm
+counting, checkpoint resharding and export never need to know the layer classes.
+"""
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron_2bw.distributed.comm import group_rank, group_size
+from megatron_2bw.tensor_parallel.mappings import (
+    copy_to_tensor_parallel, gather_from_tensor_parallel, reduce_from_tensor_parallel,
+    scatter_to_tensor_parallel)
+
+
+@dataclass
+class ParamSpec:
+    full_shape: tuple[int, ...]
+    partition_dim: int | None = None  # None: replicated over the tensor-parallel group
+    tp_rank: int = 0
+    tp_size: int = 1
+    init: str = "normal"  # normal | output (std / sqrt(2 * layers)) | zeros | ones
+    init_name: str | None = None  # overrides the parameter's name for seeding (tied copies)
+    tied: bool = False  # word embeddings shared by the first and last pipeline stage
+    tied_copy: bool = False  # the last stage's copy: excluded from the grad norm (counted once)
+
+    @property
+    def replicated(self) -> bool:
+        return self.partition_dim is None
+
+
+def make_param(full_shape, group, partition_dim: int | None, init: str) -> nn.Parameter:
+    tp_size, tp_rank = group_size(group), group_rank(group)
+    shape = list(full_shape)
+    if partition_dim is not None:
+        if shape[partition_dim] % tp_size:
+            raise ValueError(f"dimension {shape[partition_dim]} is not divisible by the "
+                             f"tensor-parallel size {tp_size}")
+        shape[partition_dim] //= tp_size
+    param = nn.Parameter(torch.empty(shape))
+    param.spec = ParamSpec(tuple(full_shape), partition_dim, tp_rank, tp_size, init)
+    return param
+
+
+def replicated_param(full_shape, init: str) -> nn.Parameter:
+    return make_param(full_shape, None, None, init)
+
+
+@torch.no_grad()
+def initialize_parameters(module: nn.Module, seed: int, std: float, num_layers: int) -> None:
+    """Initialise every parameter from a generator seeded by (seed, name) on the FULL tensor, then
+    keep this rank's shard: the weights do not depend on t, p or the stage a layer lands on."""
+    for name, param in module.named_parameters():
+        spec: ParamSpec = param.spec
+        generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(
+            (spec.init_name or name).encode()))
+        full = torch.empty(spec.full_shape)
+        if spec.init == "zeros":
+            full.zero_()
+        elif spec.init == "ones":
+            full.fill_(1.0)
+        else:
+            scale = std / math.sqrt(2.0 * num_layers) if spec.init == "output" else std
+            full.normal_(0.0, scale, generator=generator)
+        if spec.partition_dim is not None:
+            full = full.chunk(spec.tp_size, dim=spec.partition_dim)[spec.tp_rank]
+        param.copy_(full)
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y = X A^T + b with A split by output rows: each rank computes its slice of the outputs."""
+
+    def __init__(self, in_features: int, out_features: int, group, bias: bool = True,
+                 gather_output: bool = False, init: str = "normal"):
+        super().__init__()
+        self.group, self.gather_output = group, gather_output
+        self.weight = make_param((out_features, in_features), group, 0, init)
+        self.bias = make_param((out_features,), group, 0, "zeros") if bias else None
+
+    def forward(self, x):
+        y = F.linear(copy_to_tensor_parallel(x, self.group), self.weight, self.bias)
+        return gather_from_tensor_parallel(y, self.group) if self.gather_output else y
+
+
+class RowParallelLinear(nn.Module):
+    """Y = X A^T + b with A split by input columns: partial products are summed over the group."""
+
+    def __init__(self, in_features: int, out_features: int, group, bias: bool = True,
+                 input_is_parallel: bool = True, init: str = "output"):
+        super().__init__()
+        self.group, self.input_is_parallel = group, input_is_parallel
+        self.weight = make_param((out_features, in_features), group, 1, init)
+        self.bias = replicated_param((out_features,), "zeros") if bias else None
+
+    def forward(self, x):
+        if not self.input_is_parallel:
+            x = scatter_to_tensor_parallel(x, self.group)
+        y = reduce_from_tensor_parallel(F.linear(x, self.weight), self.group)
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding table split by vocabulary rows; each rank looks up the ids it owns."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, group, init: str = "normal"):
+        super().__init__()
+        self.group = group
+        self.weight = make_param((num_embeddings, embedding_dim), group, 0, init)
+        rows = self.weight.shape[0]
+        self.vocab_start = group_rank(group) * rows
+        self.vocab_end = self.vocab_start + rows
+
+    def forward(self, ids):
+        if group_size(self.group) == 1:
+            return F.embedding(ids, self.weight)
+        outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
+        local = (ids - self.vocab_start).masked_fill(outside, 0)
+        out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tensor_parallel(out, self.group)
+
+
+class ReplicatedLinear(nn.Module):
+    """A plain linear layer whose weights every tensor-parallel rank holds in full."""
+
+    def __init__(self, in_features: int, out_features: int, init: str = "normal"):
+        super().__init__()
+        self.weight = replicated_param((out_features, in_features), init)
+        self.bias = replicated_param((out_features,), "zeros")
+
+    def forward(self, x):
+        return F.linear(x, self.weight, self.bias)
+
+
+def parallel_lm_logits(hidden, word_embeddings_weight, group):
+    """Vocabulary-parallel logits [.., vocab/t] from the (tied) embedding shard."""
+    return F.linear(copy_to_tensor_parallel(hidden, group), word_embeddings_weight)

@@ -1,0 +1,393 @@
+"""The training loop: build the stage, run the schedule segment by segment, evaluate, log, save.
+
+Training is cut into segments at evaluation, checkpoint and exit points; a segment runs its batches
+as one schedule (2BW: one never-drained 1F1B sequence) and ends drained, which is where evaluation,
+checkpointing and exit decisions (collectives over all ranks) are safe.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from megatron_2bw.arguments import validate_for_world
+from megatron_2bw.config import Config
+from megatron_2bw.distributed.comm import all_reduce
+from megatron_2bw.distributed.launch import init_distributed
+from megatron_2bw.distributed.layout import ParallelLayout
+from megatron_2bw.distributed.p2p import PipelineP2P
+from megatron_2bw.logging import Timers, TrainingLogger, format_log_line
+from megatron_2bw.memory import MemoryTracker, optimizer_state_tensors
+from megatron_2bw.models import build_stage_model
+from megatron_2bw.optim.grad_scaler import build_loss_scaler
+from megatron_2bw.optim.lr_schedule import learning_rate
+from megatron_2bw.optim.optimizer import build_torch_optimizer
+from megatron_2bw.pipeline.executor import StageExecutor
+from megatron_2bw.pipeline.partition import layer_ranges
+from megatron_2bw.pipeline.schedules import stage_actions
+from megatron_2bw.pipeline.update import GradientUpdater, StepResult
+from megatron_2bw.pipeline.weights import WeightVersions
+from megatron_2bw.tensor_parallel.random import seed_everything
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class Stage:
+    """Everything one rank holds for its pipeline stage."""
+    config: Config
+    layout: ParallelLayout
+    device: torch.device
+    model: torch.nn.Module
+    versions: WeightVersions
+    optimizer: torch.optim.Optimizer
+    scaler: object
+    updater: GradientUpdater
+    executor: StageExecutor
+    memory: MemoryTracker
+    timers: Timers
+    microbatches: int
+    iteration: int = 0  # batches completed (and stepped)
+    consumed_samples: int = 0
+    step_results: list = field(default_factory=list)
+
+
+def working_dtype(config: Config) -> torch.dtype:
+    return DTYPES[config.precision.working_dtype_name]
+
+
+def grad_dtype(config: Config) -> torch.dtype:
+    dtype = working_dtype(config)
+    return torch.float32 if config.precision.accumulate_allreduce_grads_in_fp32 else dtype
+
+
+def build_stage(config: Config, layout: ParallelLayout, device: torch.device, timers: Timers,
+                on_step=None) -> Stage:
+    par, stage = config.parallel, layout.stage
+    seed_everything(config.training.seed, layout.coords.tp, stage)
+    ranges = layer_ranges(config.model.num_layers, par.pipeline_parallel, par.layer_split)
+    model = build_stage_model(config.model, layout.group("tensor"), par.tensor_parallel,
+                              ranges[stage], layout.is_first_stage, layout.is_last_stage,
+                              config.training.seed, config.recompute).to(device)
+    schedule = par.pipeline_schedule
+    versions = WeightVersions(model, working_dtype(config), grad_dtype(config),
+                              single_version=schedule != "2bw")
+    optimizer = build_optimizer(config, versions.master, layout)
+    scaler = build_loss_scaler(config.precision)
+    train = config.training
+    updater = GradientUpdater(
+        versions, optimizer, scaler,
+        lambda b: learning_rate(b, config.optimizer, train.train_iters), config.optimizer,
+        layout.group("data"), layout.group("embedding"), layout.group("model"),
+        layout.group("tensor"), par.ddp_bucket_size, par.timeout_minutes, timers)
+    d = layout.data
+    microbatches = train.global_batch_size // (train.micro_batch_size * d)
+    p2p = None
+    if par.pipeline_parallel > 1:
+        prev_rank = layout.stage_rank(stage - 1) if stage > 0 else None
+        next_rank = layout.stage_rank(stage + 1) if not layout.is_last_stage else None
+        shape = (train.micro_batch_size, config.model.seq_length, config.model.hidden_size)
+        p2p = PipelineP2P(prev_rank, next_rank, layout.group("pipeline"), shape,
+                          working_dtype(config), device, par.timeout_minutes)
+    memory = MemoryTracker(device)
+    executor = StageExecutor(model, versions, updater, p2p, stage, par.pipeline_parallel,
+                             microbatches, timers, memory, on_step)
+    return Stage(config, layout, device, model, versions, optimizer, scaler, updater, executor,
+                 memory, timers, microbatches)
+
+
+def build_optimizer(config: Config, master_params, layout: ParallelLayout):
+    if config.parallel.use_distributed_optimizer and layout.data > 1:
+        from megatron_2bw.optim.distributed import build_distributed_optimizer
+        return build_distributed_optimizer(master_params, config.optimizer, layout.group("data"))
+    return build_torch_optimizer(master_params, config.optimizer)
+
+
+def static_tensors(stage: Stage) -> list[torch.Tensor]:
+    v = stage.versions
+    tensors = list(v.master) + [m.grad for m in v.master] + [v.main_grad_buffer]
+    tensors += [p for leaves in v.versions.values() for p in leaves]
+    return tensors + optimizer_state_tensors(stage.optimizer)
+
+
+# -- one segment ---------------------------------------------------------------------------------
+
+class MicrobatchFeed:
+    """Hands the executor microbatch k (forwards come in increasing k on every stage)."""
+
+    def __init__(self, iterator, device: torch.device, first_microbatch: int):
+        self.iterator, self.device, self.expected = iterator, device, first_microbatch
+
+    def __call__(self, k: int) -> dict:
+        if k != self.expected:
+            raise RuntimeError(f"microbatch {k} requested, {self.expected} expected")
+        self.expected += 1
+        batch = next(self.iterator)
+        return {key: value.to(self.device, non_blocking=True) for key, value in batch.items()}
+
+
+def run_segment(stage: Stage, first_batch: int, batches: int, feed: MicrobatchFeed) -> None:
+    par = stage.config.parallel
+    actions = stage_actions(par.pipeline_schedule, par.pipeline_parallel, stage.microbatches,
+                            batches, stage.layout.stage, first_batch)
+    stage.executor.run(actions, feed)
+
+
+def segment_ends(config: Config, start: int) -> list[int]:
+    """Iterations after which the pipeline drains (evaluation, checkpoint, exit checks, the end)."""
+    train, ckpt = config.training, config.checkpoint
+    intervals = [train.eval_interval]
+    if ckpt.save and ckpt.save_interval:
+        intervals.append(ckpt.save_interval)
+    if train.exit_interval:
+        intervals.append(train.exit_interval)
+    if train.exit_signal_handler or train.exit_duration_in_mins:
+        intervals.append(train.log_interval)  # bounded reaction time to SIGTERM / the time limit
+    ends = {train.train_iters}
+    for interval in intervals:
+        ends.update(range(interval, train.train_iters, interval))
+    return sorted(e for e in ends if e > start)
+
+
+# -- logging -------------------------------------------------------------------------------------
+
+def model_flops_per_iteration(config: Config) -> float:
+    """Analytic model FLOPs of one iteration (forward + backward, x4/3 with full recomputation)."""
+    m = config.model
+    tokens = config.training.global_batch_size * m.seq_length
+    per_token_layer = 24 * m.hidden_size ** 2 + 4 * m.seq_length * m.hidden_size
+    per_token = m.num_layers * per_token_layer + 2 * m.hidden_size * m.vocab_size
+    factor = 4 if config.recompute.granularity == "full" else 3
+    return factor * tokens * per_token
+
+
+class ProgressLog:
+    """Log lines, sinks and throughput on the rank that holds the loss (last stage, tp 0, dp 0)."""
+
+    def __init__(self, config: Config, layout: ParallelLayout, timers: Timers, start_iteration: int):
+        self.config, self.layout, self.timers = config, layout, timers
+        self.is_writer = layout.rank == layout.rank_of(0, 0, layout.pipeline - 1)
+        self.sink = TrainingLogger(config.logging, self.is_writer, config.to_dict())
+        self.start_time = self.interval_start = time.time()
+        self.start_iteration = self.last_logged = start_iteration
+        self.memory: MemoryTracker | None = None
+        self.results: list[StepResult] = []
+
+    def __call__(self, result: StepResult) -> None:
+        self.results.append(result)
+        iteration = result.batch + 1
+        train = self.config.training
+        if iteration % train.log_interval and iteration != train.train_iters:
+            return
+        now = time.time()
+        iterations = iteration - self.last_logged
+        seconds = (now - self.interval_start) / max(iterations, 1)
+        self.interval_start, self.last_logged = now, iteration
+        tokens = train.global_batch_size * self.config.model.seq_length
+        metrics = {key: sum(r.metrics.get(key, 0.0) for r in self.results) / len(self.results)
+                   for key in self.results[-1].metrics}
+        finite = [r.grad_norm for r in self.results if not r.skipped]
+        metrics.update({
+            "learning-rate": result.learning_rate,
+            "grad-norm": sum(finite) / len(finite) if finite else float("nan"),
+            "loss-scale": result.loss_scale,
+            "skipped-iterations": sum(r.skipped for r in self.results),
+            "tokens-per-sec": tokens / seconds,
+            "tflops": model_flops_per_iteration(self.config) / seconds / self.layout.world_size / 1e12,
+            "time-per-iter-ms": seconds * 1000,
+            "consumed-samples": iteration * train.global_batch_size,
+        })
+        if self.memory is not None:
+            metrics["mem-peak-bytes"] = self.memory.peak_bytes()
+        for name, value in self.timers.summary(reset=True).items():
+            metrics[f"timers/{name}-ms"] = value * 1000 / max(iterations, 1)
+        self.results = []
+        if self.is_writer:
+            remaining = (train.train_iters - iteration) * seconds
+            print(format_log_line(iteration, train.train_iters, metrics, now - self.start_time,
+                                  eta_s=remaining), flush=True)
+            self.sink.log(iteration, metrics)
+
+
+def print_rank0(layout: ParallelLayout, message: str) -> None:
+    if layout.rank == 0:
+        print(message, flush=True)
+
+
+def print_writer(log: ProgressLog, message: str) -> None:
+    if log.is_writer:
+        print(message, flush=True)
+
+
+# -- the whole run -------------------------------------------------------------------------------
+
+class ExitRequest:
+    """SIGTERM (with --exit-signal-handler) or the time limit: save and stop at the next drain."""
+
+    def __init__(self, config: Config, start_time: float):
+        self.signalled = False
+        self.deadline = None
+        if config.training.exit_duration_in_mins:
+            self.deadline = start_time + 60 * config.training.exit_duration_in_mins
+        if config.training.exit_signal_handler:
+            signal.signal(signal.SIGTERM, self._handler)
+
+    def _handler(self, signum, frame):
+        self.signalled = True
+
+    def agreed(self, device) -> bool:
+        """Collective: every rank learns whether any rank wants to stop."""
+        wanted = self.signalled or (self.deadline is not None and time.time() > self.deadline)
+        flag = torch.tensor([1.0 if wanted else 0.0], device=device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+
+def set_cpu_threads() -> None:
+    """One rank per core share: torch would otherwise start a thread per core in every rank."""
+    if not torch.cuda.is_available():
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+
+
+def setup(config: Config) -> tuple[ParallelLayout, torch.device]:
+    info, device = init_distributed(config.parallel.distributed_backend,
+                                    config.parallel.timeout_minutes)
+    set_cpu_threads()
+    par = config.parallel
+    validate_for_world(config, info.world_size)
+    layout = ParallelLayout(info.world_size, par.tensor_parallel, par.pipeline_parallel, info.rank)
+    layout.build_groups(par.timeout_minutes)
+    return layout, device
+
+
+def evaluate(stage: Stage, iterator, log: ProgressLog, iteration: int) -> dict:
+    config = stage.config
+    microbatches = stage.microbatches * config.training.eval_iters
+    feed = MicrobatchFeed(iterator, stage.device, 0)
+    metrics = stage.executor.evaluate(microbatches, feed)
+    if stage.layout.is_last_stage and metrics:
+        values = torch.tensor(list(metrics.values()), dtype=torch.float64)
+        all_reduce(values, stage.layout.group("data"), op=dist.ReduceOp.AVG)
+        metrics = dict(zip(metrics, values.tolist()))
+        if log.is_writer:
+            text = " | ".join(f"{k}: {v:.6E} | {k} PPL: {_ppl(v):.6E}" for k, v in metrics.items())
+            print(f" validation at iteration {iteration} | {text}", flush=True)
+            log.sink.log(iteration, {f"valid/{k}": v for k, v in metrics.items()})
+    return metrics
+
+
+def _ppl(loss: float) -> float:
+    return float(torch.tensor(min(loss, 20.0)).exp())
+
+
+def report_memory(stage: Stage) -> None:
+    """Gather every rank's measured peak (a drained point, so the collective is safe)."""
+    peak = torch.tensor([float(stage.memory.peak_bytes())], dtype=torch.float64)
+    layout = stage.layout
+    gathered = [torch.zeros_like(peak) for _ in range(layout.world_size)]
+    if layout.world_size > 1:
+        dist.all_gather(gathered, peak)
+    else:
+        gathered = [peak]
+    if layout.rank == 0:
+        per_stage = {}
+        for rank, value in enumerate(gathered):
+            per_stage.setdefault(layout.coordinates(rank).pp, []).append(value.item())
+        text = ", ".join(f"stage {s}: {max(v) / 2**20:.1f} MiB" for s, v in sorted(per_stage.items()))
+        print(f" measured peak memory per stage (max over its ranks): {text}", flush=True)
+
+
+def pretrain(config: Config, datasets_provider) -> Stage:
+    """Train to --train-iters (or an exit request). `datasets_provider(config, layout)` returns
+    (train, valid) iterables factories: f(consumed_samples) -> iterator of microbatch dicts."""
+    layout, device = setup(config)
+    _FAILURE_CONTEXT["layout"] = layout
+    timers = Timers(config.logging.timing_log_level)
+    log = ProgressLog(config, layout, timers, 0)
+    stage = build_stage(config, layout, device, timers, on_step=log)
+    _FAILURE_CONTEXT["stage"] = stage
+    log.memory = stage.memory
+    from megatron_2bw.checkpoint import maybe_load_checkpoint, save_checkpoint
+    maybe_load_checkpoint(stage)
+    log.start_iteration = log.last_logged = stage.iteration
+    stage.memory.set_static(static_tensors(stage))
+    print_rank0(layout, startup_summary(stage))
+    train_data, valid_data = datasets_provider(config, layout)
+    train = config.training
+    train_iterator = train_data(stage.iteration * train.global_batch_size)
+    valid_iterator = valid_data(0) if valid_data is not None else None
+    exit_request = ExitRequest(config, log.start_time)
+    for end in segment_ends(config, stage.iteration):
+        feed = MicrobatchFeed(train_iterator, device, stage.iteration * stage.microbatches)
+        run_segment(stage, stage.iteration, end - stage.iteration, feed)
+        stage.iteration = end
+        stage.consumed_samples = end * train.global_batch_size
+        if valid_iterator is not None and (end % train.eval_interval == 0 or end == train.train_iters):
+            evaluate(stage, valid_iterator, log, end)
+        stopping = exit_request.agreed(device) or (train.exit_interval and end % train.exit_interval == 0)
+        ckpt = config.checkpoint
+        if ckpt.save and (stopping or end == train.train_iters
+                          or (ckpt.save_interval and end % ckpt.save_interval == 0)):
+            save_checkpoint(stage)
+        if stopping:
+            print_rank0(layout, f" exiting at iteration {end} (signal, time limit or --exit-interval)")
+            break
+    report_memory(stage)
+    log.sink.close()
+    return stage
+
+
+def startup_summary(stage: Stage) -> str:
+    c, layout = stage.config, stage.layout
+    n = sum(p.numel() for p in stage.versions.master)
+    return (f" megatron_2bw: world {layout.world_size} = t {layout.tensor} x d {layout.data} x "
+            f"p {layout.pipeline}, schedule {c.parallel.pipeline_schedule}, m = {stage.microbatches} "
+            f"microbatches of {c.training.micro_batch_size}, {c.precision.working_dtype_name}; "
+            f"stage 0 holds {n / 1e6:.2f} M parameters on rank 0")
+
+
+_FAILURE_CONTEXT: dict = {}
+
+
+def run_and_report(main) -> None:
+    """Run `main()`; on any failure print the rank's layout coordinates, stage and last schedule
+    actions, then end this process at once (non-zero) so the launcher stops the whole job."""
+    from megatron_2bw.arguments import ConfigError
+    try:
+        main()
+    except ConfigError as error:
+        name = os.path.basename(sys.argv[0])
+        layout = _FAILURE_CONTEXT.get("layout")
+        if layout is None or layout.rank == 0:
+            print(f"{name}: error: {error}", file=sys.stderr, flush=True)
+        _hard_exit(2)
+    except BaseException as error:  # noqa: BLE001 - every failure must end the job loudly
+        if isinstance(error, SystemExit) and not error.code:
+            raise
+        layout = _FAILURE_CONTEXT.get("layout")
+        stage = _FAILURE_CONTEXT.get("stage")
+        where = layout.describe() if layout else "rank ?"
+        if layout is not None:
+            where += f", stage {layout.stage}"
+        history = stage.executor.describe_history() if stage else "(not started)"
+        traceback.print_exc()
+        print(f"FAILED: {where}: {type(error).__name__}: {error}\n  last schedule actions: "
+              f"{history}", file=sys.stderr, flush=True)
+        _hard_exit(1)
+    else:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _hard_exit(code: int) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
