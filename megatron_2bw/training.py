@@ -22,7 +22,8 @@ from megatron_2bw.distributed.comm import all_reduce
 from megatron_2bw.distributed.launch import init_distributed
 from megatron_2bw.distributed.layout import ParallelLayout
 from megatron_2bw.distributed.p2p import PipelineP2P
-from megatron_2bw.logging import Timers, TrainingLogger, format_log_line
+from megatron_2bw.logging import (Timers, TrainingLogger, format_log_line,
+                                  measured_bubble_fraction)
 from megatron_2bw.memory import MemoryTracker, optimizer_state_tensors
 from megatron_2bw.models import build_stage_model
 from megatron_2bw.optim.grad_scaler import build_loss_scaler
@@ -205,13 +206,14 @@ class ProgressLog:
         })
         if self.memory is not None:
             metrics["mem-peak-bytes"] = self.memory.peak_bytes()
-        for name, value in self.timers.summary(reset=True).items():
+        timings = self.timers.summary(reset=True)
+        for name, value in timings.items():
             metrics[f"timers/{name}-ms"] = value * 1000 / max(iterations, 1)
+        if "forward" in timings:
+            metrics["bubble-fraction"] = measured_bubble_fraction(timings, seconds * iterations)
         self.results = []
         if self.is_writer:
-            remaining = (train.train_iters - iteration) * seconds
-            print(format_log_line(iteration, train.train_iters, metrics, now - self.start_time,
-                                  eta_s=remaining), flush=True)
+            print(format_log_line(iteration, train.train_iters, metrics, seconds), flush=True)
             self.sink.log(iteration, metrics)
 
 
@@ -305,22 +307,50 @@ def report_memory(stage: Stage) -> None:
         print(f" measured peak memory per stage (max over its ranks): {text}", flush=True)
 
 
-def pretrain(config: Config, datasets_provider) -> Stage:
-    """Train to --train-iters (or an exit request). `datasets_provider(config, layout)` returns
-    (train, valid) iterables factories: f(consumed_samples) -> iterator of microbatch dicts."""
+def build_data(config: Config, layout: ParallelLayout, tokenizer):
+    """Train and validation iterator factories (consumed_samples -> iterator of microbatches).
+    Rank 0 builds the index caches first; the others then load them."""
+    from megatron_2bw.data.builder import build_pretraining_datasets
+    from megatron_2bw.data.samplers import build_data_iterator
+    train = config.training
+    evaluations = train.train_iters // train.eval_interval + 1
+    counts = (train.train_iters * train.global_batch_size,
+              evaluations * train.eval_iters * train.global_batch_size,
+              train.eval_iters * train.global_batch_size)
+    datasets = None
+    for building_rank in (True, False):
+        if (layout.rank == 0) == building_rank:
+            datasets = build_pretraining_datasets(config, tokenizer, counts)
+        if layout.world_size > 1:
+            dist.barrier()
+    c = layout.coords
+
+    def factory(dataset):
+        if dataset is None:
+            return None
+        return lambda consumed: build_data_iterator(dataset, consumed, train.micro_batch_size,
+                                                    c.dp, layout.data, config.data.num_workers)
+    return factory(datasets[0]), factory(datasets[1])
+
+
+def pretrain(config: Config) -> Stage:
+    """Train to --train-iters (or an exit request); returns this rank's stage."""
+    from megatron_2bw.checkpoint import maybe_load_checkpoint, save_checkpoint
+    from megatron_2bw.data.tokenizers import build_tokenizer
     layout, device = setup(config)
     _FAILURE_CONTEXT["layout"] = layout
+    tokenizer = build_tokenizer(config.data, config.model.vocab_size)
+    config.model.vocab_size = tokenizer.vocab_size
     timers = Timers(config.logging.timing_log_level)
     log = ProgressLog(config, layout, timers, 0)
     stage = build_stage(config, layout, device, timers, on_step=log)
     _FAILURE_CONTEXT["stage"] = stage
     log.memory = stage.memory
-    from megatron_2bw.checkpoint import maybe_load_checkpoint, save_checkpoint
     maybe_load_checkpoint(stage)
     log.start_iteration = log.last_logged = stage.iteration
     stage.memory.set_static(static_tensors(stage))
     print_rank0(layout, startup_summary(stage))
-    train_data, valid_data = datasets_provider(config, layout)
+    train_data, valid_data = build_data(config, layout, tokenizer)
     train = config.training
     train_iterator = train_data(stage.iteration * train.global_batch_size)
     valid_iterator = valid_data(0) if valid_data is not None else None
@@ -332,7 +362,8 @@ def pretrain(config: Config, datasets_provider) -> Stage:
         stage.consumed_samples = end * train.global_batch_size
         if valid_iterator is not None and (end % train.eval_interval == 0 or end == train.train_iters):
             evaluate(stage, valid_iterator, log, end)
-        stopping = exit_request.agreed(device) or (train.exit_interval and end % train.exit_interval == 0)
+        stopping = exit_request.agreed(device) or bool(
+            train.exit_interval and end % train.exit_interval == 0)
         ckpt = config.checkpoint
         if ckpt.save and (stopping or end == train.train_iters
                           or (ckpt.save_interval and end % ckpt.save_interval == 0)):

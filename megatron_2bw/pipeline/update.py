@@ -37,10 +37,10 @@ class StepResult:
 @dataclass
 class _Pending:
     stats: torch.Tensor
-    work: object
+    works: list
     tied: tuple | None  # (flat tied-embedding gradient, its all-reduce) still in flight
     loss_scale: float
-    metrics: dict
+    metrics: tuple  # (names, values)
 
 
 class GradientUpdater:
@@ -114,8 +114,14 @@ class GradientUpdater:
         squares = [m.grad.float().pow(2).sum() for m, counted in zip(master, self.norm_mask) if counted]
         stats = torch.stack([torch.stack(squares).sum() if squares else torch.zeros(())])
         work = all_reduce(stats, self.model_group, async_op=True)
-        metrics = {k: v / microbatches for k, v in self.loss_sums.pop(batch, {}).items()}
-        self.pending[batch] = _Pending(stats, work, tied, self.loss_scale_for(batch), metrics)
+        sums = self.loss_sums.pop(batch, {})
+        metrics = (list(sums), torch.tensor([v / microbatches for v in sums.values()]))
+        metrics_work = None  # the batch mean over data-parallel replicas, as Megatron reports it
+        if sums and group_size(self.data_group) > 1:
+            metrics_work = all_reduce(metrics[1], self.data_group, op=dist.ReduceOp.AVG,
+                                      async_op=True)
+        self.pending[batch] = _Pending(stats, [work, metrics_work], tied, self.loss_scale_for(batch),
+                                       metrics)
         timer and timer.stop()
 
     @torch.no_grad()
@@ -123,7 +129,10 @@ class GradientUpdater:
         timer = self._time("optimizer")
         timer and timer.start()
         pending = self.pending.pop(batch)
-        self._wait(pending.work)
+        for work in pending.works:
+            self._wait(work)
+        names, values = pending.metrics
+        metrics = dict(zip(names, values.tolist()))
         if pending.tied is not None:
             self._finish_tied(pending.tied)
         self.batch_scales.pop(batch, None)
@@ -136,7 +145,7 @@ class GradientUpdater:
             self.versions.create(batch + 1, skipped=True)
             self._clear_grads()
             timer and timer.stop()
-            return StepResult(batch, True, float("nan"), lr, scale, pending.metrics)
+            return StepResult(batch, True, float("nan"), lr, scale, metrics)
         grad_norm = math.sqrt(squared) / scale
         coefficient = 1.0 / scale
         if self.clip_grad > 0 and grad_norm > self.clip_grad:
@@ -151,7 +160,7 @@ class GradientUpdater:
         self.versions.create(batch + 1)
         self._clear_grads()
         timer and timer.stop()
-        return StepResult(batch, False, grad_norm, lr, scale, pending.metrics)
+        return StepResult(batch, False, grad_norm, lr, scale, metrics)
 
     def _finish_tied(self, tied) -> None:
         flat, work = tied

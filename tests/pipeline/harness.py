@@ -20,8 +20,10 @@ def tiny_config(t=1, p=1, schedule=None, global_batch=8, micro=2, optimizer="sgd
     return Config(
         model=ModelConfig(**model),
         parallel=ParallelConfig(tensor_parallel=t, pipeline_parallel=p, schedule=schedule),
+        # adam_eps 1e-4: the key bias has a mathematically zero gradient whose float noise Adam
+        # would blow up to +-lr per step, masking real differences between layouts
         optimizer=OptimizerConfig(optimizer=optimizer, lr=lr, clip_grad=clip, weight_decay=0.01,
-                                  lr_decay_style="constant", sgd_momentum=0.0),
+                                  lr_decay_style="constant", sgd_momentum=0.0, adam_eps=1e-4),
         training=TrainingConfig(micro_batch_size=micro, global_batch_size=global_batch,
                                 train_iters=100, seed=1234))
 

@@ -1,0 +1,112 @@
+"""Schedules as data: every generated list passes the validator; broken lists are rejected with the
+stage, position and rule."""
+import dataclasses
+
+import pytest
+
+from megatron_2bw.pipeline import schedules as S
+
+
+SHAPES = [(1, 1, 3, 0), (2, 2, 4, 0), (4, 4, 3, 0), (4, 6, 3, 5), (3, 5, 2, 1), (8, 8, 3, 0)]
+
+
+@pytest.mark.parametrize("schedule,stages,microbatches,batches,first",
+                         [(s, *shape) for s in S.SCHEDULES for shape in SHAPES]
+                         + [("gpipe", 4, 2, 3, 0)])  # GPipe alone allows m < p
+def test_generated_schedules_are_valid(schedule, stages, microbatches, batches, first):
+    actions = S.build_schedule(schedule, stages, microbatches, batches, first)
+    S.validate(actions, schedule, microbatches, first)
+
+
+def test_2bw_warmup_is_once_and_steady_state_alternates():
+    p, m = 4, 4
+    actions = S.build_schedule("2bw", p, m, 3)
+    for stage, stage_actions in enumerate(actions):
+        compute = [a.kind[0] for a in stage_actions if a.kind in S.COMPUTE_KINDS]
+        warmup = p - stage - 1
+        assert compute[:warmup] == ["f"] * warmup
+        steady = compute[warmup:len(compute) - warmup]
+        assert steady == ["f", "b"] * (len(steady) // 2)  # never drained between batches
+    # flush drains every batch: stage 0 runs p-1 warm-up forwards in every batch
+    flush_stage0 = [a.kind[0] for a in S.build_schedule("flush", p, m, 3)[0] if a.kind in S.COMPUTE_KINDS]
+    assert flush_stage0[:3] == ["f"] * 3 and flush_stage0[8:11] == ["f"] * 3
+
+
+def test_2bw_versions_and_deferred_step():
+    actions = S.build_schedule("2bw", 2, 2, 4)
+    stage0 = actions[0]
+    versions = {a.microbatch: a.version for a in stage0 if a.kind == S.FORWARD}
+    assert versions == {0: 0, 1: 0, 2: 0, 3: 0, 4: 1, 5: 1, 6: 2, 7: 2}
+    # step(b) comes after reduce(b), before the first forward of batch b+2
+    position = {str(a): i for i, a in enumerate(stage0)}
+    for b in range(3):
+        step = next(i for i, a in enumerate(stage0) if a.kind == S.STEP and a.batch == b)
+        reduce = next(i for i, a in enumerate(stage0) if a.kind == S.REDUCE_GRADS and a.batch == b)
+        assert reduce < step
+        if b + 2 < 4:
+            assert step < position[f"F{2 * (b + 2)}@v{b + 1}"]
+
+
+def test_in_flight_limits():
+    for schedule, limit in (("2bw", lambda s: 4 - s), ("flush", lambda s: 4 - s), ("gpipe", lambda s: 6)):
+        for s, stage_actions in enumerate(S.build_schedule(schedule, 4, 6, 2)):
+            live = peak = 0
+            for a in stage_actions:
+                live += (a.kind == S.FORWARD) - (a.kind == S.BACKWARD)
+                peak = max(peak, live)
+            assert peak == limit(s)
+
+
+def _replace(actions, stage, index, **changes):
+    broken = [list(x) for x in actions]
+    broken[stage][index] = dataclasses.replace(broken[stage][index], **changes)
+    return broken
+
+
+def test_validator_rejects_a_wrong_version():
+    actions = S.build_schedule("2bw", 2, 2, 3)
+    index = next(i for i, a in enumerate(actions[1]) if a.kind == S.FORWARD and a.microbatch == 4)
+    with pytest.raises(S.ScheduleError, match=r"stage 1, action \d+ \(F4@v0\).*version 1"):
+        S.validate(_replace(actions, 1, index, version=0), "2bw", 2)
+
+
+def test_validator_rejects_a_deadlock():
+    actions = S.build_schedule("flush", 2, 2, 1)
+    # stage 0 waits for the gradient of microbatch 1 before sending activation 1: a cycle
+    stage0 = actions[0]
+    send1 = next(i for i, a in enumerate(stage0) if a.kind == S.SEND_ACT and a.microbatch == 1)
+    recv1 = next(i for i, a in enumerate(stage0) if a.kind == S.RECV_GRAD and a.microbatch == 1)
+    backward1 = next(i for i, a in enumerate(stage0) if a.kind == S.BACKWARD and a.microbatch == 1)
+    reordered = [a for i, a in enumerate(stage0) if i != send1]
+    reordered.insert(reordered.index(stage0[backward1]) + 1, stage0[send1])
+    assert recv1 < backward1
+    with pytest.raises(S.ScheduleError, match="deadlock: stage 0 at action"):
+        S.validate([reordered, actions[1]], "flush", 2)
+
+
+def test_validator_rejects_three_live_versions_and_unmatched_sends():
+    actions = S.build_schedule("2bw", 2, 2, 3)
+    no_release = [[a for a in stage if a.kind != S.RELEASE_VERSION] for stage in actions]
+    with pytest.raises(S.ScheduleError, match="holds 3 weight versions"):
+        S.validate(no_release, "2bw", 2)
+    extra = [list(actions[0]) + [S.Action(S.SEND_ACT, 0)], actions[1]]
+    with pytest.raises(S.ScheduleError):
+        S.validate(extra, "2bw", 2)
+
+
+def test_validator_rejects_too_many_in_flight():
+    actions = S.build_schedule("gpipe", 2, 4, 1)
+    with pytest.raises(S.ScheduleError, match="microbatches in flight"):
+        S.validate(actions, "flush", 4)
+
+
+def test_m_below_p_is_refused_with_the_reason():
+    with pytest.raises(ValueError, match="microbatches per batch >= stages"):
+        list(S.stage_actions("2bw", 4, 2, 1, 0))
+
+
+def test_render_shows_every_stage_and_versions():
+    text = S.render(S.build_schedule("2bw", 4, 4, 3))
+    lines = text.splitlines()
+    assert [line.split("|")[0].strip() for line in lines[:4]] == [f"stage {s}" for s in range(4)]
+    assert "F8v1" in text and "B11v1" in text
