@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Fine-tune a pretrained BERT checkpoint on each GLUE task and print the dev-set results.
+# Every variable below can also be set from the environment, e.g. `TASKS="RTE MRPC" bash ...`.
+# Data layout and metrics: docs/glue.md.
+set -euo pipefail
+
+CHECKPOINT=${CHECKPOINT:-checkpoints/bert}       # --save directory of pretrain_bert.py
+GLUE_DIR=${GLUE_DIR:-data/glue}                   # one sub-directory per task: $GLUE_DIR/MNLI/train.tsv
+TASKS=${TASKS:-"MNLI QQP QNLI SST-2 CoLA STS-B MRPC RTE"}
+TP=${TP:-1}                                       # tensor-parallel size = processes per task
+EPOCHS=${EPOCHS:-3}
+LR=${LR:-2e-5}
+MICRO_BATCH=${MICRO_BATCH:-32}
+SEED=${SEED:-1234}
+SEQ_LENGTH=${SEQ_LENGTH:-128}
+# The tokenizer and model shape used for pretraining.
+TOKENIZER_ARGS=${TOKENIZER_ARGS:-"--tokenizer-type BertWordPieceLowerCase --vocab-file data/bert-vocab.txt"}
+MODEL_ARGS=${MODEL_ARGS:-"--num-layers 12 --hidden-size 768 --num-attention-heads 12 --max-position-embeddings 512"}
+RESULTS_DIR=${RESULTS_DIR:-results/glue}
+PYTHON=${PYTHON:-python}
+
+REPO_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+export PYTHONPATH="$REPO_ROOT${PYTHONPATH:+:$PYTHONPATH}"
+mkdir -p "$RESULTS_DIR"
+
+RESULT_FILES=()
+for T in $TASKS; do
+    echo "=== $T ==="
+    # Word splitting of TOKENIZER_ARGS / MODEL_ARGS into separate flags is intended.
+    # shellcheck disable=SC2086
+    torchrun --standalone --nproc-per-node "$TP" "$REPO_ROOT/tools/finetune_glue.py" \
+        --task "$T" \
+        --data-dir "$GLUE_DIR/$T" \
+        --load "$CHECKPOINT" \
+        --results "$RESULTS_DIR/$T.json" \
+        --epochs "$EPOCHS" \
+        --lr "$LR" \
+        --micro-batch-size "$MICRO_BATCH" \
+        --seed "$SEED" \
+        --seq-length "$SEQ_LENGTH" \
+        --tensor-model-parallel-size "$TP" \
+        $TOKENIZER_ARGS $MODEL_ARGS
+    RESULT_FILES+=("$RESULTS_DIR/$T.json")
+done
+
+"$PYTHON" -c 'import sys
+from megatron_2bw.evaluation.glue import format_results_table
+print(format_results_table(sys.argv[1:]))' "${RESULT_FILES[@]}"
