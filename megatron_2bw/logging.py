@@ -1,0 +1,259 @@
+"""Timers and log sinks of a training run: TensorBoard, Weights & Biases and a JSON-lines file.
+
+Only one rank (the writer, which holds the loss) writes; every other rank gets a logger that does
+nothing, so the training loop can call it unconditionally.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import netrc
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from urllib.parse import urlparse
+
+from megatron_2bw.config import LoggingConfig
+
+
+class Timer:
+    """Accumulates wall-clock seconds between start() and stop() calls."""
+
+    def __init__(self, name: str, synchronize: Callable[[], None] | None = None):
+        self.name = name
+        self._synchronize = synchronize
+        self._accumulated = 0.0
+        self._started_at: float | None = None
+
+    def _now(self) -> float:
+        # Asynchronous devices (CUDA) queue work: wait for it so the clock measures the work itself.
+        if self._synchronize is not None:
+            self._synchronize()
+        return time.perf_counter()
+
+    def start(self) -> None:
+        if self._started_at is not None:
+            raise RuntimeError(f"timer {self.name!r} is already running")
+        self._started_at = self._now()
+
+    def stop(self) -> None:
+        if self._started_at is None:
+            raise RuntimeError(f"timer {self.name!r} was stopped without being started")
+        self._accumulated += self._now() - self._started_at
+        self._started_at = None
+
+    def elapsed(self, reset: bool = True) -> float:
+        """Seconds accumulated since the last reset, including a still-running interval."""
+        total = self._accumulated
+        if self._started_at is not None:
+            now = self._now()
+            total += now - self._started_at
+            if reset:
+                self._started_at = now  # a running timer keeps running from here
+        if reset:
+            self._accumulated = 0.0
+        return total
+
+
+class _DisabledTimer:
+    """Stands in for a timer above the log level, so timing calls cost (almost) nothing."""
+
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+    def elapsed(self, reset: bool = True) -> float:
+        return 0.0
+
+
+_DISABLED_TIMER = _DisabledTimer()
+
+
+class Timers:
+    """Named timers, enabled by level: timers(name, level) is a no-op when level > log_level
+    (--timing-log-level), so instrumented code costs nothing when timing is off."""
+
+    def __init__(self, log_level: int, synchronize: Callable[[], None] | None = None):
+        self.log_level = log_level
+        self._synchronize = synchronize
+        self._timers: dict[str, Timer] = {}
+
+    def __call__(self, name: str, level: int = 1) -> Timer | _DisabledTimer:
+        if level > self.log_level:
+            return _DISABLED_TIMER
+        if name not in self._timers:
+            self._timers[name] = Timer(name, self._synchronize)
+        return self._timers[name]
+
+    def summary(self, reset: bool = True) -> dict[str, float]:
+        """Seconds accumulated per enabled timer since the last reset."""
+        return {name: timer.elapsed(reset) for name, timer in self._timers.items()}
+
+
+def measured_bubble_fraction(summary: dict[str, float], batch_time: float) -> float:
+    """Estimated idle fraction of this rank's batch: 1 - (forward+backward+optimizer) / batch_time.
+
+    It is an estimate: the remainder also holds data loading, communication that is not overlapped
+    and Python overhead, so it is an upper bound on the pipeline bubble proper. `summary` comes from
+    Timers.summary() over the same batches as `batch_time` (seconds), so the timers "forward",
+    "backward" and "optimizer" must be enabled (--timing-log-level high enough).
+    """
+    if batch_time <= 0:
+        raise ValueError(f"batch_time must be positive seconds, got {batch_time}")
+    missing = [name for name in ("forward", "backward", "optimizer") if name not in summary]
+    if missing:
+        raise ValueError(f"bubble fraction needs the timers {missing}; raise --timing-log-level")
+    busy = summary["forward"] + summary["backward"] + summary["optimizer"]
+    return min(1.0, max(0.0, 1.0 - busy / batch_time))
+
+
+def _wandb_api_key_configured() -> bool:
+    """True when W&B could log in without asking: WANDB_API_KEY or a netrc entry for its host."""
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    netrc_path = os.environ.get("NETRC", os.path.join(os.path.expanduser("~"), ".netrc"))
+    try:
+        return netrc.netrc(netrc_path).authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
+def wandb_mode() -> str:
+    """WANDB_MODE if set; else "online" with an API key configured and "offline" without one
+    (wandb itself would stop with an error asking for a login)."""
+    return os.environ.get("WANDB_MODE") or ("online" if _wandb_api_key_configured() else "offline")
+
+
+class TrainingLogger:
+    """Writes metric records to TensorBoard, W&B and/or a JSON-lines file, on the writer rank only.
+
+    W&B is best effort: if it cannot start or log, one warning is printed and training goes on
+    without it.
+    """
+
+    def __init__(self, config: LoggingConfig, is_writer: bool, run_config: dict):
+        self._tensorboard = None
+        self._wandb_run = None
+        self._jsonl = None
+        if not is_writer:
+            return
+        if config.tensorboard_dir:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tensorboard = SummaryWriter(log_dir=config.tensorboard_dir, flush_secs=30)
+            config_text = json.dumps(run_config, indent=2)
+            self._tensorboard.add_text("config", _as_markdown_code(config_text))
+        if config.wandb_project:
+            self._start_wandb(config, run_config)
+        if config.log_file:
+            Path(config.log_file).parent.mkdir(parents=True, exist_ok=True)
+            # Append: a resumed run continues the same file (tools/plot_logs.py keeps the last
+            # record of an iteration that appears twice).
+            self._jsonl = open(config.log_file, "a", encoding="utf-8")
+
+    def _start_wandb(self, config: LoggingConfig, run_config: dict) -> None:
+        try:
+            import wandb
+
+            if config.wandb_save_dir:
+                Path(config.wandb_save_dir).mkdir(parents=True, exist_ok=True)
+            self._wandb_run = wandb.init(project=config.wandb_project, name=config.wandb_exp_name,
+                                         dir=config.wandb_save_dir, config=run_config,
+                                         mode=wandb_mode())
+        except Exception as error:  # W&B must never stop training
+            self._disable_wandb(error)
+
+    def _disable_wandb(self, error: Exception) -> None:
+        print(f"WARNING: Weights & Biases logging disabled: {type(error).__name__}: {error}",
+              flush=True)
+        self._wandb_run = None
+
+    def log(self, iteration: int, metrics: dict[str, float]) -> None:
+        values = {key: float(value) for key, value in metrics.items()}
+        if self._tensorboard is not None:
+            for key, value in values.items():
+                self._tensorboard.add_scalar(key, value, iteration)
+        if self._wandb_run is not None:
+            try:
+                self._wandb_run.log(values, step=iteration)
+            except Exception as error:
+                self._disable_wandb(error)
+        if self._jsonl is not None:
+            self._jsonl.write(json.dumps({"iteration": iteration, **values}) + "\n")
+            self._jsonl.flush()
+
+    def log_text(self, key: str, text: str) -> None:
+        """A block of text such as the resolved config or the parallel plan."""
+        if self._tensorboard is not None:
+            self._tensorboard.add_text(key, _as_markdown_code(text))
+        if self._wandb_run is not None:
+            try:
+                self._wandb_run.summary[key] = text
+            except Exception as error:
+                self._disable_wandb(error)
+        if self._jsonl is not None:
+            self._jsonl.write(json.dumps({"text": key, "value": text}) + "\n")
+            self._jsonl.flush()
+
+    def close(self) -> None:
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+            self._tensorboard = None
+        if self._wandb_run is not None:
+            try:
+                self._wandb_run.finish()
+            except Exception as error:
+                self._disable_wandb(error)
+            self._wandb_run = None
+        if self._jsonl is not None:
+            self._jsonl.close()
+            self._jsonl = None
+
+    def __enter__(self) -> "TrainingLogger":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+def _as_markdown_code(text: str) -> str:
+    # TensorBoard renders text as markdown; indenting keeps JSON and tables verbatim.
+    return "\n".join("    " + line for line in text.splitlines())
+
+
+def format_log_line(iteration: int, train_iters: int, metrics: dict[str, float],
+                    elapsed_s: float) -> str:
+    """Megatron-style progress line. `elapsed_s` is the mean wall time of one iteration (seconds)
+    over the last log interval; it gives the time per iteration and the ETA. Only metrics present
+    in `metrics` are shown."""
+    width = len(str(train_iters)) + 1
+    fields = [f" iteration {iteration:{width}d}/{train_iters:{width}d}"]
+    if "consumed-samples" in metrics:
+        fields.append(f"consumed samples: {int(metrics['consumed-samples']):12d}")
+    fields.append(f"elapsed time per iteration (ms): {elapsed_s * 1000:.1f}")
+    if "learning-rate" in metrics:
+        fields.append(f"learning rate: {metrics['learning-rate']:.3E}")
+    for key, value in metrics.items():
+        if key.endswith("loss"):  # "lm loss", "sop loss", ...
+            fields.append(f"{key}: {value:.6E}")
+    if "loss-scale" in metrics:
+        fields.append(f"loss scale: {metrics['loss-scale']:.1f}")
+    if "grad-norm" in metrics:
+        fields.append(f"grad norm: {metrics['grad-norm']:.3f}")
+    if "skipped-iterations" in metrics:
+        fields.append(f"skipped iterations: {int(metrics['skipped-iterations'])}")
+    if "tokens-per-sec" in metrics:
+        fields.append(f"tokens/s: {metrics['tokens-per-sec']:.0f}")
+    if "tflops" in metrics:
+        fields.append(f"TFLOP/s: {metrics['tflops']:.3g}")  # per GPU; tiny CPU runs stay readable
+    if "mem-peak-bytes" in metrics:
+        fields.append(f"mem: {metrics['mem-peak-bytes'] / 2**20:.1f} MiB")
+    if "bubble-fraction" in metrics:
+        fields.append(f"bubble: {100 * metrics['bubble-fraction']:.1f}%")
+    remaining_s = max(0, train_iters - iteration) * elapsed_s
+    fields.append(f"ETA {datetime.timedelta(seconds=round(remaining_s))}")
+    return " | ".join(fields)
