@@ -1,0 +1,37 @@
+"""pretrain_gpt.py under torchrun: tensor parallelism (t=2 x d=2) and 2BW with t=2 x p=2 train a tiny
+GPT on --mock-data and the loss falls."""
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.distributed_helpers import free_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
+TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length",
+        "32", "--micro-batch-size", "4", "--global-batch-size", "16", "--train-iters", "40",
+        "--lr", "3e-3", "--mock-data", "--vocab-size", "128", "--log-interval", "10",
+        "--eval-interval", "40", "--eval-iters", "1"]
+
+
+def losses(output: str) -> list[float]:
+    return [float(x) for x in re.findall(r"^ iteration .*?\| lm loss: ([0-9.E+-]+)", output, re.M)]
+
+
+@pytest.mark.parametrize("layout", [
+    ["--tensor-model-parallel-size", "2"],
+    ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+     "--pipeline-schedule", "2bw"],
+])
+def test_loss_falls(layout):
+    result = subprocess.run([TORCHRUN, "--nproc-per-node", "4", "--master-port", str(free_port()),
+                             "pretrain_gpt.py", *TINY, *layout], cwd=ROOT, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    found = losses(result.stdout)
+    assert len(found) == 4, result.stdout
+    assert found[-1] < found[0] - 0.5, found
+    assert "validation at iteration 40" in result.stdout
