@@ -1,0 +1,355 @@
+"""The cost model: durations of every schedule action of every stage for one parallel configuration,
+and the PipeDream-2BW paper's closed-form time per batch.
+
+Placement follows the runtime (distributed/layout.py): rank = pp*(d*t) + dp*t + tp, devices filled
+node by node, so a tensor-parallel group sits inside a node (t must divide devices_per_node) and a
+stage's replicas share a node when t*d <= devices_per_node.
+
+Communication (hardware.py's link model):
+- a transfer of n bytes takes latency + n / bandwidth; inside a node at intra_node_bandwidth, across
+  nodes at inter_node_bandwidth divided by the flows that leave (or enter) the node at the same
+  time: all pipeline replicas send their activations together, all data-parallel groups of a stage
+  reduce together.
+- an all-reduce is a ring over the group in rank order: 2(n-1)/n * n_bytes / (slowest hop) +
+  2(n-1) * latency (per bucket for the bucketed data-parallel all-reduce).
+Per microbatch, a stage's forward and backward include its tensor-parallel all-reduces (2 per layer
+each way, Megatron's f/g, plus the embedding's and the head's), which block compute. Recomputation
+adds a forward ("full": the layer with its all-reduces; "selective": the attention core).
+Per batch (pipeline/update.py): `reduce` blocks for the data-parallel all-reduce of the stage's
+gradient buffer and the move into the fp32 master gradients, and on the first stage for the
+tied-embedding all-reduce with the last stage (which runs it in the background); the grad-norm
+all-reduce over the model group runs in the background until `step`, which then runs the optimizer
+(memory-bound) and writes the new weight version.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+from megatron_2bw.config import ModelConfig, ParallelConfig, PrecisionConfig
+from megatron_2bw.distributed.layout import ParallelLayout
+from megatron_2bw.pipeline.partition import layer_ranges
+from megatron_2bw.planner.hardware import HardwareSpec
+from megatron_2bw.planner.memory import dtype_bytes, grad_buffer_bytes, stage_parameters
+from megatron_2bw.planner.profile import ComputeCosts
+
+RECOMPUTE_OPTIONS = (None, "selective", "full")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One point of the search space."""
+    tensor_parallel: int
+    pipeline_parallel: int
+    data_parallel: int
+    micro_batch_size: int
+    recompute: str | None  # None | "selective" | "full"
+    schedule: str  # "2bw" | "flush" | "gpipe"
+    layer_split: tuple[int, ...] | None = None  # layers per stage; None: the runtime's even split
+
+    def microbatches(self, global_batch_size: int) -> int:
+        return global_batch_size // (self.micro_batch_size * self.data_parallel)
+
+    def parallel_config(self, base: ParallelConfig | None = None) -> ParallelConfig:
+        base = base or ParallelConfig()
+        return ParallelConfig(
+            tensor_parallel=self.tensor_parallel, pipeline_parallel=self.pipeline_parallel,
+            schedule=self.schedule,
+            layer_split=list(self.layer_split) if self.layer_split else None,
+            distributed_backend=base.distributed_backend, timeout_minutes=base.timeout_minutes,
+            use_distributed_optimizer=base.use_distributed_optimizer,
+            ddp_bucket_size=base.ddp_bucket_size)
+
+    def describe(self) -> str:
+        split = f" split={','.join(map(str, self.layer_split))}" if self.layer_split else ""
+        return (f"t={self.tensor_parallel} p={self.pipeline_parallel} d={self.data_parallel} "
+                f"b={self.micro_batch_size} recompute={self.recompute or 'none'} "
+                f"{self.schedule}{split}")
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """Seconds for one rank of a stage (all replicas behave alike)."""
+    forward_s: float  # one microbatch, tensor-parallel all-reduces included
+    backward_s: float  # one microbatch, recomputation included
+    send_act_s: float  # activation transfer to the next stage (0 on the last)
+    send_grad_s: float  # gradient transfer to the previous stage (0 on the first)
+    reduce_s: float  # blocking: data-parallel all-reduce + gradients into the master copy
+    reduce_async_s: float  # the grad-norm all-reduce the step waits for (after every reduce)
+    step_s: float  # optimizer + new weight version
+
+
+# ---------------------------------------------------------------------------------------------
+# Links and collectives
+
+class Network:
+    """Transfer and collective times for the runtime's rank placement on `hardware`."""
+
+    def __init__(self, hardware: HardwareSpec, tensor: int, pipeline: int, data: int):
+        self.hardware = hardware
+        self.layout = ParallelLayout(tensor * pipeline * data, tensor, pipeline)
+        self._cache: dict[tuple, object] = {}
+        per_node = hardware.devices_per_node
+        if tensor > per_node or per_node % tensor:
+            raise ValueError(f"tensor-parallel size {tensor} must divide the {per_node} devices of "
+                             f"a node (tensor-parallel all-reduces stay inside a node)")
+
+    def node(self, rank: int) -> int:
+        return rank // self.hardware.devices_per_node
+
+    def _link_times(self, hops: list[tuple[int, int]]) -> list[tuple[float, float]]:
+        """(seconds per byte, latency) of each hop when all hops carry traffic at once."""
+        hw = self.hardware
+        leaving: dict[int, int] = {}
+        entering: dict[int, int] = {}
+        nodes = [(self.node(src), self.node(dst)) for src, dst in hops]
+        for src, dst in nodes:
+            if src != dst:
+                leaving[src] = leaving.get(src, 0) + 1
+                entering[dst] = entering.get(dst, 0) + 1
+        return [(1.0 / hw.intra_node_bandwidth, hw.intra_node_latency_s) if src == dst else
+                (max(leaving[src], entering[dst]) / hw.inter_node_bandwidth, hw.inter_node_latency_s)
+                for src, dst in nodes]
+
+    def _rings(self, kind: str, stage: int | None) -> list[tuple[int, float, float]]:
+        """(ranks, seconds per byte of the slowest hop, worst hop latency) of each ring of a group
+        kind, when all of them run at once."""
+        key = ("ring", kind, stage)
+        if key not in self._cache:
+            rings = [sorted(g) for g in self.groups(kind, stage) if len(g) > 1]
+            hops = [(r[i], r[(i + 1) % len(r)]) for r in rings for i in range(len(r))]
+            links = iter(self._link_times(hops))
+            result = []
+            for ring in rings:
+                ring_links = [next(links) for _ in ring]
+                result.append((len(ring), max(x[0] for x in ring_links),
+                               max(x[1] for x in ring_links)))
+            self._cache[key] = result
+        return self._cache[key]
+
+    def allreduce_time(self, kind: str, nbytes: float, stage: int | None = None,
+                       buckets: int = 1) -> float:
+        """Concurrent ring all-reduces of nbytes over every group of `kind` (of one stage)."""
+        return max((2 * (n - 1) / n * nbytes * per_byte + buckets * 2 * (n - 1) * latency
+                    for n, per_byte, latency in self._rings(kind, stage)), default=0.0)
+
+    def transfer_time(self, src_stage: int, dst_stage: int, nbytes: float) -> float:
+        """Every replica sends nbytes from src_stage to dst_stage at once: the slowest transfer."""
+        key = ("p2p", src_stage, dst_stage)
+        if key not in self._cache:
+            lay = self.layout
+            pairs = [(lay.rank_of(tp, dp, src_stage), lay.rank_of(tp, dp, dst_stage))
+                     for dp in range(lay.data) for tp in range(lay.tensor)]
+            links = self._link_times(pairs)
+            self._cache[key] = (max(x[0] for x in links), max(x[1] for x in links))
+        per_byte, latency = self._cache[key]
+        return latency + nbytes * per_byte
+
+    def groups(self, kind: str, stage: int | None = None) -> list[list[int]]:
+        key = ("groups", kind, stage)
+        if key not in self._cache:
+            groups = self.layout.group_ranks(kind)
+            self._cache[key] = groups if stage is None else \
+                [g for g in groups if self.layout.coordinates(g[0]).pp == stage]
+        return self._cache[key]
+
+
+@lru_cache(maxsize=64)
+def _network(hardware: HardwareSpec, tensor: int, pipeline: int, data: int) -> Network:
+    return Network(hardware, tensor, pipeline, data)
+
+
+# ---------------------------------------------------------------------------------------------
+# Durations of one configuration
+
+OPTIMIZER_STEP_BYTES = {"adam": 28, "sgd": 20}  # fp32 bytes read+written per parameter
+
+
+@dataclass(frozen=True)
+class PieceTimes:
+    """One microbatch on one rank, tensor-parallel all-reduces and recomputation included."""
+    layer_forward_s: float
+    layer_backward_s: float
+    embedding_forward_s: float
+    embedding_backward_s: float
+    head_forward_s: float
+    head_backward_s: float
+
+
+def piece_times(model: ModelConfig, network: Network, costs: ComputeCosts, micro_batch_size: int,
+                recompute: str | None, precision: PrecisionConfig) -> PieceTimes:
+    activation = micro_batch_size * model.seq_length * model.hidden_size * dtype_bytes(precision)
+    tensor_ar = network.allreduce_time("tensor", activation)
+    loss_ar = network.allreduce_time("tensor", 4 * micro_batch_size * model.seq_length)  # 3 small
+    layer_f = costs.layer_forward_s + 2 * tensor_ar
+    layer_b = costs.layer_backward_s + 2 * tensor_ar
+    if recompute == "full":
+        layer_b += layer_f
+    elif recompute == "selective":
+        layer_b += costs.attention_core_forward_s
+    return PieceTimes(layer_f, layer_b, costs.embedding_forward_s + tensor_ar,
+                      costs.embedding_backward_s, costs.head_forward_s + 3 * loss_ar,
+                      costs.head_backward_s + tensor_ar)
+
+
+def balanced_layer_split(layers: int, stages: int, layer_s: float, first_extra_s: float,
+                         last_extra_s: float) -> tuple[int, ...]:
+    """Layers per stage minimising the slowest stage's compute, where the first stage also runs
+    the embedding and the last the head; where the slowest stage leaves room, the earlier stages
+    get fewer layers (they hold more microbatches in flight)."""
+    if stages == 1:
+        return (layers,)
+    extras = [first_extra_s] + [0.0] * (stages - 2) + [last_extra_s]
+
+    def capacities(limit: float) -> list[int]:
+        return [max(1, int((limit - extra) / layer_s + 1e-9)) for extra in extras]
+
+    # the best limit is one of the stage times n * layer_s + extra
+    options = sorted({n * layer_s + extra for extra in extras for n in range(1, layers + 1)})
+    limit = next(x for x in options if sum(capacities(x)) >= layers)
+    split = capacities(limit)
+    excess = sum(split) - layers
+    while excess:  # one layer at a time off the earliest stages, keeping at least one each
+        for s in range(stages):
+            if excess and split[s] > 1:
+                split[s] -= 1
+                excess -= 1
+    return tuple(split)
+
+
+def balanced_split(model: ModelConfig, hardware: HardwareSpec, costs: ComputeCosts,
+                   candidate: Candidate, precision: PrecisionConfig) -> tuple[int, ...]:
+    """`balanced_layer_split` for a candidate's pieces."""
+    c = candidate
+    net = _network(hardware.for_world(c.tensor_parallel * c.pipeline_parallel * c.data_parallel),
+                   c.tensor_parallel, c.pipeline_parallel, c.data_parallel)
+    pieces = piece_times(model, net, costs, c.micro_batch_size, c.recompute, precision)
+    return balanced_layer_split(model.num_layers, c.pipeline_parallel,
+                                pieces.layer_forward_s + pieces.layer_backward_s,
+                                pieces.embedding_forward_s + pieces.embedding_backward_s,
+                                pieces.head_forward_s + pieces.head_backward_s)
+
+
+def stage_costs(model: ModelConfig, hardware: HardwareSpec, costs: ComputeCosts,
+                candidate: Candidate, precision: PrecisionConfig, optimizer: str,
+                parallel: ParallelConfig | None = None) -> list[StageCost]:
+    """Per-stage durations of `candidate` (costs = the profile's ComputeCosts at its t and b)."""
+    parallel = parallel or ParallelConfig()
+    t, p, d = candidate.tensor_parallel, candidate.pipeline_parallel, candidate.data_parallel
+    b = candidate.micro_batch_size
+    hardware = hardware.for_world(t * p * d)
+    net = _network(hardware, t, p, d)
+    e, g = dtype_bytes(precision), grad_buffer_bytes(precision)
+    activation = b * model.seq_length * model.hidden_size * e
+    pieces = piece_times(model, net, costs, b, candidate.recompute, precision)
+    memory_rate = hardware.memory_bandwidth * hardware.efficiency
+    stats_ar = net.allreduce_time("model", 4)
+    tied_bytes = 4 * model.padded_vocab_size(t) // t * model.hidden_size  # fp32 master gradients
+    tied_ar = net.allreduce_time("embedding", tied_bytes) if p > 1 else 0.0
+    separate_master = e != 4 or g != 4 or candidate.schedule == "2bw"
+    shards = d if parallel.use_distributed_optimizer else 1
+    layer_counts = list(candidate.layer_split) if candidate.layer_split else \
+        [len(r) for r in layer_ranges(model.num_layers, p)]
+
+    result = []
+    for s, layers in enumerate(layer_counts):
+        first, last = s == 0, s == p - 1
+        forward = layers * pieces.layer_forward_s
+        backward = layers * pieces.layer_backward_s
+        if first:
+            forward += pieces.embedding_forward_s
+            backward += pieces.embedding_backward_s
+        if last:
+            forward += pieces.head_forward_s
+            backward += pieces.head_backward_s
+
+        P = stage_parameters(model, t, layers, first, last)
+        buckets = max(1, math.ceil(P / parallel.ddp_bucket_size))
+        data_ar = net.allreduce_time("data", g * P, s, buckets)
+        local = ((2 * g + 4) if separate_master else 0) * P + 12 * P  # move + zero, grad norm
+        # optimizer + unscaling; then the new working version is written from the master weights
+        step = (OPTIMIZER_STEP_BYTES[optimizer] + 8) * P / shards + \
+            ((4 + e) * P if separate_master else 0)
+        if shards > 1:  # each replica updates its shard, then the working weights are gathered
+            step_comm = net.allreduce_time("data", e * P, s) / 2
+        else:
+            step_comm = 0.0
+        result.append(StageCost(
+            forward_s=forward, backward_s=backward,
+            send_act_s=0.0 if last else net.transfer_time(s, s + 1, activation),
+            send_grad_s=0.0 if first else net.transfer_time(s, s - 1, activation),
+            # the first stage counts the tied weights in the grad norm: it waits in reduce for their
+            # sum (so when the last stage's step waits for every reduce, the sum is there too)
+            reduce_s=data_ar + local / memory_rate + (tied_ar if first and not last else 0.0),
+            reduce_async_s=stats_ar,
+            step_s=step / memory_rate + step_comm))
+    return result
+
+
+def bottleneck_label(breakdown: dict[str, float], busiest_stage: int) -> str:
+    """The largest share of the busiest stage's time per batch, as a name."""
+    share = max(breakdown, key=breakdown.get)
+    return {"compute": f"compute stage {busiest_stage}", "p2p": "p2p",
+            "data_parallel": "data-parallel all-reduce", "bubble": "pipeline bubble"}[share]
+
+
+def busiest_stage(stages: list[StageCost], microbatches: int) -> int:
+    busy = [microbatches * (c.forward_s + c.backward_s) + c.reduce_s + c.step_s for c in stages]
+    return max(range(len(stages)), key=busy.__getitem__)
+
+
+def paper_breakdown(stages: list[StageCost], schedule: str, microbatches: int) -> dict[str, float]:
+    """PipeDream-2BW's closed form, extended to the flushed schedules' bubbles, as the busiest
+    stage's time per batch by cause (their sum is the predicted time per batch).
+
+    A microbatch takes the slowest stage's compute plus its p2p time (the activation out and the
+    gradient back over its busier neighbouring link). 2BW overlaps the per-batch data-parallel work
+    (reduce and step) with later microbatches, so it costs only what exceeds m microbatches; Flush
+    and GPipe fill and drain the pipeline ((m + p - 1) microbatch slots), then reduce and step.
+    """
+    p, m = len(stages), microbatches
+
+    def link(s: int) -> float:  # activation s -> s+1 plus gradient s+1 -> s
+        return stages[s].send_act_s + stages[s + 1].send_grad_s if 0 <= s < p - 1 else 0.0
+
+    k = max(range(p), key=lambda s: stages[s].forward_s + stages[s].backward_s
+            + max(link(s), link(s - 1)))
+    compute = stages[k].forward_s + stages[k].backward_s
+    p2p = max(link(k), link(k - 1))
+    data_parallel = max(st.reduce_s + st.step_s for st in stages)
+    if schedule == "2bw":
+        return {"compute": m * compute, "p2p": m * p2p,
+                "data_parallel": max(data_parallel - m * (compute + p2p), 0.0), "bubble": 0.0}
+    return {"compute": m * compute, "p2p": m * p2p, "data_parallel": data_parallel,
+            "bubble": (p - 1) * (compute + p2p)}
+
+
+def paper_time_per_batch(stages: list[StageCost], schedule: str, microbatches: int) -> float:
+    return sum(paper_breakdown(stages, schedule, microbatches).values())
+
+
+def time_per_batch_lower_bound(stages: list[StageCost], schedule: str, microbatches: int) -> float:
+    """What a replay of the schedule (simulator.py) cannot beat, cheaply:
+    - every stage runs its microbatches, its reduce and its step each batch;
+    - a link carries one transfer at a time;
+    - 1F1B (2BW, Flush): two neighbouring stages alternate so that, per microbatch, both
+      computations and the activation and gradient transfers between them follow one another
+      (half each per microbatch, once m - p + 1 microbatches are past the warm-up);
+    - Flush and GPipe: a batch also holds the path "microbatch 0 reaches stage k, stage k runs all
+      its microbatches, the last gradient returns to stage 0", then stage 0's reduce, background
+      collectives and step.
+    The search replays candidates in the order of this bound."""
+    m, p = microbatches, len(stages)
+    own = [st.forward_s + st.backward_s for st in stages]
+    bound = max(m * own[s] + st.reduce_s + st.step_s for s, st in enumerate(stages))
+    bound = max(bound, m * max(max(st.send_act_s, st.send_grad_s) for st in stages))
+    if schedule != "gpipe" and p > 1:
+        pair = max(own[s] + own[s + 1] + stages[s].send_act_s + stages[s + 1].send_grad_s
+                   for s in range(p - 1)) / 2
+        bound = max(bound, (m - p + 1) * pair)
+    if schedule != "2bw":
+        first = stages[0]
+        path = max(m * own[k] + sum(own[:k]) for k in range(p))
+        bound = max(bound, path + first.reduce_s + first.reduce_async_s + first.step_s)
+    return bound

@@ -1,0 +1,355 @@
+"""What the planner knows about a cluster: `HardwareSpec`, read from a YAML file or measured here.
+
+Units are SI base units throughout (bytes, bytes/s, seconds, FLOP/s). YAML values may carry a unit
+("16 GiB", "300 GB/s", "25 Gbit/s", "10 us", "125 TFLOPS") or be plain numbers in base units.
+
+Link model (what the cost model assumes):
+- `intra_node_bandwidth`: one direction, between two devices of a node (what a p2p copy reaches).
+  Collectives inside a node are rings over such links.
+- `inter_node_bandwidth`: one direction, everything one node can send to other nodes (the sum over
+  its NICs). Flows leaving a node at the same time share it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import yaml
+
+SHIPPED_DIR = Path(__file__).with_name("hardware")
+DTYPES = ("float32", "float16", "bfloat16")
+
+_UNITS = {
+    "bytes": {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
+              "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40},
+    "bandwidth": {"b/s": 1, "kb/s": 1e3, "mb/s": 1e6, "gb/s": 1e9, "tb/s": 1e12,
+                  "bit/s": 1 / 8, "kbit/s": 1e3 / 8, "mbit/s": 1e6 / 8, "gbit/s": 1e9 / 8,
+                  "tbit/s": 1e12 / 8},
+    "seconds": {"s": 1, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9},
+    "flops": {"flops": 1, "gflops": 1e9, "tflops": 1e12, "pflops": 1e15},
+    "fraction": {"%": 0.01},
+}
+
+
+@dataclass(frozen=True)
+class HardwareSpec:
+    name: str
+    devices_per_node: int
+    nodes: int
+    memory_per_device_bytes: float
+    intra_node_bandwidth: float
+    intra_node_latency_s: float
+    inter_node_bandwidth: float
+    inter_node_latency_s: float
+    peak_flops: dict[str, float]  # per device, dense, by working dtype name
+    memory_bandwidth: float  # device memory bytes/s (memory-bound kernels)
+    efficiency: float = 0.4  # fraction of peak FLOP/s and memory bandwidth kernels achieve
+    reserved_memory_bytes: float = 0.0  # held outside the framework: CUDA context, NCCL buffers
+    kernel_overhead_s: float = 0.0  # fixed cost of each kernel launch (launch latency, tail)
+    source: str = ""
+
+    def __hash__(self) -> int:  # peak_flops is a dict; specs key the planner's caches
+        return hash((self.name, self.devices_per_node, self.nodes, self.memory_per_device_bytes,
+                     self.intra_node_bandwidth, self.inter_node_bandwidth,
+                     tuple(sorted(self.peak_flops.items())), self.memory_bandwidth, self.efficiency))
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.devices_per_node
+
+    @property
+    def usable_memory_bytes(self) -> float:
+        return self.memory_per_device_bytes - self.reserved_memory_bytes
+
+    def flops_for(self, dtype: str) -> float:
+        if dtype not in self.peak_flops:
+            raise ValueError(f"hardware {self.name!r} gives no peak_flops for {dtype} (it has "
+                             f"{sorted(self.peak_flops)})")
+        return self.peak_flops[dtype]
+
+    def for_world(self, world_size: int) -> "HardwareSpec":
+        """The same hardware with as many nodes as `world_size` devices need."""
+        if world_size < 1:
+            raise ValueError(f"world size must be positive, got {world_size}")
+        return dataclasses.replace(self, nodes=-(-world_size // self.devices_per_node))
+
+
+# ---------------------------------------------------------------------------------------------
+# YAML files
+
+_REQUIRED = {"devices_per_node": "count", "memory_per_device": "bytes",
+             "intra_node_bandwidth": "bandwidth", "intra_node_latency": "seconds",
+             "inter_node_bandwidth": "bandwidth", "inter_node_latency": "seconds",
+             "peak_flops": "flops", "memory_bandwidth": "bandwidth"}
+_OPTIONAL = {"name": "text", "nodes": "count", "efficiency": "fraction",
+             "reserved_memory": "bytes", "kernel_overhead": "seconds", "source": "text"}
+
+
+def parse_quantity(value, kind: str, where: str) -> float:
+    """A number, or a string "<number> <unit>" with a unit of `kind`; errors name `where`."""
+    if isinstance(value, bool):
+        raise ValueError(f"{where}: expected a {kind} quantity, got {value!r}")
+    if isinstance(value, (int, float)):
+        return float(value)
+    if not isinstance(value, str):
+        raise ValueError(f"{where}: expected a {kind} quantity, got {value!r}")
+    match = re.fullmatch(r"\s*([-+0-9.eE]+)\s*([A-Za-zµ/%]*)\s*", value)
+    try:
+        number = float(match.group(1)) if match else None
+    except ValueError:
+        number = None
+    if number is None:
+        raise ValueError(f"{where}: cannot read {value!r} as a {kind} quantity")
+    unit = match.group(2).lower().replace("bps", "bit/s")
+    if not unit:
+        return number
+    if unit not in _UNITS[kind]:
+        raise ValueError(f"{where}: unknown {kind} unit {match.group(2)!r} in {value!r}; expected "
+                         f"one of {', '.join(_UNITS[kind])}")
+    return number * _UNITS[kind][unit]
+
+
+def _field(raw: dict, key: str, kind: str, where: str):
+    value = raw[key]
+    if kind == "text":
+        return str(value)
+    if kind == "count":
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{where}: {key} must be a positive integer, got {value!r}")
+        return value
+    if kind == "fraction":
+        number = parse_quantity(value, "fraction", f"{where}: {key}")
+        if not 0 < number <= 1:
+            raise ValueError(f"{where}: {key} must be in (0, 1], got {value!r}")
+        return number
+    if kind == "flops":
+        if not isinstance(value, dict) or not value:
+            raise ValueError(f"{where}: peak_flops must map dtypes ({', '.join(DTYPES)}) to FLOP/s, "
+                             f"got {value!r}")
+        unknown = set(value) - set(DTYPES)
+        if unknown:
+            raise ValueError(f"{where}: peak_flops has unknown dtype(s) {sorted(unknown)}; expected "
+                             f"{', '.join(DTYPES)}")
+        return {dtype: _positive(parse_quantity(v, "flops", f"{where}: peak_flops.{dtype}"),
+                                 f"{where}: peak_flops.{dtype}") for dtype, v in value.items()}
+    number = parse_quantity(value, kind, f"{where}: {key}")
+    if number < 0 or (number == 0 and kind != "seconds"):
+        raise ValueError(f"{where}: {key} must be positive, got {value!r}")
+    return number
+
+
+def _positive(number: float, where: str) -> float:
+    if number <= 0:
+        raise ValueError(f"{where} must be positive, got {number}")
+    return number
+
+
+def shipped_hardware() -> list[str]:
+    return sorted(path.stem for path in SHIPPED_DIR.glob("*.yaml"))
+
+
+def load_hardware(path_or_name: str | os.PathLike) -> HardwareSpec:
+    """Read a hardware YAML file, or a shipped one by name (e.g. "p3.16xlarge")."""
+    path = Path(path_or_name)
+    if not path.exists() and (SHIPPED_DIR / f"{path_or_name}.yaml").exists():
+        path = SHIPPED_DIR / f"{path_or_name}.yaml"
+    if not path.exists():
+        raise FileNotFoundError(f"hardware file {str(path_or_name)!r} not found (shipped names: "
+                                f"{', '.join(shipped_hardware())})")
+    where = str(path)
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as error:
+        raise ValueError(f"{where}: not valid YAML ({error})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{where}: expected a mapping of hardware fields, got {type(raw).__name__}")
+    missing = [key for key in _REQUIRED if key not in raw]
+    if missing:
+        raise ValueError(f"{where}: missing field(s) {', '.join(missing)}")
+    unknown = [key for key in raw if key not in _REQUIRED and key not in _OPTIONAL]
+    if unknown:
+        raise ValueError(f"{where}: unknown field(s) {', '.join(map(str, unknown))}; expected "
+                         f"{', '.join([*_REQUIRED, *_OPTIONAL])}")
+    values = {key: _field(raw, key, kind, where) for key, kind in {**_REQUIRED, **_OPTIONAL}.items()
+              if key in raw}
+    return HardwareSpec(
+        name=values.get("name", path.stem), devices_per_node=values["devices_per_node"],
+        nodes=values.get("nodes", 1), memory_per_device_bytes=values["memory_per_device"],
+        intra_node_bandwidth=values["intra_node_bandwidth"],
+        intra_node_latency_s=values["intra_node_latency"],
+        inter_node_bandwidth=values["inter_node_bandwidth"],
+        inter_node_latency_s=values["inter_node_latency"], peak_flops=values["peak_flops"],
+        memory_bandwidth=values["memory_bandwidth"], efficiency=values.get("efficiency", 0.4),
+        reserved_memory_bytes=values.get("reserved_memory", 0.0),
+        kernel_overhead_s=values.get("kernel_overhead", 0.0), source=values.get("source", where))
+
+
+# ---------------------------------------------------------------------------------------------
+# Detection on the machine at hand (collective: every rank of the group calls these; every rank
+# gets the same answer)
+
+@dataclass(frozen=True)
+class LinkProbe:
+    """Measured over the job's ranks; the inter-node fields are None in a single-node job."""
+    intra_node_bandwidth: float | None  # None: no node holds two ranks
+    intra_node_latency_s: float | None
+    inter_node_bandwidth: float | None
+    inter_node_latency_s: float | None
+    allreduce_bytes: int
+    allreduce_s: float  # one all-reduce of allreduce_bytes over the whole group
+    ranks_per_node: tuple[int, ...]
+
+
+def _device_for(group) -> torch.device:
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def median_time(fn, device: torch.device, repeats: int, setup=None) -> float:
+    """Median wall time of fn() over `repeats` runs after a warm-up run (synchronising the device);
+    `setup()`, if given, runs untimed before each."""
+    def run() -> float:
+        if setup is not None:
+            setup()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - start
+    run()
+    return sorted(run() for _ in range(repeats))[repeats // 2]
+
+
+def _agree(values: list[float], op, group, device) -> list[float]:
+    """The same numbers on every rank: an all-reduce (MIN, MAX) of each rank's measurements."""
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=op, group=group)
+    return tensor.tolist()
+
+
+def _one_way_time(group, a: int, b: int, nbytes: int, device, repeats: int) -> float:
+    """Half a round trip of nbytes between group ranks a and b (0 on the other ranks)."""
+    me = dist.get_rank(group)
+    if me not in (a, b):
+        return 0.0
+    buffer = torch.zeros(max(nbytes // 4, 1), dtype=torch.float32, device=device)
+    peer = dist.get_global_rank(group, b if me == a else a)
+
+    def round_trip():
+        if me == a:
+            dist.send(buffer, peer, group=group)
+            dist.recv(buffer, peer, group=group)
+        else:
+            dist.recv(buffer, peer, group=group)
+            dist.send(buffer, peer, group=group)
+    return median_time(round_trip, device, repeats) / 2
+
+
+def _link(group, pair: list[int] | None, device, repeats: int, large: int
+          ) -> tuple[float | None, float | None]:
+    """(bandwidth, latency) between a pair of ranks from a 4-byte and a large message."""
+    if pair is None:
+        return None, None
+    small_s = _one_way_time(group, *pair, 4, device, repeats)
+    large_s = _one_way_time(group, *pair, large, device, repeats)
+    small_s, large_s = _agree([small_s, large_s], dist.ReduceOp.MAX, group, device)
+    return (large - 4) / max(large_s - small_s, 1e-9), small_s
+
+
+def probe_links(group=None, repeats: int = 5, large_bytes: int = 8 << 20) -> LinkProbe:
+    """p2p bandwidth and latency between two ranks of a node and of two nodes (hosts), and the
+    time of one all-reduce over the group."""
+    group = group or dist.group.WORLD
+    device = _device_for(group)
+    size = dist.get_world_size(group)
+    hosts: list[str] = [""] * size
+    dist.all_gather_object(hosts, socket.gethostname(), group=group)
+    ranks_of_host: dict[str, list[int]] = {}
+    for rank, host in enumerate(hosts):
+        ranks_of_host.setdefault(host, []).append(rank)
+    same_node = next((ranks[:2] for ranks in ranks_of_host.values() if len(ranks) > 1), None)
+    other_node = next(([0, r] for r in range(size) if hosts[r] != hosts[0]), None)
+    intra = _link(group, same_node, device, repeats, large_bytes)
+    inter = _link(group, other_node, device, repeats, large_bytes)
+    tensor = torch.ones(large_bytes // 4, dtype=torch.float32, device=device)
+    allreduce_s = median_time(lambda: dist.all_reduce(tensor, group=group), device, repeats)
+    [allreduce_s] = _agree([allreduce_s], dist.ReduceOp.MAX, group, device)
+    return LinkProbe(*intra, *inter, large_bytes, allreduce_s,
+                     tuple(len(ranks) for ranks in ranks_of_host.values()))
+
+
+def _host_memory_bytes() -> int:
+    try:
+        import psutil
+        return int(psutil.virtual_memory().total)
+    except ImportError:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _measure_compute(device: torch.device) -> tuple[dict[str, float], float, float]:
+    """Achieved matmul FLOP/s per dtype, copy bandwidth and the time of a one-element kernel
+    (short runs: small matmuls on a CPU, whose half-precision matmuls can be very slow)."""
+    n = 256 if device.type == "cpu" else 4096
+    flops = {}
+    for dtype in DTYPES:
+        a = torch.randn(n, n, device=device).to(getattr(torch, dtype))
+        flops[dtype] = 2 * n ** 3 / median_time(lambda: a @ a, device, 3)
+    source = torch.empty((32 if device.type == "cpu" else 256) << 20, dtype=torch.uint8,
+                         device=device)
+    target = torch.empty_like(source)
+    bandwidth = 2 * source.numel() / median_time(lambda: target.copy_(source), device, 3)
+    one = torch.zeros(1, device=device)
+    launch = median_time(lambda: [one.add_(1) for _ in range(100)], device, 3) / 100
+    return flops, bandwidth, launch
+
+
+def detect_hardware(group=None, name: str | None = None, repeats: int = 5) -> HardwareSpec:
+    """The machine at hand as a HardwareSpec.
+
+    Memory: the device's total memory (CUDA; what the context, NCCL and others hold is
+    `reserved_memory_bytes`), or the host's RAM divided by the ranks on the host (CPU).
+    peak_flops and memory_bandwidth are *achieved* rates of a matmul and a copy (the slowest rank's),
+    so efficiency is 1. Link figures come from `probe_links`; without a second rank on a node the
+    device's copy bandwidth stands in for the intra-node link, and a single-node job reports the
+    intra-node figures (times the ranks of a node) for the inter-node link it does not have.
+    """
+    group = group or dist.group.WORLD
+    device = _device_for(group)
+    probe = probe_links(group, repeats)
+    ranks_here = max(probe.ranks_per_node)
+    if device.type == "cuda":
+        properties = torch.cuda.get_device_properties(device)
+        free, total = torch.cuda.mem_get_info(device)
+        memory = float(properties.total_memory)
+        reserved = float(total - free - torch.cuda.memory_reserved(device))
+        label = properties.name
+    else:
+        memory, reserved, label = _host_memory_bytes() / ranks_here, 0.0, "cpu"
+    flops, bandwidth, launch = _measure_compute(device)
+    measured = _agree([memory, *flops.values(), bandwidth], dist.ReduceOp.MIN, group, device)
+    memory, bandwidth = measured[0], measured[-1]
+    flops = dict(zip(flops, measured[1:-1]))
+    reserved, launch = _agree([max(reserved, 0.0), launch], dist.ReduceOp.MAX, group, device)
+    intra_bw = probe.intra_node_bandwidth or bandwidth
+    intra_latency = probe.intra_node_latency_s or 0.0
+    hosts = len(probe.ranks_per_node)
+    return HardwareSpec(
+        name=name or f"{socket.gethostname()}-{label}-{hosts}x{ranks_here}".replace(" ", "_"),
+        devices_per_node=ranks_here, nodes=hosts, memory_per_device_bytes=memory,
+        intra_node_bandwidth=intra_bw, intra_node_latency_s=intra_latency,
+        inter_node_bandwidth=probe.inter_node_bandwidth or intra_bw * ranks_here,
+        inter_node_latency_s=probe.inter_node_latency_s or intra_latency,
+        peak_flops=flops, memory_bandwidth=bandwidth, efficiency=1.0,
+        reserved_memory_bytes=reserved, kernel_overhead_s=launch,
+        source=f"measured by detect_hardware on {socket.gethostname()} ({dist.get_world_size(group)} "
+               f"ranks)")

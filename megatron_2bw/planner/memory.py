@@ -1,0 +1,236 @@
+"""Bytes one rank of a pipeline stage holds at its peak, as the runtime lays them out.
+
+`estimate_stage_memory` is the single estimate: the planner's memory check and the runtime's
+start-up log both call it. P below is the parameter count of this rank's shard of the stage (the
+stage's parameters / t, vocabulary padded to a multiple of 128*t), counted from the model code
+itself (built on the meta device), so it follows the model exactly.
+
+Weights and gradients (pipeline/weights.py, pipeline/update.py):
+- fp32, one version (flush/gpipe): the master weights are the working weights (4P) and the flat
+  gradient buffer is their .grad (4P).
+- otherwise (fp16/bf16, or fp32 2BW): fp32 master weights 4P, their gradient 4P, a working copy per
+  live version (2P or 4P each; 2 versions for 2BW) and the gradient-accumulation buffer (working
+  precision, or 4P with accumulate_allreduce_grads_in_fp32).
+- optimizer state: Adam 8P, SGD with momentum 4P. use_distributed_optimizer divides the master
+  weights, master gradients and optimizer state by d.
+
+Activations: the bytes one layer stashes per microbatch (`activation_bytes_per_layer`, measured by
+profile.py on the device at hand, else the analytic count below) x layers x microbatches in flight
+(schedules.max_in_flight: p - r for 1F1B, m for GPipe), plus the stage's own extras.
+
+Workspace: the larger transient on top of that: one layer's backward (with full recomputation: one
+recomputed chunk's activations) or the fp32 cross entropy on the last stage. The optimizer step
+needs none (optim/optimizer.py uses fused Adam/SGD kernels).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+from megatron_2bw.config import ModelConfig, ParallelConfig, PrecisionConfig, RecomputeConfig
+from megatron_2bw.pipeline.partition import layer_ranges
+from megatron_2bw.pipeline.schedules import max_in_flight
+from megatron_2bw.planner.hardware import HardwareSpec
+
+OPTIMIZER_STATE_BYTES = {"adam": 8, "sgd": 4}  # per fp32 parameter: Adam's m and v, SGD momentum
+MASK_BYTES = 1  # dropout masks are bool tensors
+# PyTorch's caching allocator rounds blocks up and cannot always reuse freed ones (a pipeline stage
+# frees its microbatches' activations in another order than it allocated them): plan to fill at
+# most this share of what the framework can allocate.
+ALLOCATOR_EFFICIENCY = 0.95
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    params: float  # one working copy + fp32 master weights (when separate)
+    grads: float  # accumulation buffer + fp32 master gradients (when separate)
+    optimizer: float
+    versions_stash: float  # the extra working copies (2BW's second version)
+    activations: float
+    workspace: float
+
+    @property
+    def total(self) -> float:
+        return (self.params + self.grads + self.optimizer + self.versions_stash + self.activations
+                + self.workspace)
+
+    def describe(self) -> str:
+        parts = ", ".join(f"{f.name} {getattr(self, f.name) / 2**30:.2f}"
+                          for f in dataclasses.fields(self))
+        return f"{self.total / 2**30:.2f} GiB ({parts})"
+
+
+def memory_limit_bytes(hardware: HardwareSpec) -> float:
+    """What a stage's estimate (StageMemory.total) may reach on one device of `hardware`."""
+    return hardware.usable_memory_bytes * ALLOCATOR_EFFICIENCY
+
+
+def dtype_bytes(precision: PrecisionConfig) -> int:
+    return 2 if precision.fp16 or precision.bf16 else 4
+
+
+def grad_buffer_bytes(precision: PrecisionConfig) -> int:
+    return 4 if precision.accumulate_allreduce_grads_in_fp32 else dtype_bytes(precision)
+
+
+# ---------------------------------------------------------------------------------------------
+# Parameter counts, from the model code
+
+def _model_key(model: ModelConfig) -> tuple:
+    return tuple(vars(model).items())
+
+
+@lru_cache(maxsize=256)
+def _shard_parameters(model_key: tuple, tensor_parallel: int, layers: int, pre_process: bool,
+                      post_process: bool) -> int:
+    from megatron_2bw.models import MODELS  # the models import torch layers: keep import lazy
+    model = ModelConfig(**dict(model_key))
+    with torch.device("meta"):
+        module = MODELS[model.model_type](model, None, model.padded_vocab_size(tensor_parallel),
+                                          range(layers), pre_process, post_process)
+    return sum(math.prod(p.spec.full_shape) // (1 if p.spec.replicated else tensor_parallel)
+               for p in module.parameters())
+
+
+def stage_parameters(model: ModelConfig, tensor_parallel: int, layers: int, first: bool,
+                     last: bool) -> int:
+    """Parameters of one rank's shard of a stage with `layers` transformer layers."""
+    key = _model_key(model)
+    edges = _shard_parameters(key, tensor_parallel, 0, first, last)
+    per_layer = _shard_parameters(key, tensor_parallel, 1, False, False) - \
+        _shard_parameters(key, tensor_parallel, 0, False, False)
+    return edges + layers * per_layer
+
+
+def layer_parameters(model: ModelConfig, tensor_parallel: int) -> int:
+    return stage_parameters(model, tensor_parallel, 1, False, False) - \
+        stage_parameters(model, tensor_parallel, 0, False, False)
+
+
+# ---------------------------------------------------------------------------------------------
+# Activations (analytic)
+
+def layer_activation_bytes(model: ModelConfig, tensor_parallel: int, micro_batch_size: int,
+                           element_bytes: int, selective: bool = False) -> float:
+    """Bytes one pre-LayerNorm layer stashes for its backward per microbatch (one rank).
+
+    Korthikanti et al. (2022) counting, generalised to an element size e: replicated over the
+    tensor-parallel group are the two LayerNorm inputs, the inputs of the QKV and fc1 linears
+    (e each) and two hidden-dropout masks (1 byte each); sharded are Q, K, V (3e), the dense
+    input (e), the GELU input and fc2 input (f/h * e each); the attention core keeps the softmax
+    output and the dropout output (e each) and the dropout mask (1) per score, a*s*s per sample.
+    That is PyTorch's math attention path; fused SDPA kernels keep only a log-sum-exp per row,
+    which the measured profile picks up. "selective" recomputation drops the core's a*s*s terms.
+    """
+    t, e = tensor_parallel, element_bytes
+    s, h, a, f = model.seq_length, model.hidden_size, model.num_attention_heads, model.ffn_hidden_size
+    sbh = s * micro_batch_size * h
+    replicated = (4 * e + 2 * MASK_BYTES) * sbh
+    sharded = (4 * e * sbh + 2 * e * s * micro_batch_size * f) / t
+    core = 0.0 if selective else (2 * e + MASK_BYTES) * a * s * s * micro_batch_size / t
+    return replicated + sharded + core
+
+
+def layer_backward_workspace_bytes(model: ModelConfig, tensor_parallel: int, micro_batch_size: int,
+                                   element_bytes: int) -> float:
+    """Gradients alive during one layer's backward: the two ffn-wide ones and the hidden one."""
+    sb = model.seq_length * micro_batch_size
+    return element_bytes * sb * (2 * model.ffn_hidden_size / tensor_parallel + 2 * model.hidden_size)
+
+
+def first_stage_extra_bytes(model: ModelConfig, micro_batch_size: int, element_bytes: int) -> float:
+    """Embedding: token ids (int64) and the embedding-dropout mask; plus the stage output."""
+    sb = model.seq_length * micro_batch_size
+    return 8 * sb + MASK_BYTES * sb * model.hidden_size
+
+
+def last_stage_extra_bytes(model: ModelConfig, tensor_parallel: int, micro_batch_size: int,
+                           element_bytes: int) -> float:
+    """Final LayerNorm input and output (the logits' input), the fp32 softmax the vocabulary-parallel
+    cross entropy keeps for its backward, targets; BERT's LM transform adds its own two inputs."""
+    sb = model.seq_length * micro_batch_size
+    vocab = model.padded_vocab_size(tensor_parallel) // tensor_parallel
+    hidden = 2 * element_bytes * sb * model.hidden_size
+    if model.model_type == "bert":
+        hidden += 2 * element_bytes * sb * model.hidden_size
+    return hidden + 4 * sb * vocab + 9 * sb
+
+
+def cross_entropy_workspace_bytes(model: ModelConfig, tensor_parallel: int, micro_batch_size: int,
+                                  element_bytes: int) -> float:
+    """The logits in the working precision plus two fp32 temporaries of the loss computation."""
+    vocab = model.padded_vocab_size(tensor_parallel) // tensor_parallel
+    return (element_bytes + 8) * model.seq_length * micro_batch_size * vocab
+
+
+# ---------------------------------------------------------------------------------------------
+# The estimate
+
+@lru_cache(maxsize=1024)
+def _stage_layers(num_layers: int, stages: int, split: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(len(r) for r in layer_ranges(num_layers, stages, list(split) or None))
+
+
+def _recomputed_layers(recompute: RecomputeConfig, layers: int) -> tuple[int, int, int]:
+    """(layers stashing everything, checkpointed chunks, layers recomputed at once in backward)."""
+    if recompute.granularity != "full":
+        return layers, 0, 0
+    n = max(recompute.num_layers, 1)
+    if recompute.method == "block":
+        checkpointed = min(n, layers)
+        return layers - checkpointed, checkpointed, 1 if checkpointed else 0
+    return 0, -(-layers // n), min(n, layers)
+
+
+def estimate_stage_memory(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConfig,
+                          recompute: RecomputeConfig, optimizer: str, micro_batch_size: int,
+                          microbatches: int, data_parallel: int, stage: int,
+                          activation_bytes_per_layer: float | None = None) -> StageMemory:
+    """Peak bytes on one rank of `stage`. `activation_bytes_per_layer` (measured) is what a layer
+    not wrapped in full recomputation stashes per microbatch (with "selective" if configured);
+    None uses the analytic `layer_activation_bytes`."""
+    if optimizer not in OPTIMIZER_STATE_BYTES:
+        raise ValueError(f"unknown optimizer {optimizer!r}; expected one of "
+                         f"{list(OPTIMIZER_STATE_BYTES)}")
+    t, p = parallel.tensor_parallel, parallel.pipeline_parallel
+    if not 0 <= stage < p:
+        raise ValueError(f"stage {stage} out of range for {p} pipeline stages")
+    schedule = parallel.pipeline_schedule
+    layers = _stage_layers(model.num_layers, p, tuple(parallel.layer_split or ()))[stage]
+    first, last = stage == 0, stage == p - 1
+    P = stage_parameters(model, t, layers, first, last)
+    e, g = dtype_bytes(precision), grad_buffer_bytes(precision)
+    versions = 2 if schedule == "2bw" else 1
+    separate_master = e != 4 or g != 4 or versions > 1  # weights.py: otherwise master == working
+    shards = data_parallel if parallel.use_distributed_optimizer else 1
+
+    params = e * P + (4 * P / shards if separate_master else 0)
+    grads = g * P + (4 * P / shards if separate_master else 0)
+    optimizer_bytes = OPTIMIZER_STATE_BYTES[optimizer] * P / shards
+    stash = e * P * (versions - 1)
+
+    b = micro_batch_size
+    if activation_bytes_per_layer is None:
+        activation_bytes_per_layer = layer_activation_bytes(
+            model, t, b, e, selective=recompute.granularity == "selective")
+    full_layers, chunks, recomputed_at_once = _recomputed_layers(recompute, layers)
+    layer_input = e * model.seq_length * b * model.hidden_size
+    per_microbatch = full_layers * activation_bytes_per_layer + chunks * layer_input
+    if first:
+        per_microbatch += first_stage_extra_bytes(model, b, e)
+    if last:
+        per_microbatch += last_stage_extra_bytes(model, t, b, e)
+    else:
+        per_microbatch += layer_input  # the stage output, kept for its backward
+    in_flight = max_in_flight(schedule, p, microbatches, stage)
+    activations = in_flight * per_microbatch
+
+    workspace = max(
+        layer_backward_workspace_bytes(model, t, b, e)
+        + recomputed_at_once * activation_bytes_per_layer,
+        cross_entropy_workspace_bytes(model, t, b, e) if last else 0.0)
+    return StageMemory(params, grads, optimizer_bytes, stash, activations, workspace)

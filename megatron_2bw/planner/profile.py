@@ -1,0 +1,366 @@
+"""How long the model's pieces take on one rank, and how many bytes a layer stashes: per
+(tensor-parallel size t, micro batch size b), without any communication (cost.py adds that).
+
+Two sources with one interface (`costs(t, b) -> ComputeCosts`):
+
+`AnalyticProfile`, for hardware not at hand. Every kernel is either a matmul or memory-bound, and
+every launch costs a fixed overhead:
+    time = matmul FLOPs / (peak_flops * efficiency) + bytes moved / (memory_bandwidth * efficiency)
+           + kernels * kernel_overhead_s
+with the hardware's stated `efficiency` (0.4 in the shipped files). Assumptions:
+- matmul FLOPs per layer forward: 2bs(4h^2 + 2hf)/t for the four linears, 4bs^2h/t for the
+  attention scores and their product with V (causal masking is not credited: PyTorch's math path
+  computes the full square); backward does twice the forward's matmul FLOPs.
+- memory traffic: each element-wise kernel reads and writes its tensors once (LayerNorms, bias +
+  dropout + residual, GELU, the layout copies around attention, the softmax chain over the b*a*s*s
+  scores, the fp32 cross entropy over the vocabulary); the backward moves twice the forward's bytes.
+  LayerNorm and the residual path are replicated over the tensor-parallel group (not divided by t).
+- every microbatch's weight gradients are added into the accumulation buffer (read two buffers,
+  write one), and the embedding's dense gradient is first written in full: memory-bound traffic
+  proportional to the stage's parameters.
+- kernels are counted per piece from the model code (about 86 per layer forward and backward);
+  `kernel_overhead_s` (5 us in the shipped files) stands for launch latency and the last partial
+  wave of thread blocks.
+These fixed costs per microbatch make small micro batches (and narrow tensor-parallel shards) less
+efficient.
+
+`MeasuredProfile`, on the device at hand: runs the real model code (megatron_2bw.models) for one
+layer, the embedding and the head at t = 1 for the requested micro batch sizes, counts the bytes a
+layer stashes with saved-tensor hooks, and caches the numbers as JSON per (hardware name, model
+shape, dtype). Micro batch sizes not measured are interpolated linearly in b; t > 1 scales the t = 1
+measurement by the analytic model's ratio (the shard's kernels are the full layer's, narrower).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from megatron_2bw.config import ModelConfig, PrecisionConfig
+from megatron_2bw.planner.hardware import HardwareSpec, median_time
+from megatron_2bw.planner.memory import (MASK_BYTES, dtype_bytes, grad_buffer_bytes,
+                                         layer_activation_bytes, layer_parameters)
+
+
+@dataclass(frozen=True)
+class ComputeCosts:
+    """One rank, one microbatch; seconds without communication, bytes per microbatch."""
+    layer_forward_s: float
+    layer_backward_s: float  # with the weight-gradient accumulation
+    attention_core_forward_s: float  # what "selective" recomputation repeats
+    embedding_forward_s: float
+    embedding_backward_s: float
+    head_forward_s: float  # final norm, logits, loss
+    head_backward_s: float
+    layer_activation_bytes: float  # stashed by a layer without recomputation
+    selective_layer_activation_bytes: float  # with the attention core recomputed
+
+    def activation_bytes_per_layer(self, granularity: str | None) -> float:
+        """What a layer not wrapped in full recomputation stashes (memory.estimate_stage_memory)."""
+        return self.selective_layer_activation_bytes if granularity == "selective" \
+            else self.layer_activation_bytes
+
+
+class Profile(Protocol):
+    def costs(self, tensor_parallel: int, micro_batch_size: int) -> ComputeCosts: ...
+
+
+# ---------------------------------------------------------------------------------------------
+# Analytic
+
+@dataclass(frozen=True)
+class _Work:
+    """Matmul FLOPs, bytes moved by memory-bound kernels, and kernels launched."""
+    flops: float = 0.0
+    bytes: float = 0.0
+    kernels: float = 0.0
+
+    def __add__(self, other: "_Work") -> "_Work":
+        return _Work(self.flops + other.flops, self.bytes + other.bytes,
+                     self.kernels + other.kernels)
+
+    def __mul__(self, factor: float) -> "_Work":
+        return _Work(self.flops * factor, self.bytes * factor, self.kernels * factor)
+
+
+class AnalyticProfile:
+    def __init__(self, model: ModelConfig, precision: PrecisionConfig, hardware: HardwareSpec):
+        self.model, self.precision, self.hardware = model, precision, hardware
+        self.e = dtype_bytes(precision)
+        self.g = grad_buffer_bytes(precision)
+        self.flops_per_s = hardware.flops_for(precision.working_dtype_name) * hardware.efficiency
+        self.bytes_per_s = hardware.memory_bandwidth * hardware.efficiency
+
+    def seconds(self, work: _Work) -> float:
+        return (work.flops / self.flops_per_s + work.bytes / self.bytes_per_s
+                + work.kernels * self.hardware.kernel_overhead_s)
+
+    # per-piece work, one microbatch of b on one rank of t
+    def attention_core(self, t: int, b: int) -> _Work:
+        m, e = self.model, self.e
+        scores = m.num_attention_heads * m.seq_length ** 2 * b / t
+        # write scores, mask, softmax, dropout (+ its mask), read for the product with V: q and k
+        # scaling, two batched matmuls and four element-wise kernels
+        return _Work(4 * b * m.seq_length ** 2 * m.hidden_size / t,
+                     (8 * e + MASK_BYTES) * scores, 8)
+
+    def layer_forward(self, t: int, b: int) -> _Work:
+        m, e = self.model, self.e
+        h, f, sb = m.hidden_size, m.ffn_hidden_size, m.seq_length * b
+        linears = 2 * sb * (4 * h * h + 2 * h * f) / t
+        # replicated: 2 LayerNorms (2e each), 2 x (bias, dropout + mask, residual) (7e + 1 each)
+        replicated = (18 * e + 2 * MASK_BYTES) * sb * h
+        # sharded: q/k scaling copies and the context layout copy (6e), GELU over f (2e)
+        sharded = (6 * e * sb * h + 2 * e * sb * f) / t
+        # kernels besides the core: 4 linears, 2 LayerNorms, 2 x (bias, dropout, residual), GELU,
+        # the layout copy
+        return _Work(linears, replicated + sharded, 14) + self.attention_core(t, b)
+
+    def weight_gradient_accumulation(self, parameters: float, tensors: int) -> _Work:
+        return _Work(0.0, (self.e + 2 * self.g) * parameters, tensors)
+
+    def layer_backward(self, t: int, b: int) -> _Work:
+        # twice the forward, plus the weight-gradient matmuls and bias reductions (8 kernels) and
+        # the accumulation of the 12 parameter tensors
+        return self.layer_forward(t, b) * 2 + _Work(kernels=8) + \
+            self.weight_gradient_accumulation(layer_parameters(self.model, t), 12)
+
+    def _vocab_shard(self, t: int) -> int:
+        return self.model.padded_vocab_size(t) // t
+
+    def embedding_forward(self, t: int, b: int) -> _Work:
+        # gather rows, add positions, dropout: ~8e + mask per element, 4 kernels
+        return _Work(0.0, (8 * self.e + MASK_BYTES) * self.model.seq_length * b
+                     * self.model.hidden_size, 4)
+
+    def embedding_backward(self, t: int, b: int) -> _Work:
+        table = self._vocab_shard(t) * self.model.hidden_size
+        # the dense table gradient is written (e), then accumulated
+        return self.embedding_forward(t, b) + _Work(0.0, self.e * table, 1) + \
+            self.weight_gradient_accumulation(table, 2)
+
+    def _loss_forward(self, t: int, b: int) -> _Work:
+        """The fp32 vocabulary-parallel cross entropy: cast (e + 4), padded rows masked (8),
+        max (4), shift (8), exp (8), sum (4), divide (8), per logit; about 8 kernels."""
+        m = self.model
+        padded = m.padded_vocab_size(t) > m.vocab_size
+        return _Work(0.0, (self.e + 36 + (8 if padded else 0)) * m.seq_length * b
+                     * self._vocab_shard(t), 8)
+
+    def _head_body(self, t: int, b: int) -> _Work:
+        """Final LayerNorm and logits (and BERT's LM transform: linear, GELU, LayerNorm)."""
+        m, e = self.model, self.e
+        sb, h = m.seq_length * b, m.hidden_size
+        work = _Work(2 * sb * h * self._vocab_shard(t), 2 * e * sb * h, 2)
+        if m.model_type == "bert":
+            work += _Work(2 * sb * h * h, 6 * e * sb * h, 3)
+        return work
+
+    def head_forward(self, t: int, b: int) -> _Work:
+        return self._head_body(t, b) + self._loss_forward(t, b)
+
+    def head_backward(self, t: int, b: int) -> _Work:
+        m, v = self.model, self._vocab_shard(t)
+        # the loss gradient: scaled in place and cast to the working dtype (3 kernels)
+        loss = _Work(0.0, (12 + self.e) * m.seq_length * b * v, 3)
+        return loss + self._head_body(t, b) * 2 + \
+            self.weight_gradient_accumulation(v * m.hidden_size, 3)
+
+    def costs(self, tensor_parallel: int, micro_batch_size: int) -> ComputeCosts:
+        t, b, s = tensor_parallel, micro_batch_size, self.seconds
+        return ComputeCosts(
+            layer_forward_s=s(self.layer_forward(t, b)),
+            layer_backward_s=s(self.layer_backward(t, b)),
+            attention_core_forward_s=s(self.attention_core(t, b)),
+            embedding_forward_s=s(self.embedding_forward(t, b)),
+            embedding_backward_s=s(self.embedding_backward(t, b)),
+            head_forward_s=s(self.head_forward(t, b)),
+            head_backward_s=s(self.head_backward(t, b)),
+            layer_activation_bytes=layer_activation_bytes(self.model, t, b, self.e),
+            selective_layer_activation_bytes=layer_activation_bytes(self.model, t, b, self.e,
+                                                                    selective=True))
+
+
+# ---------------------------------------------------------------------------------------------
+# Measured on the device at hand
+
+def _synthetic_batch(model: ModelConfig, b: int, device) -> dict:
+    s, v = model.seq_length, max(model.vocab_size, 2)
+    if model.model_type == "bert":
+        text = torch.randint(0, v, (b, s), device=device)
+        return {"text": text, "types": torch.zeros_like(text), "labels": text,
+                "padding_mask": torch.ones_like(text), "loss_mask": torch.ones_like(text),
+                "is_random": torch.zeros(b, dtype=torch.long, device=device)}
+    return {"tokens": torch.randint(0, v, (b, s + 1), device=device)}
+
+
+def _piece(model: ModelConfig, layers: int, pre: bool, post: bool, dtype, device):
+    """The real stage module (t = 1) holding only the piece to time, randomly initialised."""
+    from megatron_2bw.models import MODELS
+    module = MODELS[model.model_type](model, None, model.padded_vocab_size(1), range(layers), pre,
+                                      post)
+    with torch.no_grad():
+        for param in module.parameters():
+            param.normal_(0.0, model.init_method_std)
+    return module.to(device=device, dtype=dtype).train()
+
+
+def _forward_backward_times(run_forward, device, repeats: int) -> tuple[float, float]:
+    """(forward, backward) medians; run_forward() returns (output, gradient for it)."""
+    pending = []
+
+    def backward():
+        output, grad = pending.pop()
+        torch.autograd.backward(output, grad)
+
+    return (median_time(run_forward, device, repeats),
+            median_time(backward, device, repeats, setup=lambda: pending.append(run_forward())))
+
+
+def saved_activation_bytes(layer, hidden: torch.Tensor, mask=None) -> tuple[float, float]:
+    """(without, with selective recomputation) bytes a TransformerLayer stashes for its backward:
+    unique storages seen by saved_tensors_hooks, parameters excluded. The attention core's own
+    saves are told apart by wrapping it, and selective keeps the core's inputs instead."""
+    params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    outside: dict[int, int] = {}
+    inside: dict[int, int] = {}
+    core_inputs: dict[int, int] = {}
+    in_core = [False]
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in params:
+            (inside if in_core[0] else outside)[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    original_core = layer.attention.core
+
+    def core(q, k, v, core_mask):
+        for x in (q, k, v):
+            core_inputs[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
+        in_core[0] = True
+        try:
+            return original_core(q, k, v, core_mask)
+        finally:
+            in_core[0] = False
+
+    layer.attention.core = core
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            layer(hidden, mask)
+    finally:
+        del layer.attention.core  # back to the class's method
+    return float(sum({**outside, **inside}.values())), float(sum({**outside, **core_inputs}.values()))
+
+
+def measure_costs(model: ModelConfig, precision: PrecisionConfig, micro_batch_size: int,
+                  device: torch.device | None = None, repeats: int = 3) -> dict:
+    """Measure one layer, the embedding and the head at t = 1 (a JSON-able record)."""
+    device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = getattr(torch, precision.working_dtype_name)
+    b, s, h = micro_batch_size, model.seq_length, model.hidden_size
+    batch = _synthetic_batch(model, b, device)
+
+    body = _piece(model, 1, False, False, dtype, device)
+    hidden = torch.randn(b, s, h, device=device, dtype=dtype, requires_grad=True)
+    grad = torch.randn(b, s, h, device=device, dtype=dtype)
+    layer_f, layer_b = _forward_backward_times(lambda: (body(hidden, batch), grad), device, repeats)
+    layer = next(iter(body.transformer.layers.values()))
+    mask = None
+    if model.model_type == "bert":
+        from megatron_2bw.models.bert import padding_attention_mask
+        mask = padding_attention_mask(batch["padding_mask"])
+    full_bytes, selective_bytes = saved_activation_bytes(layer, hidden, mask)
+    with torch.no_grad():
+        qkv = layer.attention.qkv(hidden).view(b, s, model.num_attention_heads, 3, model.head_dim)
+        q, k, v = (x.transpose(1, 2) for x in qkv.unbind(dim=3))
+    core_f = median_time(lambda: layer.attention.core(q, k, v, mask), device, repeats)
+
+    embedding = _piece(model, 0, True, False, dtype, device)
+    emb_f, emb_b = _forward_backward_times(lambda: (embedding(None, batch), grad), device, repeats)
+
+    head = _piece(model, 0, False, True, dtype, device)
+    head_f, head_b = _forward_backward_times(lambda: (head(hidden, batch)[0], None), device, repeats)
+    return {"layer_forward_s": layer_f, "layer_backward_s": layer_b,
+            "attention_core_forward_s": core_f, "embedding_forward_s": emb_f,
+            "embedding_backward_s": emb_b, "head_forward_s": head_f, "head_backward_s": head_b,
+            "layer_activation_bytes": full_bytes, "selective_layer_activation_bytes": selective_bytes}
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("MEGATRON_2BW_PLANNER_CACHE",
+                               Path.home() / ".cache" / "megatron_2bw" / "planner"))
+
+
+def _cache_path(cache_dir: Path, hardware_name: str, model: ModelConfig,
+                precision: PrecisionConfig) -> Path:
+    m = model
+    shape = (f"{m.model_type}-h{m.hidden_size}-a{m.num_attention_heads}-f{m.ffn_hidden_size}"
+             f"-s{m.seq_length}-v{m.padded_vocab_size(1)}")
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in hardware_name)
+    return Path(cache_dir) / f"{safe}__{shape}__{precision.working_dtype_name}.json"
+
+
+class MeasuredProfile:
+    """Measured t = 1 costs at some micro batch sizes; others interpolated, t > 1 scaled."""
+
+    def __init__(self, records: dict[int, dict], analytic: AnalyticProfile):
+        if not records:
+            raise ValueError("a measured profile needs at least one micro batch size")
+        self.records = {int(b): r for b, r in records.items()}
+        self.analytic = analytic
+
+    def _at_t1(self, key: str, b: int) -> float:
+        if b in self.records:
+            return self.records[b][key]
+        sizes = sorted(self.records)
+        if len(sizes) == 1:
+            return self.records[sizes[0]][key] * b / sizes[0]
+        # least-squares line through the measurements: fixed cost + cost per sample
+        mean_b = sum(sizes) / len(sizes)
+        values = [self.records[x][key] for x in sizes]
+        mean_v = sum(values) / len(values)
+        slope = sum((x - mean_b) * (v - mean_v) for x, v in zip(sizes, values)) / \
+            sum((x - mean_b) ** 2 for x in sizes)
+        return max(mean_v + slope * (b - mean_b), 0.0)
+
+    def costs(self, tensor_parallel: int, micro_batch_size: int) -> ComputeCosts:
+        b = micro_batch_size
+        measured = {f.name: self._at_t1(f.name, b) for f in dataclasses.fields(ComputeCosts)}
+        if tensor_parallel == 1:
+            return ComputeCosts(**measured)
+        full = dataclasses.asdict(self.analytic.costs(1, b))
+        shard = dataclasses.asdict(self.analytic.costs(tensor_parallel, b))
+        return ComputeCosts(**{k: v * shard[k] / full[k] if full[k] else v
+                               for k, v in measured.items()})
+
+
+def measured_profile(model: ModelConfig, precision: PrecisionConfig, hardware: HardwareSpec,
+                     micro_batch_sizes: list[int], cache_dir: str | os.PathLike | None = None,
+                     device: torch.device | None = None, progress: bool = False) -> MeasuredProfile:
+    """Measure what the JSON cache does not hold yet (per micro batch size) and return the profile."""
+    path = _cache_path(Path(cache_dir or default_cache_dir()), hardware.name, model, precision)
+    cached = json.loads(path.read_text()) if path.exists() else {}
+    records = {int(b): r for b, r in cached.get("micro_batch_sizes", {}).items()}
+    missing = [b for b in sorted(set(micro_batch_sizes)) if b not in records]
+    if missing:
+        from tqdm import tqdm
+        for b in tqdm(missing, desc="profiling", unit="micro batch size", disable=not progress):
+            records[b] = measure_costs(model, precision, b, device)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        m = model
+        path.write_text(json.dumps({
+            "hardware": hardware.name, "dtype": precision.working_dtype_name,
+            "model": {"type": m.model_type, "hidden_size": m.hidden_size,
+                      "num_attention_heads": m.num_attention_heads,
+                      "ffn_hidden_size": m.ffn_hidden_size, "seq_length": m.seq_length,
+                      "padded_vocab_size": m.padded_vocab_size(1)},
+            "torch": torch.__version__,
+            "micro_batch_sizes": {str(b): r for b, r in sorted(records.items())}}, indent=1))
+    return MeasuredProfile(records, AnalyticProfile(model, precision, hardware))
+

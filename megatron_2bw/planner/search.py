@@ -1,0 +1,261 @@
+"""Rank every (t, p, d, micro batch, recomputation, schedule) for a model on a cluster.
+
+For each candidate: a layer split balancing the stages' compute (the first stage also embeds, the
+last also runs the head), per-stage memory (memory.py) against the device's usable memory, and
+per-stage durations (cost.py). Throughput comes from replaying the schedule (simulator.py, 3
+batches) for the contenders: per schedule, candidates are replayed best lower bound first until the
+`simulate_top` best replayed ones beat every remaining candidate's lower bound. The rest keep the
+paper's closed-form estimate (`simulated` is False): they cannot enter that top. Configurations that
+do not fit are not replayed and rank after every one that does.
+
+`best_plan(config, world, hardware)` is what a caller (tools/plan.py, the runtime's
+--auto-parallel) needs; `apply_plan` turns it into a Config.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass, field
+
+from tqdm import tqdm
+
+from megatron_2bw.config import Config, ModelConfig, ParallelConfig, PrecisionConfig, RecomputeConfig
+from megatron_2bw.pipeline.schedules import SCHEDULES
+from megatron_2bw.planner.cost import (RECOMPUTE_OPTIONS, Candidate, StageCost, balanced_split,
+                                       bottleneck_label, busiest_stage, paper_breakdown,
+                                       stage_costs, time_per_batch_lower_bound)
+from megatron_2bw.planner.hardware import HardwareSpec
+from megatron_2bw.planner.memory import StageMemory, estimate_stage_memory, memory_limit_bytes
+from megatron_2bw.planner.profile import AnalyticProfile, ComputeCosts, Profile
+from megatron_2bw.planner.simulator import Compiled, compiled_schedule, simulate
+
+SIMULATED_BATCHES = 3
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """Restrictions of the search; None means every valid value."""
+    tensor_parallel: tuple[int, ...] | None = None
+    pipeline_parallel: tuple[int, ...] | None = None
+    micro_batch_sizes: tuple[int, ...] | None = None
+    recompute: tuple[str | None, ...] = RECOMPUTE_OPTIONS
+    schedules: tuple[str, ...] = SCHEDULES
+    layer_split: tuple[int, ...] | None = None  # pinned layers per stage (pins p too)
+    balance_layers: bool = True  # otherwise the runtime's even split (when no split is pinned)
+
+
+@dataclass(frozen=True)
+class Plan:
+    candidate: Candidate
+    microbatches: int
+    time_per_batch_s: float
+    throughput_samples_per_s: float
+    stage_memory: tuple[StageMemory, ...]
+    memory_limit_bytes: float
+    fits: bool
+    bottleneck: str
+    bubble_fraction: float
+    simulated: bool  # False: the closed-form estimate (not a contender, or does not fit)
+    breakdown: dict = field(default_factory=dict)  # busiest stage's time per batch by cause
+
+    @property
+    def memory_bytes_per_stage(self) -> list[float]:
+        return [m.total for m in self.stage_memory]
+
+    def to_json(self) -> dict:
+        c = self.candidate
+        return {"tensor_parallel": c.tensor_parallel, "pipeline_parallel": c.pipeline_parallel,
+                "data_parallel": c.data_parallel, "micro_batch_size": c.micro_batch_size,
+                "microbatches": self.microbatches, "recompute": c.recompute or "none",
+                "schedule": c.schedule, "layer_split": list(c.layer_split or ()),
+                "throughput_samples_per_s": self.throughput_samples_per_s,
+                "time_per_batch_s": self.time_per_batch_s,
+                "memory_bytes_per_stage": [int(x) for x in self.memory_bytes_per_stage],
+                "memory_limit_bytes": int(self.memory_limit_bytes), "fits": self.fits,
+                "bottleneck": self.bottleneck, "bubble_fraction": self.bubble_fraction,
+                "simulated": self.simulated}
+
+
+def _divisors(n: int) -> list[int]:
+    return [x for x in range(1, n + 1) if n % x == 0]
+
+
+def candidates(model: ModelConfig, world_size: int, hardware: HardwareSpec, global_batch_size: int,
+               space: SearchSpace | None = None) -> list[Candidate]:
+    """Every valid configuration: t inside a node and dividing heads, hidden and ffn sizes; p at
+    most the layers; d = world / (t p) dividing the global batch; micro batch sizes dividing the
+    per-replica batch; 2BW and Flush need at least p microbatches per batch."""
+    space = space or SearchSpace()
+    per_node = hardware.devices_per_node
+    result = []
+    for t in _divisors(world_size):
+        if (t > per_node or per_node % t or model.num_attention_heads % t or model.hidden_size % t
+                or model.ffn_hidden_size % t
+                or (space.tensor_parallel is not None and t not in space.tensor_parallel)):
+            continue
+        for p in _divisors(world_size // t):
+            if p > model.num_layers or (space.pipeline_parallel is not None
+                                        and p not in space.pipeline_parallel) \
+                    or (space.layer_split is not None and p != len(space.layer_split)):
+                continue
+            d = world_size // (t * p)
+            if global_batch_size % d:
+                continue
+            for b in _divisors(global_batch_size // d):
+                if space.micro_batch_sizes is not None and b not in space.micro_batch_sizes:
+                    continue
+                m = global_batch_size // (b * d)
+                for schedule in space.schedules:
+                    if schedule in ("2bw", "flush") and m < p:
+                        continue
+                    for recompute in space.recompute:
+                        result.append(Candidate(t, p, d, b, recompute, schedule,
+                                                space.layer_split))
+    return result
+
+
+def recompute_config(granularity: str | None) -> RecomputeConfig:
+    """The runtime's recomputation settings for a planner choice (full: every layer, one by one)."""
+    if granularity == "full":
+        return RecomputeConfig(granularity="full", method="uniform", num_layers=1)
+    return RecomputeConfig(granularity=granularity)
+
+
+@dataclass
+class _Assessed:
+    """A candidate before (or without) the replay."""
+    candidate: Candidate
+    microbatches: int
+    memory: tuple[StageMemory, ...]
+    fits: bool
+    durations: list[StageCost]
+    lower_bound_s: float
+
+
+class _Planner:
+    def __init__(self, model: ModelConfig, hardware: HardwareSpec, global_batch_size: int,
+                 precision: PrecisionConfig, optimizer: str, parallel: ParallelConfig | None,
+                 profile: Profile, balance_layers: bool):
+        self.model, self.hardware, self.global_batch_size = model, hardware, global_batch_size
+        self.precision, self.optimizer, self.parallel = precision, optimizer, parallel
+        self.profile, self.balance_layers = profile, balance_layers
+        self.memory_limit = memory_limit_bytes(hardware)
+        self._costs: dict[tuple[int, int], ComputeCosts] = {}
+        self._schedules: dict[tuple[str, int, int], Compiled] = {}  # shared by candidates
+
+    def costs(self, t: int, b: int) -> ComputeCosts:
+        if (t, b) not in self._costs:
+            self._costs[(t, b)] = self.profile.costs(t, b)
+        return self._costs[(t, b)]
+
+    def assess(self, candidate: Candidate) -> _Assessed:
+        costs = self.costs(candidate.tensor_parallel, candidate.micro_batch_size)
+        if self.balance_layers and candidate.layer_split is None:
+            candidate = dataclasses.replace(candidate, layer_split=balanced_split(
+                self.model, self.hardware, costs, candidate, self.precision))
+        m = candidate.microbatches(self.global_batch_size)
+        per_layer = costs.activation_bytes_per_layer(candidate.recompute)
+        parallel_config = candidate.parallel_config(self.parallel)
+        memory = tuple(estimate_stage_memory(
+            self.model, parallel_config, self.precision, recompute_config(candidate.recompute),
+            self.optimizer, candidate.micro_batch_size, m, candidate.data_parallel, s, per_layer)
+            for s in range(candidate.pipeline_parallel))
+        durations = stage_costs(self.model, self.hardware, costs, candidate, self.precision,
+                                self.optimizer, self.parallel)
+        return _Assessed(candidate, m, memory,
+                         max(x.total for x in memory) <= self.memory_limit,
+                         durations, time_per_batch_lower_bound(durations, candidate.schedule, m))
+
+    def plan(self, item: _Assessed, replay: bool) -> Plan:
+        c, m = item.candidate, item.microbatches
+        if replay:
+            shape = (c.schedule, c.pipeline_parallel, m)
+            if shape not in self._schedules:
+                self._schedules[shape] = compiled_schedule(*shape, SIMULATED_BATCHES)
+            result = simulate(self._schedules[shape], item.durations)
+            seconds, bubble = result.time_per_batch, result.bubble_fraction
+            breakdown, bottleneck = result.breakdown, result.bottleneck
+        else:
+            breakdown = paper_breakdown(item.durations, c.schedule, m)
+            seconds = sum(breakdown.values())
+            bubble = breakdown["bubble"] / seconds
+            bottleneck = bottleneck_label(breakdown, busiest_stage(item.durations, m))
+        return Plan(candidate=c, microbatches=m, time_per_batch_s=seconds,
+                    throughput_samples_per_s=self.global_batch_size / seconds,
+                    stage_memory=item.memory, memory_limit_bytes=self.memory_limit,
+                    fits=item.fits, bottleneck=bottleneck, bubble_fraction=bubble,
+                    simulated=replay, breakdown=breakdown)
+
+
+def _rank_key(plan: Plan):
+    return (not plan.fits, not plan.simulated, -plan.throughput_samples_per_s,
+            max(plan.memory_bytes_per_stage))
+
+
+def rank_plans(model: ModelConfig, world_size: int, hardware: HardwareSpec, global_batch_size: int,
+               precision: PrecisionConfig, optimizer: str = "adam",
+               parallel: ParallelConfig | None = None, profile: Profile | None = None,
+               space: SearchSpace | None = None, simulate_top: int = 8,
+               progress: bool = False) -> list[Plan]:
+    """Every candidate, ranked: replayed fitting ones by throughput, then fitting ones that cannot
+    reach the top `simulate_top` of their schedule (closed form), then those that do not fit."""
+    space = space or SearchSpace()
+    hardware = hardware.for_world(world_size)
+    profile = profile or AnalyticProfile(model, precision, hardware)
+    pool = candidates(model, world_size, hardware, global_batch_size, space)
+    if not pool:
+        raise ValueError(f"no valid parallel configuration for world size {world_size}, global "
+                         f"batch {global_batch_size} and this model (t must divide the heads and "
+                         f"the {hardware.devices_per_node} devices of a node, p <= layers)")
+    planner = _Planner(model, hardware, global_batch_size, precision, optimizer, parallel, profile,
+                       space.balance_layers)
+    assessed = [planner.assess(c) for c in tqdm(pool, desc="costing", unit="config",
+                                                disable=not progress)]
+    plans = []
+    for schedule in space.schedules:
+        fitting = sorted((a for a in assessed if a.fits and a.candidate.schedule == schedule),
+                         key=lambda a: a.lower_bound_s)
+        best: list[float] = []  # replayed times, ascending
+        for item in tqdm(fitting, desc=f"replaying {schedule}", unit="config",
+                         disable=not progress):
+            replay = len(best) < simulate_top or item.lower_bound_s < best[-1]
+            plan = planner.plan(item, replay)
+            plans.append(plan)
+            if replay:
+                best = sorted(best + [plan.time_per_batch_s])[:simulate_top]
+    plans += [planner.plan(a, replay=False) for a in assessed if not a.fits]
+    return sorted(plans, key=_rank_key)
+
+
+def rank_plans_for(config: Config, world_size: int, hardware: HardwareSpec,
+                   profile: Profile | None = None, space: SearchSpace | None = None,
+                   simulate_top: int = 8, progress: bool = False) -> list[Plan]:
+    """`rank_plans` with the model, batch, precision and optimizer of a training Config."""
+    if config.training.global_batch_size is None:
+        raise ValueError("planning needs --global-batch-size")
+    return rank_plans(config.model, world_size, hardware, config.training.global_batch_size,
+                      config.precision, config.optimizer.optimizer, config.parallel, profile,
+                      space, simulate_top, progress)
+
+
+def best_plan(config: Config, world_size: int, hardware: HardwareSpec,
+              profile: Profile | None = None, space: SearchSpace | None = None) -> Plan:
+    """The fastest configuration that fits; ValueError naming the smallest need if none does."""
+    plans = rank_plans_for(config, world_size, hardware, profile, space, simulate_top=1)
+    if not plans[0].fits:
+        least = min(plans, key=lambda plan: max(plan.memory_bytes_per_stage))
+        raise ValueError(f"no configuration fits in {least.memory_limit_bytes / 2**30:.1f} GiB "
+                         f"per device; the smallest ({least.candidate.describe()}) needs "
+                         f"{max(least.memory_bytes_per_stage) / 2**30:.1f} GiB")
+    return plans[0]
+
+
+def apply_plan(config: Config, plan: Plan) -> Config:
+    """A copy of `config` set up to run `plan` (parallel sizes, layer split, schedule, micro batch
+    size, recomputation)."""
+    result = copy.deepcopy(config)
+    result.parallel = plan.candidate.parallel_config(config.parallel)
+    result.parallel.auto_parallel = config.parallel.auto_parallel
+    result.training.micro_batch_size = plan.candidate.micro_batch_size
+    result.recompute = recompute_config(plan.candidate.recompute)
+    return result

@@ -1,0 +1,114 @@
+import pytest
+
+from megatron_2bw.config import ModelConfig, PrecisionConfig
+from megatron_2bw.planner.cost import (Candidate, Network, StageCost, balanced_layer_split,
+                                       paper_time_per_batch, stage_costs)
+from megatron_2bw.planner.hardware import HardwareSpec
+from megatron_2bw.planner.memory import stage_parameters
+from megatron_2bw.planner.profile import ComputeCosts
+
+
+def toy_hardware(devices_per_node=4, nodes=2) -> HardwareSpec:
+    """Round numbers: 100 B/s and 1 s inside a node, 10 B/s per node and 5 s between nodes."""
+    return HardwareSpec(name="toy", devices_per_node=devices_per_node, nodes=nodes,
+                        memory_per_device_bytes=1e12, intra_node_bandwidth=100.0,
+                        intra_node_latency_s=1.0, inter_node_bandwidth=10.0,
+                        inter_node_latency_s=5.0, peak_flops={"float32": 1e12},
+                        memory_bandwidth=1e12, efficiency=1.0)
+
+
+def test_ring_allreduce_inside_a_node():
+    net = Network(toy_hardware(), tensor=4, pipeline=2, data=1)
+    # 2(n-1)/n * bytes / bandwidth + 2(n-1) * latency
+    assert net.allreduce_time("tensor", 1000) == pytest.approx(2 * 3 / 4 * 1000 / 100 + 6 * 1.0)
+
+
+def test_ring_allreduce_across_nodes_is_paced_by_the_shared_link():
+    one_ring = Network(toy_hardware(), tensor=1, pipeline=1, data=8)
+    # ranks 0..7 on two nodes: the ring leaves each node once
+    assert one_ring.allreduce_time("data", 1000, stage=0) == \
+        pytest.approx(2 * 7 / 8 * 1000 / 10 + 14 * 5.0)
+    # t = 2: two data-parallel rings (even and odd ranks) share each node's link
+    two_rings = Network(toy_hardware(), tensor=2, pipeline=1, data=4)
+    assert two_rings.allreduce_time("data", 1000, stage=0) == \
+        pytest.approx(2 * 3 / 4 * 1000 * 2 / 10 + 6 * 5.0)
+    assert two_rings.allreduce_time("data", 1000, stage=0, buckets=3) == \
+        pytest.approx(2 * 3 / 4 * 1000 * 2 / 10 + 3 * 6 * 5.0)
+    assert Network(toy_hardware(), 1, 8, 1).allreduce_time("data", 1000, stage=0) == 0.0
+
+
+def test_pipeline_transfers_share_the_node_link():
+    # a stage per node: its 4 replicas all send to the next node at once
+    across = Network(toy_hardware(), tensor=1, pipeline=2, data=4)
+    assert across.transfer_time(0, 1, 1000) == pytest.approx(5.0 + 1000 * 4 / 10)
+    inside = Network(toy_hardware(devices_per_node=8, nodes=1), tensor=1, pipeline=2, data=4)
+    assert inside.transfer_time(1, 0, 1000) == pytest.approx(1.0 + 1000 / 100)
+
+
+def test_tensor_parallel_must_stay_inside_a_node():
+    with pytest.raises(ValueError, match="must divide the 4 devices"):
+        Network(toy_hardware(), tensor=8, pipeline=1, data=1)
+
+
+COSTS = ComputeCosts(layer_forward_s=1.0, layer_backward_s=2.0, attention_core_forward_s=0.25,
+                     embedding_forward_s=0.1, embedding_backward_s=0.2, head_forward_s=0.5,
+                     head_backward_s=1.0, layer_activation_bytes=0.0,
+                     selective_layer_activation_bytes=0.0)
+MODEL = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32,
+                    vocab_size=1000)
+
+
+def costs_of(recompute=None, schedule="flush", tensor=1):
+    hw = toy_hardware(devices_per_node=8, nodes=1)
+    candidate = Candidate(tensor, 2, 1, 1, recompute, schedule, layer_split=(1, 3))
+    return stage_costs(MODEL, hw, COSTS, candidate, PrecisionConfig(), "adam")
+
+
+def test_stage_durations_add_up_the_pieces():
+    first, last = costs_of()
+    assert (first.forward_s, first.backward_s) == pytest.approx((1.0 + 0.1, 2.0 + 0.2))
+    assert (last.forward_s, last.backward_s) == pytest.approx((3 * 1.0 + 0.5, 3 * 2.0 + 1.0))
+    activation = 32 * 64 * 4  # b s h fp32
+    assert first.send_act_s == pytest.approx(1.0 + activation / 100) == last.send_grad_s
+    assert first.send_grad_s == 0.0 == last.send_act_s
+    # fp32 flush: the master weights are the working weights, so reduce = the grad-norm pass
+    # (d = 1: no all-reduce) and the step = Adam + unscaling, all at memory bandwidth
+    # The first stage also waits for the all-reduce of the tied word embeddings' fp32 gradient with
+    # the last stage; every step waits for the grad-norm all-reduce (4 bytes, 2 ranks).
+    P = stage_parameters(MODEL, 1, 1, True, False)
+    tied = 2 * 1 / 2 * (4 * 1024 * 64) / 100 + 2 * 1.0
+    assert first.reduce_s == pytest.approx(12 * P / 1e12 + tied)
+    assert last.reduce_s == pytest.approx(12 * stage_parameters(MODEL, 1, 3, False, True) / 1e12)
+    assert first.step_s == pytest.approx((28 + 8) * P / 1e12)
+    assert first.reduce_async_s == last.reduce_async_s == pytest.approx(2 * 1 / 2 * 4 / 100 + 2)
+
+
+def test_recomputation_adds_a_forward_and_tensor_parallelism_adds_all_reduces():
+    plain, full, selective = costs_of()[1], costs_of("full")[1], costs_of("selective")[1]
+    assert full.backward_s - plain.backward_s == pytest.approx(3 * 1.0)
+    assert selective.backward_s - plain.backward_s == pytest.approx(3 * 0.25)
+    two = costs_of(tensor=2)[1]  # same ComputeCosts: only the communication differs
+    allreduce = 2 * 1 / 2 * 32 * 64 * 4 / 100 + 2 * 1.0
+    loss_allreduce = 2 * 1 / 2 * 4 * 32 / 100 + 2 * 1.0
+    assert two.forward_s - plain.forward_s == pytest.approx(3 * 2 * allreduce + 3 * loss_allreduce)
+    assert two.backward_s - plain.backward_s == pytest.approx(3 * 2 * allreduce + allreduce)
+
+
+def test_balanced_split_moves_layers_off_the_head_stage():
+    # 8 layers of 1 s, the head costs 2 s: the even split's last stage takes 4 s
+    assert balanced_layer_split(8, 4, 1.0, 0.0, 2.0) == (2, 2, 3, 1)
+    split = balanced_layer_split(32, 8, 1.0, 0.2, 1.8)
+    times = [n + extra for n, extra in zip(split, [0.2] + [0] * 6 + [1.8])]
+    assert sum(split) == 32 and min(split) >= 1 and max(times) == 5.0  # the best possible
+    assert balanced_layer_split(5, 1, 1.0, 9.0, 9.0) == (5,)
+
+
+def test_paper_closed_form():
+    stage = StageCost(1.0, 2.0, 0.0, 0.0, 5.0, 0.0, 1.0)
+    stages = [stage] * 4
+    assert paper_time_per_batch(stages, "2bw", 8) == 24.0  # data-parallel work overlapped
+    assert paper_time_per_batch(stages, "flush", 8) == (8 + 3) * 3.0 + 6.0
+    assert paper_time_per_batch(stages, "gpipe", 8) == (8 + 3) * 3.0 + 6.0
+    assert paper_time_per_batch([StageCost(1.0, 2.0, 0.0, 0.0, 50.0, 0.0, 1.0)] * 4, "2bw", 8) == 51.0
+    talking = [StageCost(1.0, 2.0, 0.5, 0.0, 0, 0, 0), StageCost(1.0, 2.0, 0.0, 0.5, 0, 0, 0)]
+    assert paper_time_per_batch(talking, "2bw", 8) == 8 * (3.0 + 1.0)  # + activation + gradient

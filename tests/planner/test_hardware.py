@@ -1,0 +1,100 @@
+import pytest
+
+from megatron_2bw.planner.hardware import (HardwareSpec, detect_hardware, load_hardware,
+                                           parse_quantity, shipped_hardware)
+from tests.distributed_helpers import run_ranks
+
+GOOD = """
+name: toy
+devices_per_node: 4
+memory_per_device: 2 GiB
+intra_node_bandwidth: 100 GB/s
+intra_node_latency: 5 us
+inter_node_bandwidth: 100 Gbit/s
+inter_node_latency: 20 us
+peak_flops: {float32: 10 TFLOPS, bfloat16: 80 TFLOPS}
+memory_bandwidth: 1 TB/s
+efficiency: 50%
+reserved_memory: 256 MiB
+kernel_overhead: 4 us
+"""
+
+
+def write(tmp_path, text, name="hw.yaml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_shipped_files_load_with_the_papers_cluster_figures():
+    assert {"p3.16xlarge", "dgx-a100", "dgx-h100"} <= set(shipped_hardware())
+    p3 = load_hardware("p3.16xlarge")
+    assert (p3.devices_per_node, p3.memory_per_device_bytes) == (8, 16 * 2**30)
+    assert p3.inter_node_bandwidth == 25e9 / 8  # 25 Gbit/s
+    assert p3.intra_node_bandwidth == 25e9
+    assert p3.flops_for("float16") == 125e12 and p3.memory_bandwidth == 900e9
+    with pytest.raises(ValueError, match="bfloat16"):  # V100 has no bf16 tensor cores
+        p3.flops_for("bfloat16")
+    a100, h100 = load_hardware("dgx-a100"), load_hardware("dgx-h100")
+    assert a100.inter_node_bandwidth == 8 * 200e9 / 8 and h100.inter_node_bandwidth == 8 * 400e9 / 8
+    assert a100.flops_for("bfloat16") == 312e12 and h100.intra_node_bandwidth == 450e9
+    assert p3.kernel_overhead_s == pytest.approx(5e-6) and p3.efficiency == 0.4
+
+
+def test_units_and_a_full_file(tmp_path):
+    assert parse_quantity("16 GiB", "bytes", "x") == 16 * 2**30
+    assert parse_quantity("25 Gbit/s", "bandwidth", "x") == 25e9 / 8
+    assert parse_quantity("25Gbps", "bandwidth", "x") == 25e9 / 8
+    assert parse_quantity("10 us", "seconds", "x") == pytest.approx(1e-5)
+    assert parse_quantity(3.5e9, "bandwidth", "x") == 3.5e9
+    spec = load_hardware(write(tmp_path, GOOD))
+    assert spec == HardwareSpec(
+        name="toy", devices_per_node=4, nodes=1, memory_per_device_bytes=2 * 2**30,
+        intra_node_bandwidth=100e9, intra_node_latency_s=pytest.approx(5e-6),
+        inter_node_bandwidth=12.5e9, inter_node_latency_s=pytest.approx(2e-5),
+        peak_flops={"float32": 10e12, "bfloat16": 80e12}, memory_bandwidth=1e12, efficiency=0.5,
+        reserved_memory_bytes=256 * 2**20, kernel_overhead_s=pytest.approx(4e-6),
+        source=str(tmp_path / "hw.yaml"))
+    assert spec.usable_memory_bytes == 2 * 2**30 - 256 * 2**20
+    assert spec.for_world(10).nodes == 3 and spec.for_world(10).world_size == 12
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda t: t.replace("devices_per_node: 4\n", ""), "missing field.*devices_per_node"),
+    (lambda t: t + "colour: blue\n", "unknown field.*colour"),
+    (lambda t: t.replace("100 GB/s", "100 furlongs"), "intra_node_bandwidth.*100 furlongs"),
+    (lambda t: t.replace("2 GiB", "-2 GiB"), "memory_per_device must be positive"),
+    (lambda t: t.replace("float32:", "float8:"), "unknown dtype.*float8"),
+    (lambda t: t.replace("devices_per_node: 4", "devices_per_node: four"), "positive integer"),
+    (lambda t: t.replace("efficiency: 50%", "efficiency: 1.5"), r"efficiency must be in \(0, 1\]"),
+    (lambda t: "- a list\n", "expected a mapping"),
+    (lambda t: "devices_per_node: [\n", "not valid YAML"),
+])
+def test_bad_files_name_the_file_and_the_field(tmp_path, edit, message):
+    path = write(tmp_path, edit(GOOD))
+    with pytest.raises(ValueError, match=message) as error:
+        load_hardware(path)
+    assert str(path) in str(error.value)
+
+
+def test_unknown_file_lists_the_shipped_names():
+    with pytest.raises(FileNotFoundError, match="p3.16xlarge"):
+        load_hardware("no-such-cluster")
+
+
+def _detect(rank, world_size):
+    return detect_hardware(repeats=2)
+
+
+def test_detect_hardware_over_two_gloo_ranks():
+    import psutil
+    specs = run_ranks(2, _detect)
+    assert specs[0] == specs[1]  # every rank gets the same answer
+    spec = specs[0]
+    assert (spec.devices_per_node, spec.nodes) == (2, 1)
+    assert spec.memory_per_device_bytes == pytest.approx(psutil.virtual_memory().total / 2)
+    assert spec.intra_node_bandwidth > 0 and spec.intra_node_latency_s > 0
+    assert set(spec.peak_flops) == {"float32", "float16", "bfloat16"}
+    assert all(v > 0 for v in spec.peak_flops.values()) and spec.memory_bandwidth > 0
+    assert spec.efficiency == 1.0  # measured rates are achieved rates
+    assert 0 < spec.kernel_overhead_s < 1e-2

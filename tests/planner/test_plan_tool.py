@@ -1,0 +1,84 @@
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tools"))
+
+import plan  # noqa: E402
+
+TINY = ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4",
+        "--seq-length", "64", "--vocab-size", "1000", "--global-batch-size", "32"]
+
+
+def test_ranked_table_json_and_plot(tmp_path, capsys):
+    out_json, out_png = tmp_path / "plan.json", tmp_path / "plan.png"
+    plans = plan.main(TINY + ["--fp16", "--world-size", "16", "--hardware", "p3.16xlarge",
+                              "--top", "3", "--json", str(out_json), "--plot", str(out_png)])
+    table = capsys.readouterr().out
+    assert "16 x p3.16xlarge" in table and "bottleneck" in table
+    rows = json.loads(out_json.read_text())["configs"]
+    assert len(rows) == len(plans)
+    assert {row["schedule"] for row in rows} == {"2bw", "flush", "gpipe"}
+    assert rows[0]["fits"] and rows[0] == plans[0].to_json()
+    fitting = [r["throughput_samples_per_s"] for r in rows if r["fits"] and r["simulated"]]
+    assert fitting == sorted(fitting, reverse=True)
+    assert all(r["tensor_parallel"] * r["pipeline_parallel"] * r["data_parallel"] == 16
+               for r in rows)
+    assert out_png.stat().st_size > 10_000 and out_png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_typed_parallel_flags_pin_the_search(capsys):
+    plans = plan.main(TINY + ["--world-size", "8", "--hardware", "dgx-a100",
+                              "--tensor-model-parallel-size", "2", "--pipeline-schedule", "flush",
+                              "--recompute-activations"])
+    assert {(p.candidate.tensor_parallel, p.candidate.schedule, p.candidate.recompute)
+            for p in plans} == {(2, "flush", "selective")}
+
+
+def run_tool(*args, cwd=None):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, str(ROOT / "tools" / "plan.py"), *args],
+                          capture_output=True, text=True, cwd=cwd, env=env, timeout=300)
+
+
+def test_errors_are_one_line_and_exit_2():
+    result = run_tool(*TINY, "--world-size", "8", "--hardware", "nowhere")
+    assert result.returncode == 2
+    assert result.stderr.startswith("plan.py: error: hardware file 'nowhere' not found")
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--world-size", "8"], "--hardware"),
+    (["--world-size", "0", "--hardware", "dgx-a100"], "--world-size must be a positive integer"),
+    (["--world-size", "8", "--hardware", "dgx-a100", "--top", "0"], "--top"),
+    (["--world-size", "8", "--hardware", "dgx-a100", "--json", "/no/such/dir/x.json"],
+     "--json /no/such/dir/x.json: the directory does not exist"),
+    (["--world-size", "8", "--hardware", "p3.16xlarge", "--bf16"], "no peak_flops for bfloat16"),
+])
+def test_bad_arguments_are_named(args, message):
+    with pytest.raises(ValueError, match=message):
+        plan.main(TINY + args)
+
+
+def test_missing_vocabulary_or_batch_is_named():
+    without_vocab = [a for a in TINY if a not in ("--vocab-size", "1000")]
+    with pytest.raises(ValueError, match="--vocab-size"):
+        plan.main(without_vocab + ["--world-size", "8", "--hardware", "dgx-a100"])
+    without_batch = [a for a in TINY if a not in ("--global-batch-size", "32")]
+    with pytest.raises(ValueError, match="--global-batch-size"):
+        plan.main(without_batch + ["--world-size", "8", "--hardware", "dgx-a100"])
+
+
+def test_local_hardware_measures_this_machine(tmp_path):
+    result = run_tool(*TINY, "--world-size", "2", "--hardware", "local", "--profile-cache",
+                      str(tmp_path), "--json", str(tmp_path / "plan.json"))
+    assert result.returncode == 0, result.stderr
+    assert list(tmp_path.glob("*__gpt-h128-a4-f512-s64-v1024__float32.json"))
+    rows = json.loads((tmp_path / "plan.json").read_text())["configs"]
+    assert rows[0]["fits"] and rows[0]["tensor_parallel"] == 1  # one device per node here

@@ -1,0 +1,99 @@
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from megatron_2bw.config import ModelConfig, PrecisionConfig
+from megatron_2bw.planner import profile as profile_module
+from megatron_2bw.planner.hardware import HardwareSpec
+from megatron_2bw.planner.memory import layer_activation_bytes, layer_parameters
+from megatron_2bw.planner.profile import (AnalyticProfile, MeasuredProfile, measured_profile,
+                                          saved_activation_bytes)
+
+MODEL = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32,
+                    vocab_size=1000)
+HARDWARE = HardwareSpec(name="toy", devices_per_node=8, nodes=1, memory_per_device_bytes=1e10,
+                        intra_node_bandwidth=1e10, intra_node_latency_s=1e-5,
+                        inter_node_bandwidth=1e9, inter_node_latency_s=1e-4,
+                        peak_flops={"float32": 1e12, "bfloat16": 4e12}, memory_bandwidth=1e11,
+                        efficiency=0.5)
+
+
+def test_analytic_layer_time_is_flops_over_peak_plus_bytes_over_bandwidth():
+    b, s, h, f, a, e = 2, 32, 64, 256, 4, 4
+    flops = 2 * b * s * (4 * h * h + 2 * h * f) + 4 * b * s * s * h
+    moved = (18 * e + 2) * s * b * h + (6 * e * s * b * h + 2 * e * s * b * f) + \
+        (8 * e + 1) * a * s * s * b
+    costs = AnalyticProfile(MODEL, PrecisionConfig(), HARDWARE).costs(1, b)
+    assert costs.layer_forward_s == pytest.approx(flops / 0.5e12 + moved / 0.5e11)
+    accumulation = (4 + 2 * 4) * layer_parameters(MODEL, 1)  # read 2 buffers, write 1 (fp32)
+    assert costs.layer_backward_s == pytest.approx(2 * flops / 0.5e12 + (2 * moved + accumulation)
+                                                   / 0.5e11)
+    assert costs.layer_activation_bytes == layer_activation_bytes(MODEL, 1, b, e)
+    # bf16: the bf16 peak, 2-byte activations
+    half = AnalyticProfile(MODEL, PrecisionConfig(bf16=True), HARDWARE).costs(1, b)
+    assert half.layer_forward_s < costs.layer_forward_s
+    assert half.layer_activation_bytes == layer_activation_bytes(MODEL, 1, b, 2)
+
+
+def test_analytic_kernel_launches_cost_a_fixed_time_per_microbatch():
+    slow = dataclasses.replace(HARDWARE, kernel_overhead_s=1e-3)
+    plain = AnalyticProfile(MODEL, PrecisionConfig(), HARDWARE).costs(1, 2)
+    costly = AnalyticProfile(MODEL, PrecisionConfig(), slow).costs(1, 2)
+    # forward: 4 linears, 2 LayerNorms, 2 x (bias, dropout, residual), GELU, a layout copy, and
+    # the attention core's 8; backward: twice that, 8 weight-gradient kernels, 12 accumulations
+    assert costly.layer_forward_s - plain.layer_forward_s == pytest.approx(22e-3)
+    assert costly.layer_backward_s - plain.layer_backward_s == pytest.approx(64e-3)
+
+
+def test_analytic_tensor_parallel_shard_is_cheaper_but_not_by_t():
+    profile = AnalyticProfile(MODEL, PrecisionConfig(), HARDWARE)
+    one, two = profile.costs(1, 4), profile.costs(2, 4)
+    # LayerNorms, dropouts and residuals are replicated over the tensor-parallel group
+    assert one.layer_forward_s / 2 < two.layer_forward_s < one.layer_forward_s
+    assert two.head_forward_s == pytest.approx(one.head_forward_s / 2, rel=0.05)
+
+
+def test_saved_tensor_count_of_the_real_layer():
+    """Without dropout PyTorch runs fused attention on the CPU: it keeps Q, K, V (one storage),
+    its output (which is also the dense layer's input) and a log-sum-exp per row."""
+    model = ModelConfig(num_layers=1, hidden_size=64, num_attention_heads=4, seq_length=32,
+                        vocab_size=1000, hidden_dropout=0.0, attention_dropout=0.0)
+    body = profile_module._piece(model, 1, False, False, torch.float32, torch.device("cpu"))
+    layer = next(iter(body.transformer.layers.values()))
+    b, s, h, a, e = 2, 32, 64, 4, 4
+    none, selective = saved_activation_bytes(layer, torch.randn(b, s, h, requires_grad=True))
+    # LN inputs (2), QKV and fc1 inputs (2), Q/K/V (3), attention output (1), GELU in/out (4 + 4)
+    stashed = 16 * e * s * b * h
+    norm_statistics = 2 * 2 * 4 * b * s  # mean and rstd of two LayerNorms, fp32
+    assert none == stashed + norm_statistics + 4 * a * s * b
+    assert selective == stashed + norm_statistics  # the core's log-sum-exp is recomputed
+
+
+def test_measured_profile_is_cached_interpolated_and_scaled(tmp_path, monkeypatch):
+    calls = []
+    real = profile_module.measure_costs
+
+    def counting(model, precision, b, device=None, repeats=3):
+        calls.append(b)
+        return real(model, precision, b, device, repeats=1)
+
+    monkeypatch.setattr(profile_module, "measure_costs", counting)
+    profile = measured_profile(MODEL, PrecisionConfig(), HARDWARE, [1, 2], tmp_path)
+    assert calls == [1, 2]
+    [cache] = tmp_path.glob("toy__gpt-h64-a4-f256-s32-v1024__float32.json")
+    stored = json.loads(cache.read_text())
+    assert set(stored["micro_batch_sizes"]) == {"1", "2"}
+    assert stored["micro_batch_sizes"]["1"]["layer_activation_bytes"] > 0
+    again = measured_profile(MODEL, PrecisionConfig(), HARDWARE, [2, 1], tmp_path)
+    assert calls == [1, 2]  # nothing measured twice
+    assert again.records == profile.records
+
+    records = {1: dict.fromkeys(stored["micro_batch_sizes"]["1"], 1.0),
+               3: dict.fromkeys(stored["micro_batch_sizes"]["1"], 2.0)}
+    fake = MeasuredProfile(records, AnalyticProfile(MODEL, PrecisionConfig(), HARDWARE))
+    assert fake.costs(1, 5).layer_forward_s == pytest.approx(3.0)  # the line through b = 1, 3
+    analytic = AnalyticProfile(MODEL, PrecisionConfig(), HARDWARE)
+    ratio = analytic.costs(2, 1).layer_forward_s / analytic.costs(1, 1).layer_forward_s
+    assert fake.costs(2, 1).layer_forward_s == pytest.approx(ratio)

@@ -1,0 +1,87 @@
+import dataclasses
+
+import pytest
+
+from megatron_2bw.arguments import validate_for_world
+from megatron_2bw.config import Config, ModelConfig, PrecisionConfig, TrainingConfig
+from megatron_2bw.planner.hardware import load_hardware
+from megatron_2bw.planner.search import (SearchSpace, apply_plan, best_plan, candidates,
+                                         rank_plans)
+
+MODEL = ModelConfig(num_layers=4, hidden_size=256, num_attention_heads=4, seq_length=128,
+                    vocab_size=5000)
+P3 = load_hardware("p3.16xlarge")
+
+
+def test_candidates_respect_every_constraint():
+    pool = candidates(MODEL, 16, P3.for_world(16), 32)
+    assert {c.tensor_parallel for c in pool} == {1, 2, 4}  # divides the heads and 8 devices
+    assert {c.pipeline_parallel for c in pool} == {1, 2, 4}  # p <= 4 layers
+    for c in pool:
+        assert c.tensor_parallel * c.pipeline_parallel * c.data_parallel == 16
+        assert 32 % (c.micro_batch_size * c.data_parallel) == 0
+        if c.schedule != "gpipe":
+            assert c.microbatches(32) >= c.pipeline_parallel
+    assert {c.schedule for c in pool} == {"2bw", "flush", "gpipe"}
+    assert {c.recompute for c in pool} == {None, "selective", "full"}
+    pinned = candidates(MODEL, 16, P3, 32, SearchSpace(tensor_parallel=(2,), micro_batch_sizes=(1,),
+                                                       schedules=("flush",), recompute=(None,)))
+    assert {(c.tensor_parallel, c.micro_batch_size, c.schedule) for c in pinned} == {(2, 1, "flush")}
+    split = candidates(MODEL, 16, P3, 32, SearchSpace(layer_split=(1, 3)))
+    assert {(c.pipeline_parallel, c.layer_split) for c in split} == {(2, (1, 3))}
+
+
+def test_replaying_only_the_contenders_finds_the_same_top():
+    args = (MODEL, 16, P3, 64, PrecisionConfig(fp16=True))
+    pruned = rank_plans(*args, simulate_top=2)
+    exhaustive = rank_plans(*args, simulate_top=10 ** 6)
+    assert sum(p.simulated for p in pruned) < sum(p.simulated for p in exhaustive)
+    for schedule in ("2bw", "flush", "gpipe"):
+        def top(plans):
+            return [(p.candidate, round(p.throughput_samples_per_s, 9)) for p in plans
+                    if p.candidate.schedule == schedule and p.simulated][:2]
+        assert top(pruned) == top(exhaustive)
+    assert pruned[0] == exhaustive[0]
+
+
+def test_memory_limit_marks_and_ranks_configurations():
+    plans = rank_plans(MODEL, 8, P3, 64, PrecisionConfig(fp16=True))
+    fits = [p.fits for p in plans]
+    assert fits == sorted(fits, reverse=True)  # every fitting configuration first
+    for plan in plans:
+        assert plan.fits == (max(plan.memory_bytes_per_stage) <= 0.95 * P3.usable_memory_bytes)
+    replayed = [p.throughput_samples_per_s for p in plans if p.fits and p.simulated]
+    assert replayed == sorted(replayed, reverse=True)
+    tiny = dataclasses.replace(P3, memory_per_device_bytes=2 * 2**20, reserved_memory_bytes=0)
+    squeezed = rank_plans(MODEL, 8, tiny, 64, PrecisionConfig(fp16=True))
+    assert not any(p.fits for p in squeezed) and not any(p.simulated for p in squeezed)
+    config = Config(model=MODEL, training=TrainingConfig(global_batch_size=64))
+    with pytest.raises(ValueError, match="no configuration fits in 0.0 GiB"):
+        best_plan(config, 8, tiny)
+
+
+def test_best_plan_applies_to_a_config():
+    config = Config(model=MODEL, training=TrainingConfig(global_batch_size=64))
+    config.precision.fp16 = True
+    plan = best_plan(config, 8, P3)
+    assert plan.fits and plan.simulated
+    assert plan == rank_plans(MODEL, 8, P3, 64, PrecisionConfig(fp16=True))[0]
+    applied = apply_plan(config, plan)
+    c = plan.candidate
+    assert (applied.parallel.tensor_parallel, applied.parallel.pipeline_parallel,
+            applied.parallel.pipeline_schedule, applied.training.micro_batch_size) == \
+        (c.tensor_parallel, c.pipeline_parallel, c.schedule, c.micro_batch_size)
+    assert applied.parallel.layer_split == list(c.layer_split)
+    assert applied.recompute.granularity == c.recompute
+    assert validate_for_world(applied, 8) == c.data_parallel
+    assert config.parallel.tensor_parallel == 1  # the original is untouched
+    json_row = plan.to_json()
+    assert {"tensor_parallel", "pipeline_parallel", "data_parallel", "micro_batch_size",
+            "recompute", "schedule", "throughput_samples_per_s", "memory_bytes_per_stage", "fits",
+            "bottleneck"} <= set(json_row)
+
+
+def test_no_candidate_is_an_error():
+    one_layer = dataclasses.replace(MODEL, num_layers=1, num_attention_heads=1)  # t = p = 1
+    with pytest.raises(ValueError, match="no valid parallel configuration"):
+        rank_plans(one_layer, 8, P3, 12, PrecisionConfig())  # d = 8 does not divide 12

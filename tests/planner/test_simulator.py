@@ -1,0 +1,101 @@
+import random
+
+import pytest
+
+from megatron_2bw.pipeline.schedules import build_schedule
+from megatron_2bw.planner.cost import StageCost, time_per_batch_lower_bound
+from megatron_2bw.planner.simulator import compiled_schedule, simulate
+
+
+def stage(forward=1.0, backward=2.0, send_act=0.0, send_grad=0.0, reduce=0.0, background=0.0,
+          step=0.0) -> StageCost:
+    return StageCost(forward, backward, send_act, send_grad, reduce, background, step)
+
+
+def run(schedule, stages, microbatches, durations, batches=3):
+    return simulate(compiled_schedule(schedule, stages, microbatches, batches), durations)
+
+
+@pytest.mark.parametrize("schedule, expected", [
+    ("2bw", 8 * 3.0),  # never drained: m (F + B)
+    ("flush", 8 * 3.0 + 3 * 3.0),  # + (p - 1)(F + B) to fill and drain
+    ("gpipe", 8 * 3.0 + 3 * 3.0),
+])
+def test_time_per_batch_and_bubble(schedule, expected):
+    result = run(schedule, 4, 8, [stage()] * 4)
+    assert result.time_per_batch == pytest.approx(expected)
+    assert result.bubble_fraction == pytest.approx(1 - 24.0 / expected)
+    assert result.breakdown["compute"] == pytest.approx(24.0)
+    assert result.bottleneck.startswith("compute stage")
+
+
+def test_in_flight_microbatches():
+    assert run("2bw", 4, 8, [stage()] * 4).peak_inflight_microbatches == [4, 3, 2, 1]
+    assert run("flush", 4, 8, [stage()] * 4).peak_inflight_microbatches == [4, 3, 2, 1]
+    gpipe = simulate(compiled_schedule("gpipe", 4, 8, 3), [stage()] * 4, [10.0] * 4)
+    assert gpipe.peak_inflight_microbatches == [8] * 4
+    assert gpipe.peak_activation_bytes == [80.0] * 4
+
+
+def test_transfers_delay_the_one_forward_one_backward_cycle():
+    # two stages alternate: per microbatch both computations plus the activation and the gradient
+    # transfer, half each: F + B + (c_act + c_grad) / 2
+    durations = [stage(send_act=1.0), stage(send_grad=1.0)]
+    result = run("2bw", 2, 8, durations)
+    assert result.time_per_batch == pytest.approx(8 * (3.0 + 1.0))
+    assert result.breakdown["p2p"] > 0
+    slow_link = run("2bw", 2, 8, [stage(send_act=30.0), stage(send_grad=30.0)])
+    assert slow_link.bottleneck == "p2p"
+
+
+def test_reduce_blocks_and_the_step_waits_for_background_collectives():
+    per_batch = [stage(reduce=5.0, step=1.0)] * 2
+    assert run("2bw", 2, 4, per_batch).time_per_batch == pytest.approx(4 * 3.0 + 6.0)
+    assert run("flush", 2, 4, per_batch).time_per_batch == pytest.approx(4 * 3.0 + 3.0 + 6.0)
+    assert run("flush", 2, 4, [stage(reduce=50.0, step=1.0)] * 2).bottleneck == \
+        "data-parallel all-reduce"
+    # the background all-reduce (30) is hidden by 2BW's deferred step only as far as a batch goes
+    background = [stage(background=30.0)] * 2
+    hidden = run("2bw", 2, 8, background).time_per_batch
+    flushed = run("flush", 2, 8, background).time_per_batch
+    assert 24.0 < hidden < flushed and flushed == pytest.approx(24.0 + 3.0 + 30.0)
+
+
+def test_bubble_bottleneck_with_few_microbatches():
+    assert run("gpipe", 8, 2, [stage()] * 8).bottleneck == "pipeline bubble"
+
+
+def test_slowest_stage_sets_the_pace():
+    durations = [stage(), stage(forward=2.0, backward=4.0), stage()]
+    result = run("2bw", 3, 6, durations)
+    assert result.time_per_batch == pytest.approx(6 * 6.0)
+    assert result.busiest_stage == 1 and result.bottleneck == "compute stage 1"
+
+
+def test_action_lists_and_compiled_lists_agree():
+    durations = [stage(send_act=0.3), stage(send_act=0.2, send_grad=0.1), stage(send_grad=0.4)]
+    plain = simulate(build_schedule("flush", 3, 5, 3), durations)
+    assert plain == run("flush", 3, 5, durations)
+
+
+def test_needs_three_batches_and_one_duration_per_stage():
+    with pytest.raises(ValueError, match="3 batches"):
+        run("2bw", 2, 2, [stage()] * 2, batches=2)
+    with pytest.raises(ValueError, match="durations"):
+        run("2bw", 2, 2, [stage()])
+
+
+def test_lower_bound_never_exceeds_the_replay():
+    rng = random.Random(0)
+    for _ in range(300):
+        p = rng.choice([1, 2, 3, 4, 8])
+        m = rng.choice([p, p + 1, 2 * p, 3 * p + 5])
+        schedule = rng.choice(["2bw", "flush", "gpipe"])
+        durations = [StageCost(rng.uniform(0.5, 2), rng.uniform(1, 4),
+                               rng.choice([0, 0.2, 3]) * rng.random() * (s < p - 1),
+                               rng.choice([0, 0.2, 3]) * rng.random() * (s > 0),
+                               rng.choice([0, 0.1, 1]) * rng.uniform(0, 30),
+                               rng.choice([0, 0.1, 1]) * rng.uniform(0, 40),
+                               rng.choice([0, 0.1, 1]) * rng.uniform(0, 20)) for s in range(p)]
+        replay = run(schedule, p, m, durations).time_per_batch
+        assert time_per_batch_lower_bound(durations, schedule, m) <= replay * (1 + 1e-9)
