@@ -1,15 +1,25 @@
 """Measured memory per rank: allocator statistics on GPU; on CPU, tracked allocations.
 
 On CPU there is no allocator counter, so the peak is counted from the tensors themselves: the static
-state (weights, versions, gradient buffers, optimizer state, counted once by storage) plus the
-activations autograd saved for backward (counted through saved-tensor hooks, by storage, per
-microbatch), taking the maximum over time of the sum of live microbatches' activations.
+state (weights, versions, gradient buffers, optimizer state, counted once by storage; all of it is
+allocated when the stage is built) plus the activations each microbatch keeps for its backward:
+what autograd saves (saved-tensor hooks) and the stage's output, which the executor holds until the
+gradient comes back. The activation peak is the maximum over time of the sum over live microbatches.
+
+That leaves out transient buffers (a layer's backward, the optimizer step's temporaries). Inside
+`MemoryTracker.measure()` every tensor created is counted from its allocation to its release (a
+torch dispatch mode: slower, for tests and profiling), and the peak then includes them, like the
+GPU allocator's.
 """
 from __future__ import annotations
 
+import weakref
 from contextlib import contextmanager
 
 import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 
 def storage_bytes(tensors) -> int:
@@ -25,43 +35,115 @@ def storage_bytes(tensors) -> int:
 
 
 def optimizer_state_tensors(optimizer) -> list[torch.Tensor]:
-    states = getattr(optimizer, "optim", optimizer).state.values()
+    states = optimizer.state.values()
     return [v for state in states for v in state.values() if torch.is_tensor(v) and v.dim() > 0]
+
+
+def static_breakdown(versions, optimizer) -> dict[str, int]:
+    """Bytes of the stage's static state by kind, named like the planner's StageMemory fields:
+    params (master weights + one working copy), grads (accumulation buffer + master gradients),
+    optimizer (its state), versions_stash (2BW's other working copy)."""
+    copies = versions.working_copies()
+    return {
+        "params": storage_bytes(versions.master_regions + [copies[0].flat]),
+        "grads": storage_bytes(versions.master_grad_regions + [versions.main_grad_buffer]),
+        "optimizer": storage_bytes(optimizer_state_tensors(optimizer)),
+        "versions_stash": storage_bytes([c.flat for c in copies[1:]]),
+    }
+
+
+class _LiveTensorBytes(TorchDispatchMode):
+    """Bytes of the storages that the operators run inside create, while they are alive."""
+
+    def __init__(self, counted_elsewhere: set[int]):
+        super().__init__()
+        self.counted_elsewhere = counted_elsewhere
+        self.sizes: dict[int, int] = {}  # storage address -> bytes, for live storages
+        self.total = self.peak = 0
+
+    def _released(self, address: int) -> None:
+        self.total -= self.sizes.pop(address, 0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                address = storage.data_ptr()
+                if address and address not in self.sizes and address not in self.counted_elsewhere:
+                    self.sizes[address] = storage.nbytes()
+                    self.total += storage.nbytes()
+                    weakref.finalize(storage, self._released, address)
+        self.peak = max(self.peak, self.total)
+        return out
 
 
 class MemoryTracker:
     def __init__(self, device: torch.device):
         self.device = device
         self.static_bytes = 0
-        self.live: dict[int, int] = {}  # microbatch -> saved activation bytes
+        self._static_storages: set[int] = set()
+        self.live: dict[int, int] = {}  # microbatch -> activation bytes it keeps
         self.peak_activation_bytes = 0
+        self.peak_measured_bytes = 0  # inside measure(): everything beyond the static state
 
     def set_static(self, tensors) -> None:
+        tensors = [t for t in tensors if t is not None]
         self.static_bytes = storage_bytes(tensors)
+        self._static_storages = {t.untyped_storage().data_ptr() for t in tensors}
 
     @contextmanager
     def track(self, microbatch: int):
-        """Count the activations that the forward of `microbatch` saves for its backward."""
+        """Count the activations that the forward of `microbatch` keeps for its backward."""
         seen: set[int] = set()
         count = [0]
 
+        def add(t: torch.Tensor) -> None:
+            if isinstance(t, nn.Parameter):  # weights are static state
+                return
+            storage = t.untyped_storage()
+            key = storage.data_ptr()
+            if key not in seen and key not in self._static_storages:
+                seen.add(key)
+                count[0] += storage.nbytes()
+
         def pack(t: torch.Tensor):
-            if not (t.is_leaf and t.requires_grad):  # weights are counted as static state
-                storage = t.untyped_storage()
-                if storage.data_ptr() not in seen:
-                    seen.add(storage.data_ptr())
-                    count[0] += storage.nbytes()
+            add(t)
             return t
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            yield
+        outermost = []  # module forward hooks fire innermost first: the stage's module comes last
+
+        def on_forward(module, inputs, output):
+            outermost[:] = [output]
+
+        hook = nn.modules.module.register_module_forward_hook(on_forward)
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                yield
+        finally:
+            hook.remove()
+        output = outermost[0] if outermost else None
+        for t in output if isinstance(output, tuple) else [output]:
+            if torch.is_tensor(t):
+                add(t)
         self.live[microbatch] = self.live.get(microbatch, 0) + count[0]
         self.peak_activation_bytes = max(self.peak_activation_bytes, sum(self.live.values()))
 
     def release(self, microbatch: int) -> None:
         self.live.pop(microbatch, None)
 
+    @contextmanager
+    def measure(self):
+        """CPU: count every tensor created in the block, transients included."""
+        if self.device.type == "cuda":  # the allocator counts already
+            yield
+            return
+        live = _LiveTensorBytes(self._static_storages)
+        with live:
+            yield
+        self.peak_measured_bytes = max(self.peak_measured_bytes, live.peak)
+
     def peak_bytes(self) -> int:
         if self.device.type == "cuda":
             return torch.cuda.max_memory_allocated(self.device)
-        return self.static_bytes + self.peak_activation_bytes
+        return self.static_bytes + max(self.peak_activation_bytes, self.peak_measured_bytes)

@@ -1,14 +1,21 @@
 """What a stage does at a batch boundary: `reduce` after its last backward of a batch, `step` when the
 schedule says the next version is due.
 
-reduce(b): average the flat gradient buffer over the stage's data-parallel replicas (bucketed), move it
+reduce(b): average the flat gradient buffer over the stage's data-parallel replicas (all-reduce,
+  bucketed; with the distributed optimizer a reduce-scatter, so each rank keeps its shard), move it
   into the fp32 master gradients (the buffer is free again for batch b+1), start the all-reduce of the
   tied word-embedding gradient over the first+last stage, and start one all-reduce over the whole
-  model-parallel group of [sum of squared gradients, found-inf]. Nothing here waits on another stage.
-step(b): wait for those two, then decide for every stage alike: skip (fp16 overflow: no new version,
-  loss scale backs off) or unscale + clip + optimizer step, and create weight version b+1.
+  model-parallel group of the sum of squared gradients (non-finite if any rank overflowed). Nothing
+  here waits on another stage: the first stage, which counts the tied embeddings in the norm and so
+  needs their summed gradient, starts its part of the norm at step(b) instead.
+step(b): wait for those two, then decide for every stage alike: skip (fp16 overflow anywhere: no new
+  version, the loss scale backs off) or unscale + clip + optimizer step, and create weight version b+1.
 Under 2BW the schedule puts step(b) just before version b+1 is first needed, so cross-stage waiting
 costs no bubble; under Flush/GPipe it follows reduce(b) directly, as in a flushed pipeline.
+
+The loss scale of a batch is the scale right after the step that made the version the batch uses:
+every stage derives it from the batch index alone, whenever it asks (the last stage at its first
+backward, the others at reduce), so all stages unscale a batch by the factor it was scaled with.
 """
 from __future__ import annotations
 
@@ -21,7 +28,12 @@ import torch.distributed as dist
 
 from megatron_2bw.config import OptimizerConfig
 from megatron_2bw.distributed.comm import all_reduce, group_rank, group_size
+from megatron_2bw.optim.distributed import DistributedOptimizer
+from megatron_2bw.optim.optimizer import initialize_state
 from megatron_2bw.pipeline.weights import WeightVersions
+
+# torch 2.13 renamed the tensor-in/tensor-out collectives; the old names still exist, but warn
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 @dataclass
@@ -36,9 +48,10 @@ class StepResult:
 
 @dataclass
 class _Pending:
-    stats: torch.Tensor
+    stats: torch.Tensor | None  # None: the first stage starts its norm at step (see reduce)
     works: list
-    tied: tuple | None  # (flat tied-embedding gradient, its all-reduce) still in flight
+    norm_work: object | None
+    tied: object | None  # the tied-embedding gradient's all-reduce, still in flight
     loss_scale: float
     metrics: tuple  # (names, values)
 
@@ -58,19 +71,26 @@ class GradientUpdater:
         # each parameter counted once in the global norm: replicated ones on tp rank 0 only, the
         # last stage's copy of the tied embeddings not at all
         self.norm_mask = [not (s.tied_copy or (s.replicated and tp_rank != 0)) for s in versions.specs]
-        self.tied = [i for i, s in enumerate(versions.specs) if s.tied]
-        if not versions.alias:
-            for m in versions.master:
-                m.grad = torch.zeros_like(m)
+        self.tied = any(s.tied for s in versions.specs)  # then region 0 of the flat buffers
+        self.tied_copy = any(s.tied_copy for s in versions.specs)
+        if isinstance(optimizer, DistributedOptimizer):
+            optimizer.shard(versions)
+        initialize_state(optimizer)
         self.pending: dict[int, _Pending] = {}
-        self.batch_scales: dict[int, float] = {}
+        self.version_scales = {0: loss_scaler.scale}  # version -> scale of the batches using it
         self.loss_sums: dict[int, dict[str, float]] = {}
         self.overflow_injection = None  # tests: callable(batch) -> bool puts an inf in the gradient
 
     # -- loss scaling --------------------------------------------------------------------------
     def loss_scale_for(self, batch: int) -> float:
-        """The scale of a batch is fixed at its first backward (same value on every stage)."""
-        return self.batch_scales.setdefault(batch, self.scaler.scale)
+        """The scale the batch's loss is multiplied by (the same on every stage, see above)."""
+        version = self.versions.version_for_batch(batch)
+        if version not in self.version_scales:
+            # versions restored from a checkpoint: until the next step the current scale is the
+            # same on every stage, so fix it now for every live version
+            for alive in [version, *self.versions.versions]:
+                self.version_scales.setdefault(alive, self.scaler.scale)
+        return self.version_scales[version]
 
     def record_metrics(self, batch: int, metrics: dict) -> None:
         sums = self.loss_sums.setdefault(batch, {})
@@ -89,40 +109,52 @@ class GradientUpdater:
     def reduce(self, batch: int, microbatches: int) -> None:
         timer = self._time("allreduce")
         timer and timer.start()
-        buffer = self.versions.main_grad_buffer
+        v = self.versions
+        buffer = v.main_grad_buffer
         if self.overflow_injection is not None and self.overflow_injection(batch):
             buffer[0] = float("inf")
-        if group_size(self.data_group) > 1:
+        if v.sharded:  # each rank keeps the average of its own part
+            for (start, end), (a, b) in zip(v.layout.regions, v.layout.owned):
+                _reduce_scatter(buffer[a:b], buffer[start:end], op=dist.ReduceOp.AVG,
+                                group=self.data_group)
+        elif group_size(self.data_group) > 1:
             works = [all_reduce(bucket, self.data_group, op=dist.ReduceOp.AVG, async_op=True)
                      for bucket in buffer.split(self.bucket_elements)]
             for work in works:
                 self._wait(work)
-        master = self.versions.master
-        if not self.versions.alias:
-            for m, g in zip(master, self.versions.main_grads):
-                m.grad.copy_(g)
+        if not v.alias:
+            for grad, (a, b) in zip(v.master_grad_regions, v.layout.owned):
+                grad.copy_(buffer[a:b])
             buffer.zero_()
         tied = None
         if self.tied and group_size(self.embedding_group) > 1:
-            flat = torch.cat([master[i].grad.view(-1) for i in self.tied])
-            tied = (flat, all_reduce(flat, self.embedding_group, async_op=True))
-            if not self.versions.specs[self.tied[0]].tied_copy:
-                # the first stage counts the tied weights in the norm: it needs the sum now (the
-                # last stage finished this batch earlier, so this wait is short)
-                self._finish_tied(tied)
-                tied = None
-        squares = [m.grad.float().pow(2).sum() for m, counted in zip(master, self.norm_mask) if counted]
-        stats = torch.stack([torch.stack(squares).sum() if squares else torch.zeros(())])
-        work = all_reduce(stats, self.model_group, async_op=True)
+            tied = all_reduce(v.master_grad_regions[0], self.embedding_group, async_op=True)
+        stats, work = None, None
+        if tied is None or self.tied_copy:
+            stats, work = self._start_norm()
+        # else (first stage): it counts the tied weights in the norm, so it needs their sum; it
+        # starts its part of the norm at step(b), whose turn comes before every other stage's
+        # step(b) in a 1F1B schedule, instead of blocking here on the embedding transfer
         sums = self.loss_sums.pop(batch, {})
-        metrics = (list(sums), torch.tensor([v / microbatches for v in sums.values()]))
+        metrics = (list(sums), torch.tensor([x / microbatches for x in sums.values()]))
         metrics_work = None  # the batch mean over data-parallel replicas, as Megatron reports it
         if sums and group_size(self.data_group) > 1:
             metrics_work = all_reduce(metrics[1], self.data_group, op=dist.ReduceOp.AVG,
                                       async_op=True)
-        self.pending[batch] = _Pending(stats, [work, metrics_work], tied, self.loss_scale_for(batch),
-                                       metrics)
+        self.pending[batch] = _Pending(stats, [metrics_work], work, tied,
+                                       self.loss_scale_for(batch), metrics)
         timer and timer.stop()
+
+    def _start_norm(self):
+        """This rank's sum of squared master gradients, summed over the model-parallel group in
+        the background (non-finite when any rank overflowed)."""
+        v = self.versions
+        squares = [m.grad.float().pow(2).sum() for m, counted in zip(v.master, self.norm_mask)
+                   if counted]
+        stats = torch.stack([torch.stack(squares).sum() if squares else torch.zeros(())])
+        if v.sharded:  # the replicas are in step here: add up their shards first
+            all_reduce(stats, self.data_group)
+        return stats, all_reduce(stats, self.model_group, async_op=True)
 
     @torch.no_grad()
     def step(self, batch: int) -> StepResult:
@@ -133,17 +165,18 @@ class GradientUpdater:
             self._wait(work)
         names, values = pending.metrics
         metrics = dict(zip(names, values.tolist()))
-        if pending.tied is not None:
-            self._finish_tied(pending.tied)
-        self.batch_scales.pop(batch, None)
-        squared = float(pending.stats[0])
+        self._wait(pending.tied)
+        stats, norm_work = pending.stats, pending.norm_work
+        if stats is None:
+            stats, norm_work = self._start_norm()
+        self._wait(norm_work)
+        squared = float(stats[0])
         scale = pending.loss_scale
         lr = self.lr_at(batch)
         found_inf = not math.isfinite(squared)
         if found_inf:
             self.scaler.update(True)
-            self.versions.create(batch + 1, skipped=True)
-            self._clear_grads()
+            self._new_version(batch, skipped=True)
             timer and timer.stop()
             return StepResult(batch, True, float("nan"), lr, scale, metrics)
         grad_norm = math.sqrt(squared) / scale
@@ -151,26 +184,21 @@ class GradientUpdater:
         if self.clip_grad > 0 and grad_norm > self.clip_grad:
             coefficient *= self.clip_grad / (grad_norm + 1e-6)
         if coefficient != 1.0:
-            for m in self.versions.master:
-                m.grad.mul_(coefficient)
+            for grad in self.versions.master_grad_regions:
+                grad.mul_(coefficient)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
         self.scaler.update(False)
-        self.versions.create(batch + 1)
-        self._clear_grads()
+        self._new_version(batch, skipped=False)
         timer and timer.stop()
         return StepResult(batch, False, grad_norm, lr, scale, metrics)
 
-    def _finish_tied(self, tied) -> None:
-        flat, work = tied
-        self._wait(work)
-        offset = 0
-        for i in self.tied:
-            grad = self.versions.master[i].grad
-            grad.view(-1).copy_(flat[offset:offset + grad.numel()])
-            offset += grad.numel()
-
-    def _clear_grads(self) -> None:
-        if self.versions.alias:  # master .grad is the accumulation buffer itself
-            self.versions.main_grad_buffer.zero_()
+    def _new_version(self, batch: int, skipped: bool) -> None:
+        v = self.versions
+        v.create(batch + 1, skipped)
+        self.version_scales[batch + 1] = self.scaler.scale
+        oldest_needed = v.version_for_batch(batch + 1)  # no batch before b+1 asks any more
+        self.version_scales = {k: s for k, s in self.version_scales.items() if k >= oldest_needed}
+        if v.alias:  # the master gradients are the accumulation buffer itself
+            v.main_grad_buffer.zero_()

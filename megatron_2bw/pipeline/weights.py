@@ -2,20 +2,135 @@
 schedule's actions name, and the gradient-accumulation buffer.
 
 - The optimizer owns the fp32 master weights, which always hold the newest version.
-- A version is a list of leaf tensors in the working precision that autograd sees. `install(v)` puts
-  version v's tensors into the module (swapping Parameter objects, never their storage), so a
-  microbatch's backward differentiates exactly the weights its forward used.
-- `create(v)` makes a new version from the master weights after a step, reusing the storage of a
-  released version when there is one, so 2BW holds at most two working copies: one more than Flush.
-- Gradients of every version accumulate into one flat buffer (`main_grad`, views per parameter):
-  the schedule reduces a batch's gradients before any backward of the next batch runs.
+- A version is a working copy: one flat tensor in the working precision whose per-parameter views
+  are the leaves autograd sees. `install(v)` puts version v's leaves into the module (swapping
+  Parameter objects, never their storage), so a microbatch's backward differentiates exactly the
+  weights its forward used.
+- `create(v)` fills a copy from the master weights after a step. 2BW allocates its second copy up
+  front and then reuses the storage of released versions, so it holds exactly two working copies:
+  one more than Flush, in the working precision only.
+- Gradients of every version accumulate into one flat buffer (`main_grad_buffer`, views per
+  parameter): the schedule reduces a batch's gradients before any backward of the next batch runs.
 - With fp32 and a single-version schedule the master weights are the working weights and the flat
   buffer is their .grad: no copy at all (Megatron's fp32 memory).
+- `shard(group)` (the distributed optimizer) keeps only this rank's 1/d of the master weights and
+  of their gradients; a new version is then assembled by an all-gather over the group.
+
+Every flat tensor shares one `FlatLayout`, so copying, reducing and gathering are whole-region
+operations.
 """
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
+
 import torch
+import torch.distributed as dist
 from torch import nn
+
+from megatron_2bw.distributed.comm import group_rank, group_size
+from megatron_2bw.pipeline.schedules import version_for_batch
+
+# torch 2.13 renamed the tensor-in/tensor-out collectives; the old names still exist, but warn
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+@dataclass(frozen=True)
+class OwnedPart:
+    """Elements [lo, hi) of a flattened parameter (lo == hi: none) that a rank owns; they start at
+    `start` in its part of region `region`, at `position` in its whole shard (all its parts)."""
+    lo: int
+    hi: int
+    region: int
+    start: int
+    position: int
+
+    @property
+    def numel(self) -> int:
+        return self.hi - self.lo
+
+
+@dataclass(frozen=True)
+class FlatLayout:
+    """Where each parameter lives in a stage's flat buffers and which part this rank owns.
+
+    The tied word embeddings form the first region and the other parameters the second, each padded
+    to a multiple of `alignment` (the world size, which every data-parallel size divides), so the
+    buffers split evenly into any d shards without being laid out again. Rank r of d owns the r-th
+    d-th of every region: the first and the last stage then hold the same part of the tied
+    embeddings, and their all-reduce pairs shard with shard.
+    """
+    offsets: tuple[int, ...]  # per parameter (the module's order): start in the flat buffers
+    numels: tuple[int, ...]
+    regions: tuple[tuple[int, int], ...]  # [start, end) of each non-empty region, padded
+    shards: int = 1
+    rank: int = 0
+
+    @staticmethod
+    def build(numels: list[int], tied: list[bool], alignment: int) -> "FlatLayout":
+        offsets = [0] * len(numels)
+        regions, start = [], 0
+        for region_is_tied in (True, False):
+            end = start
+            for i, n in enumerate(numels):
+                if tied[i] == region_is_tied:
+                    offsets[i] = end
+                    end += n
+            if end > start:
+                end = start + -(-(end - start) // alignment) * alignment
+                regions.append((start, end))
+                start = end
+        return FlatLayout(tuple(offsets), tuple(numels), tuple(regions))
+
+    @property
+    def total(self) -> int:
+        return self.regions[-1][1] if self.regions else 0
+
+    @property
+    def owned(self) -> list[tuple[int, int]]:
+        """[start, end) of this rank's part of each region."""
+        parts = []
+        for start, end in self.regions:
+            size = (end - start) // self.shards
+            parts.append((start + self.rank * size, start + (self.rank + 1) * size))
+        return parts
+
+    @property
+    def shard_numel(self) -> int:
+        return sum(end - start for start, end in self.owned)
+
+    def owned_part(self, i: int) -> OwnedPart:
+        """Which elements of parameter i this rank owns, and where they sit."""
+        o, n = self.offsets[i], self.numels[i]
+        position = 0
+        for index, ((start, end), (a, b)) in enumerate(zip(self.regions, self.owned)):
+            if start <= o < end:
+                lo, hi = max(o, a), min(o + n, b)
+                if lo >= hi:
+                    return OwnedPart(0, 0, index, 0, position)
+                return OwnedPart(lo - o, hi - o, index, lo - a, position + lo - a)
+            position += b - a
+        return OwnedPart(0, 0, 0, 0, 0)
+
+    def unshard(self, shards: list[torch.Tensor]) -> torch.Tensor:
+        """The full flat tensor from every rank's shard (rank order)."""
+        parts, position = [], 0
+        for a, b in self.owned:
+            parts.extend(shard[position:position + b - a] for shard in shards)
+            position += b - a
+        return torch.cat(parts)
+
+
+class WorkingCopy(list):
+    """The leaves of one working copy (what the module holds) and the flat tensor they view."""
+
+    def __init__(self, leaves, flat: torch.Tensor):
+        super().__init__(leaves)
+        self.flat = flat
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
 
 
 class WeightVersions:
@@ -23,47 +138,137 @@ class WeightVersions:
                  single_version: bool):
         self.module = module
         self.working_dtype = working_dtype
+        self.single_version = single_version
         named = list(module.named_parameters())
         self.names = [name for name, _ in named]
         self.specs = [p.spec for _, p in named]
+        self.shapes = [p.shape for _, p in named]  # this rank's (tensor-parallel) shard of each
         self._slots = []
         for name in self.names:
             owner_name, _, attr = name.rpartition(".")
             self._slots.append((module.get_submodule(owner_name), attr))
-        originals = [p for _, p in named]
+        self.layout = FlatLayout.build([p.numel() for _, p in named],
+                                       [s.tied for s in self.specs], _world_size())
         self.alias = single_version and working_dtype == torch.float32 and grad_dtype == torch.float32
-        device = originals[0].device
-        total = sum(p.numel() for p in originals)
-        self.main_grad_buffer = torch.zeros(total, dtype=grad_dtype, device=device)
-        self.main_grads = self._views(self.main_grad_buffer, originals)
+        self.device = named[0][1].device
+        self.data_group = None  # set by shard()
+        self.main_grad_buffer = self._zeros(self.layout.total, grad_dtype)
+        self.main_grads = self.param_views(self.main_grad_buffer)
+        first = self._new_copy()
+        with torch.no_grad():
+            for leaf, (_, p) in zip(first, named):
+                leaf.copy_(p)
         if self.alias:
-            self.master = originals
-            for p, g in zip(self.master, self.main_grads):
-                p.grad = g  # autograd accumulates in place into the flat buffer
-            first = originals
+            master_flat, master_grad_flat = first.flat, self.main_grad_buffer
         else:
-            self.master = [nn.Parameter(p.detach().float().clone()) for p in originals]
-            first = self._new_leaves()
-        self.versions: dict[int, list[nn.Parameter]] = {0: first}
-        self._free: list[list[nn.Parameter]] = []
+            master_flat = first.flat.to(torch.float32, copy=True)
+            master_grad_flat = self._zeros(self.layout.total, torch.float32)
+        self.master_regions = [master_flat[a:b] for a, b in self.layout.owned]
+        self.master_grad_regions = [master_grad_flat[a:b] for a, b in self.layout.owned]
+        self.master = [nn.Parameter(view) for view in self.param_views(master_flat)]
+        for m, g, spec in zip(self.master, self.param_views(master_grad_flat), self.specs):
+            m.grad, m.spec = g, spec
+        self.versions: dict[int, WorkingCopy] = {0: first}
+        self._free: list[WorkingCopy] = []
+        self._add_spare_copy()
         self.install(0)
 
-    @staticmethod
-    def _views(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
-        views, offset = [], 0
-        for p in like:
-            views.append(flat[offset:offset + p.numel()].view(p.shape))
-            offset += p.numel()
-        return views
+    # -- flat storage ------------------------------------------------------------------------
+    def _zeros(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.zeros(numel, dtype=dtype, device=self.device)
 
-    def _new_leaves(self) -> list[nn.Parameter]:
-        leaves = [nn.Parameter(m.detach().to(self.working_dtype, copy=True)) for m in self.master]
+    def param_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        return [flat[o:o + n].view(shape)
+                for o, n, shape in zip(self.layout.offsets, self.layout.numels, self.shapes)]
+
+    def _new_copy(self) -> WorkingCopy:
+        flat = self._zeros(self.layout.total, self.working_dtype)
+        leaves = [nn.Parameter(view) for view in self.param_views(flat)]
         for leaf, grad in zip(leaves, self.main_grads):
             if grad.dtype == leaf.dtype:
-                leaf.grad = grad
+                leaf.grad = grad  # autograd accumulates in place into the flat buffer
             else:  # e.g. bf16 weights with fp32 accumulation: add each microbatch's gradient
                 leaf.register_post_accumulate_grad_hook(_accumulate_into(grad))
-        return leaves
+        return WorkingCopy(leaves, flat)
+
+    def _add_spare_copy(self) -> None:
+        """2BW's second working copy, allocated at start so the stage holds from the first step
+        what it holds at its peak (and an out-of-memory shows at once)."""
+        if not self.single_version and self.distinct_versions + len(self._free) < 2:
+            self._free.append(self._new_copy())
+
+    def working_copies(self) -> list[WorkingCopy]:
+        """Every working copy held: the live versions' (newest first), then the free ones."""
+        live = [self.versions[v] for v in sorted(self.versions, reverse=True)]
+        return list({id(c): c for c in live}.values()) + self._free
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor this object holds (for memory accounting, counted by storage)."""
+        return ([c.flat for c in self.working_copies()] + [self.main_grad_buffer]
+                + self.master_regions + self.master_grad_regions)
+
+    # -- sharding (distributed optimizer) ------------------------------------------------------
+    @property
+    def sharded(self) -> bool:
+        return self.layout.shards > 1
+
+    @torch.no_grad()
+    def shard(self, group) -> None:
+        """Keep only this rank's part of the master weights and their gradients. Each master
+        Parameter keeps its identity (the optimizer holds it) and now views the elements of the
+        parameter this rank owns, flattened (all, some or none of them)."""
+        if self.sharded:
+            raise RuntimeError("the master weights are already sharded")
+        unsharded = self.master_regions
+        self.layout = dataclasses.replace(self.layout, shards=group_size(group),
+                                          rank=group_rank(group))
+        self.data_group = group
+        owned = self.layout.owned
+        if self.alias:  # the master weights and gradients are the working copy and the buffer
+            self.master_regions = [self.versions[self.newest].flat[a:b] for a, b in owned]
+            self.master_grad_regions = [self.main_grad_buffer[a:b] for a, b in owned]
+        else:
+            master = self._zeros(self.layout.shard_numel, torch.float32)
+            grads = self._zeros(self.layout.shard_numel, torch.float32)
+            sizes = [b - a for a, b in owned]
+            self.master_regions = list(master.split(sizes))
+            self.master_grad_regions = list(grads.split(sizes))
+            for (start, _), (a, b), region, full in zip(self.layout.regions, owned,
+                                                        self.master_regions, unsharded):
+                region.copy_(full[a - start:b - start])
+        for i, m in enumerate(self.master):
+            part = self.layout.owned_part(i)
+            m.data = self.master_regions[part.region][part.start:part.start + part.numel]
+            m.grad = self.master_grad_regions[part.region][part.start:part.start + part.numel]
+
+    @torch.no_grad()
+    def _fill_from_master(self, copy: WorkingCopy) -> None:
+        if self.sharded:  # every rank contributes its updated part
+            for (start, end), (a, b), master in zip(self.layout.regions, self.layout.owned,
+                                                    self.master_regions):
+                source = copy.flat[a:b] if self.alias else master.to(self.working_dtype)
+                _all_gather(copy.flat[start:end], source, group=self.data_group)
+        elif not self.alias:
+            for (a, b), master in zip(self.layout.owned, self.master_regions):
+                copy.flat[a:b].copy_(master)
+
+    @torch.no_grad()
+    def full_master(self, dst: int | None = None) -> list[torch.Tensor] | None:
+        """The full fp32 master weights in parameter order. Sharded: a collective over the
+        data-parallel group that gathers them on global rank `dst` (every rank if None) and returns
+        None elsewhere; unsharded: the master tensors themselves."""
+        if not self.sharded:
+            return list(self.master)
+        shard = torch.cat(self.master_regions)
+        full = gather_shards(shard, self.layout, self.data_group, dst)
+        return None if full is None else self.param_views(full)
+
+    @torch.no_grad()
+    def load_full_master(self, tensors: list[torch.Tensor]) -> None:
+        """Set the master weights from full tensors (parameter order); each rank keeps its part."""
+        for i, (m, full) in enumerate(zip(self.master, tensors)):
+            part = self.layout.owned_part(i)
+            m.copy_(full.reshape(-1)[part.lo:part.hi] if self.sharded else full)
 
     # -- versions ------------------------------------------------------------------------------
     @property
@@ -74,6 +279,10 @@ class WeightVersions:
     def distinct_versions(self) -> int:
         return len({id(leaves) for leaves in self.versions.values()})
 
+    def version_for_batch(self, batch: int) -> int:
+        """The version a batch's forwards and backwards use (2BW: the one before last)."""
+        return version_for_batch("flush" if self.single_version else "2bw", batch)
+
     def install(self, version: int) -> None:
         if version not in self.versions:
             raise RuntimeError(f"weight version {version} is not alive (alive: {sorted(self.versions)})")
@@ -81,47 +290,59 @@ class WeightVersions:
             owner._parameters[attr] = leaf
 
     def release(self, version: int) -> None:
-        leaves = self.versions.pop(version)
-        if not self.alias and all(other is not leaves for other in self.versions.values()):
-            self._free.append(leaves)
+        copy = self.versions.pop(version)
+        if all(other is not copy for other in self.versions.values()):
+            self._free.append(copy)
+
+    def create(self, version: int, skipped: bool = False) -> None:
+        """Version `version` from the master weights; for a skipped step, the newest copy (the
+        master weights did not change), also when the schedule has just released it."""
+        if skipped:
+            copy = self.versions[self.newest] if self.versions else self._free.pop()
+        else:
+            if self._free:
+                copy = self._free.pop()
+            else:  # alias: the one copy is the master weights
+                copy = self.versions[self.newest] if self.alias else self._new_copy()
+            self._fill_from_master(copy)
+        self.versions[version] = copy
 
     @torch.no_grad()
-    def create(self, version: int, skipped: bool = False) -> None:
-        """Version `version` from the master weights (or, for a skipped step, the newest tensors)."""
-        if skipped or self.alias:
-            self.versions[version] = self.versions[self.newest] if self.versions else self.master
-            return
-        if self._free:
-            leaves = self._free.pop()
-            for leaf, m in zip(leaves, self.master):
-                leaf.copy_(m)
-        else:
-            leaves = self._new_leaves()
-        self.versions[version] = leaves
-
     def reset(self, newest: int, saved: dict[int, list[torch.Tensor]] | None = None) -> None:
         """Re-create the versions after the master weights were loaded: the saved working tensors
-        of each version (a checkpoint's two 2BW versions), or version `newest` from the master."""
-        self.versions.clear()
-        self._free.clear()
-        if self.alias or not saved:
-            self.versions[newest] = self.master if self.alias else self._new_leaves()
+        of each version (a checkpoint's two 2BW versions), or version `newest` from the master.
+        The working copies are reused, not allocated again."""
+        pool = list({id(c): c for c in self.versions.values()}.values()) + self._free
+        self.versions, self._free = {}, []
+        if self.alias:
+            self._fill_from_master(pool[0])
+            self.versions[newest] = pool[0]
         else:
-            for version, tensors in sorted(saved.items()):
-                leaves = self._new_leaves()
-                with torch.no_grad():
-                    for leaf, tensor in zip(leaves, tensors):
-                        leaf.copy_(tensor)
-                self.versions[version] = leaves
+            for version, tensors in sorted((saved or {}).items()):
+                copy = pool.pop() if pool else self._new_copy()
+                for leaf, tensor in zip(copy, tensors):
+                    leaf.copy_(tensor)
+                self.versions[version] = copy
+            if newest not in self.versions:
+                copy = pool.pop() if pool else self._new_copy()
+                self._fill_from_master(copy)
+                self.versions[newest] = copy
+            self._free = pool
+            self._add_spare_copy()
         self.install(self.newest)
 
-    # -- bytes, for memory accounting ----------------------------------------------------------
-    def working_bytes(self) -> int:
-        distinct = {id(leaves): leaves for leaves in self.versions.values()}
-        if self.alias:
-            return 0
-        return sum(p.numel() * p.element_size() for leaves in list(distinct.values()) + self._free
-                   for p in leaves)
+
+def gather_shards(shard: torch.Tensor, layout: FlatLayout, group, dst: int | None):
+    """The full flat tensor from every rank's equal-sized shard: on global rank `dst` (None: on
+    every rank); None on the other ranks."""
+    d = group_size(group)
+    if dst is None:
+        gathered = torch.empty(d * shard.numel(), dtype=shard.dtype, device=shard.device)
+        _all_gather(gathered, shard, group=group)
+        return layout.unshard(list(gathered.chunk(d)))
+    shards = [torch.empty_like(shard) for _ in range(d)] if dist.get_rank() == dst else None
+    dist.gather(shard, shards, dst=dst, group=group)
+    return None if shards is None else layout.unshard(shards)
 
 
 def _accumulate_into(main_grad: torch.Tensor):

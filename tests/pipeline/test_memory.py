@@ -1,0 +1,87 @@
+"""Memory accounting: the CPU tracker's counts, 2BW's one extra working copy (fp16/bf16), and the
+planner's estimator against the measured peak."""
+import re
+
+import pytest
+import torch
+
+from megatron_2bw.distributed.layout import ParallelLayout
+from megatron_2bw.memory import MemoryTracker
+from megatron_2bw.training import build_stage, startup_memory_report
+from tests.distributed_helpers import run_ranks
+from tests.pipeline.precision_harness import precise_config, train_stage
+
+
+class TinyStage(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(16, 16))
+
+    def forward(self, x):
+        # saves x and the relu output (256 B each); the output (256 B) is not saved by autograd
+        # but kept by the executor until its gradient arrives
+        return (x @ self.weight).relu() * 2.0
+
+
+def test_tracker_counts_saved_activations_outputs_and_transients():
+    tracker = MemoryTracker(torch.device("cpu"))
+    stage = TinyStage()
+    weight = stage.weight
+    tracker.set_static([weight])
+    x = torch.ones(4, 16, requires_grad=True)  # a received activation: not a weight
+    with tracker.track(0):
+        out = stage(x)
+    assert tracker.live[0] == 3 * 4 * 16 * 4
+    with tracker.track(1):
+        stage(x)
+    assert tracker.peak_activation_bytes == 6 * 4 * 16 * 4 and tracker.static_bytes == 16 * 16 * 4
+    tracker.release(0)
+    tracker.release(1)
+    assert tracker.live == {} and tracker.peak_bytes() == (16 * 16 + 6 * 4 * 16) * 4
+    with tracker.measure():
+        kept = weight * 1.0  # 1 kB
+        temporary = torch.zeros(10_000)  # 40 kB, freed at once
+        del temporary
+        torch.zeros(1000)  # 4 kB, after the 40 kB were released: no new peak
+        weight.data.mul_(1.0)  # in place on static state: nothing new
+    assert tracker.peak_measured_bytes == 1024 + 40_000
+    assert tracker.peak_bytes() == 16 * 16 * 4 + 41_024
+    out.sum().backward()
+
+
+def stage_memory(precision: str, schedule: str) -> list[dict]:
+    config = precise_config(precision, p=2, schedule=schedule, optimizer="sgd", lr=0.01,
+                            global_batch=8, micro=2)
+    config.optimizer.sgd_momentum = 0.9
+    return sorted(run_ranks(2, train_stage, config, 3, None, False, True),
+                  key=lambda r: r["coords"][2])
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_2bw_holds_one_more_working_copy_and_the_estimate_fits(precision):
+    two_bw, flush = stage_memory(precision, "2bw"), stage_memory(precision, "flush")
+    for a, b in zip(two_bw, flush):
+        assert a["distinct_versions"] <= 2
+        assert a["working_dtype"] == b["working_dtype"] != torch.float32
+        one_copy = 2 * a["parameters"]
+        extra = a["peak_bytes"] - b["peak_bytes"]
+        assert abs(extra - one_copy) <= 0.1 * one_copy, (extra, one_copy)
+        for run in (a, b):
+            estimate = run["estimate"]
+            static = sum(estimate[k] for k in ("params", "grads", "optimizer", "versions_stash"))
+            assert abs(run["static_bytes"] - static) <= 0.01 * static  # the layout it assumes
+            assert run["peak_measured_bytes"] > run["peak_activation_bytes"]  # transients seen
+            assert abs(estimate["total"] - run["peak_bytes"]) <= 0.15 * run["peak_bytes"], run
+
+
+def test_startup_report_shows_the_estimate_and_what_the_stage_holds():
+    config = precise_config("bf16", schedule="2bw", optimizer="adam", layers=2)
+    stage = build_stage(config, ParallelLayout(1, 1, 1, 0), torch.device("cpu"), None)
+    line = startup_memory_report(stage)
+    estimated, held = line.split("; held at start ")
+    assert line.startswith(" [rank 0] stage 0 memory (MiB): estimated params ")
+    for kind in ("params", "grads", "optimizer state", "2bw stash"):
+        number = re.compile(re.escape(kind) + r" ([0-9.]+)")
+        assert float(number.search(held).group(1)) > 0
+        assert number.search(held).group(1) == number.search(estimated).group(1), line
+    assert re.search(r"activations [0-9.]+ \| workspace [0-9.]+ \| total [0-9.]+", estimated)
