@@ -1,31 +1,50 @@
 """Megatron-style checkpoints that lose nothing, written atomically.
 
-Layout (one directory per saved iteration, one file per model-parallel rank):
-    SAVE/latest_checkpointed_iteration.txt          written last, atomically
+Layout (one directory per saved iteration, one model file per model-parallel rank):
+    SAVE/latest_checkpointed_iteration.txt                         written last, atomically
+    SAVE/iter_0000100/metadata.json                                iteration, layout, configuration
     SAVE/iter_0000100/mp_rank_{tp:02d}_{pp:03d}/model_optim_rng.pt   (data-parallel rank 0)
     SAVE/iter_0000100/mp_rank_{tp:02d}_{pp:03d}/rng_dp{dp:03d}.pt    (every rank: its RNG states)
-A file holds the stage's fp32 master weights by parameter name, every live working version (2BW keeps
-two), the optimizer and loss-scaler states, the configuration, the iteration and consumed samples.
-Every file is written under a temporary name and renamed; the marker follows a barrier, so a crash
-during a save leaves the previous checkpoint as `latest`.
+
+A model file holds, by parameter name, the stage's fp32 master weights, every live working version
+(2BW keeps two), the optimizer state and each parameter's ParamSpec (full shape, partition
+dimension), plus the loss-scaler state, the configuration, the iteration and the consumed samples.
+Naming everything by parameter (layers by their global index) is what lets tools reshard a
+checkpoint or export it without knowing the layer classes.
+
+Every file is written under a temporary name and renamed; the marker is written only after every
+rank has written its files, so a crash during a save leaves the previous checkpoint as `latest`.
 """
 from __future__ import annotations
 
+import json
 import os
 
 import torch
 import torch.distributed as dist
 
-from megatron_2bw.tensor_parallel.random import load_rng_state_dict, rng_state_dict
+from megatron_2bw.arguments import ConfigError
+from megatron_2bw.config import Config
+from megatron_2bw.pipeline.schedules import version_for_batch
+from megatron_2bw.tensor_parallel.random import rng_state_dict
 
+FORMAT = "megatron_2bw/2"
 MARKER = "latest_checkpointed_iteration.txt"
-CONVERT_HINT = "convert it with tools/convert_checkpoint.py --target-tensor-parallel-size T " \
-               "--target-pipeline-parallel-size P"
+METADATA_FILE = "metadata.json"
+MODEL_FILE = "model_optim_rng.pt"
+CONVERT_HINT = ("convert it with tools/convert_checkpoint.py --load {root} --save NEW_DIR "
+                "--target-tensor-parallel-size {t} --target-pipeline-parallel-size {p}")
+# Model fields that fix the parameters' shapes: a checkpoint only loads into the same architecture.
+ARCHITECTURE_FIELDS = ("model_type", "num_layers", "hidden_size", "num_attention_heads",
+                       "ffn_hidden_size", "max_position_embeddings", "vocab_size", "num_tokentypes",
+                       "bert_binary_head")
 
 
-class CheckpointError(RuntimeError):
-    pass
+class CheckpointError(ConfigError):
+    """A checkpoint that cannot be used as asked; the message names the directory and the fix."""
 
+
+# -- paths and atomic files -------------------------------------------------------------------------
 
 def iteration_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
@@ -35,22 +54,42 @@ def rank_dir(root: str, iteration: int, tp: int, pp: int) -> str:
     return os.path.join(iteration_dir(root, iteration), f"mp_rank_{tp:02d}_{pp:03d}")
 
 
-def atomic_save(obj, path: str) -> None:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+def model_file(root: str, iteration: int, tp: int, pp: int) -> str:
+    return os.path.join(rank_dir(root, iteration, tp, pp), MODEL_FILE)
+
+
+def rng_file(root: str, iteration: int, tp: int, pp: int, dp: int) -> str:
+    return os.path.join(rank_dir(root, iteration, tp, pp), f"rng_dp{dp:03d}.pt")
+
+
+def _atomic_write(path: str, write) -> None:
+    """write(tmp_path), fsync, rename over `path`; a failure leaves no partial file behind."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     tmp = f"{path}.tmp.{os.getpid()}"
-    torch.save(obj, tmp)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        write(tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def atomic_save(obj, path: str) -> None:
+    _atomic_write(path, lambda tmp: torch.save(obj, tmp))
+
+
+def atomic_write_text(text: str, path: str) -> None:
+    def write(tmp):
+        with open(tmp, "w") as f:
+            f.write(text)
+    _atomic_write(path, write)
 
 
 def write_marker(root: str, iteration: int) -> None:
-    tmp = os.path.join(root, f".{MARKER}.tmp")
-    with open(tmp, "w") as f:
-        f.write(f"{iteration}\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(root, MARKER))
+    atomic_write_text(f"{iteration}\n", os.path.join(root, MARKER))
 
 
 def read_marker(root: str) -> int | None:
@@ -63,94 +102,252 @@ def read_marker(root: str) -> int | None:
     return int(text)
 
 
-def stage_state(stage) -> dict:
+def resolve_iteration(root: str, iteration: int | None = None) -> int:
+    """`iteration` if given (it must have been saved), else the latest one."""
+    if not os.path.isdir(root):
+        raise CheckpointError(f"checkpoint directory {root} does not exist")
+    if iteration is None:
+        iteration = read_marker(root)
+        if iteration is None:
+            raise CheckpointError(f"{root} holds no checkpoint: {MARKER} is missing")
+    if not os.path.isfile(os.path.join(iteration_dir(root, iteration), METADATA_FILE)):
+        raise CheckpointError(f"{root} has no complete checkpoint of iteration {iteration} "
+                              f"({iteration_dir(root, iteration)}/{METADATA_FILE} is missing)")
+    return iteration
+
+
+def read_metadata(root: str, iteration: int | None = None) -> dict:
+    """{"format", "iteration", "consumed_samples", "layout": {tensor, pipeline, data}, "config"}."""
+    iteration = resolve_iteration(root, iteration)
+    with open(os.path.join(iteration_dir(root, iteration), METADATA_FILE)) as f:
+        return json.load(f)
+
+
+def saved_config(root: str, iteration: int | None = None) -> Config:
+    return Config.from_dict(read_metadata(root, iteration)["config"])
+
+
+def write_metadata(root: str, iteration: int, consumed_samples: int, config: Config,
+                   tensor: int, pipeline: int, data: int) -> None:
+    metadata = {"format": FORMAT, "iteration": iteration, "consumed_samples": consumed_samples,
+                "layout": {"tensor": tensor, "pipeline": pipeline, "data": data},
+                "config": config.to_dict()}
+    atomic_write_text(json.dumps(metadata, indent=2) + "\n",
+                      os.path.join(iteration_dir(root, iteration), METADATA_FILE))
+
+
+def load_file(path: str) -> dict:
+    if not os.path.exists(path):
+        raise CheckpointError(f"{path} is missing: the checkpoint is incomplete")
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+# -- optimizer state by parameter name ----------------------------------------------------------------
+
+def optimizer_state_by_name(optimizer, names_of: dict[int, str]) -> dict:
+    """torch numbers parameters by position in the optimizer; a checkpoint names them, so it loads
+    whatever the order and can be resharded. -> {"groups": [{..., "params": [names]}],
+    "state": {name: {key: value}}}."""
+    state = optimizer.state_dict()
+    name_at = [names_of[id(p)] for g in optimizer.param_groups for p in g["params"]]
+    groups = [{**{k: v for k, v in g.items() if k != "params"},
+               "params": [name_at[i] for i in g["params"]]} for g in state["param_groups"]]
+    return {"groups": groups, "state": {name_at[i]: s for i, s in state["state"].items()}}
+
+
+def optimizer_state_by_index(optimizer, saved: dict, names_of: dict[int, str]) -> dict:
+    """The inverse, for this optimizer's own groups and order (hyper-parameters from the saved
+    group holding the same parameters)."""
+    saved_group_of = {name: g for g in saved["groups"] for name in g["params"]}
+    groups, state, index = [], {}, 0
+    for group in optimizer.param_groups:
+        names = [names_of[id(p)] for p in group["params"]]
+        source = saved_group_of.get(names[0], group) if names else group
+        groups.append({**{k: v for k, v in source.items() if k != "params"},
+                       "params": list(range(index, index + len(names)))})
+        for name in names:
+            if name in saved["state"]:
+                state[index] = saved["state"][name]
+            index += 1
+    return {"state": state, "param_groups": groups}
+
+
+# -- save --------------------------------------------------------------------------------------------
+
+def spec_dict(spec) -> dict:
+    return {"full_shape": list(spec.full_shape), "partition_dim": spec.partition_dim,
+            "tied": spec.tied, "tied_copy": spec.tied_copy}
+
+
+def _standalone(tensor: torch.Tensor) -> torch.Tensor:
+    """A CPU tensor owning exactly its elements: torch.save writes a view's whole storage, which
+    for a view into a flat buffer would be the buffer."""
+    tensor = tensor.detach().cpu()
+    whole = tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+    return tensor if whole and tensor.is_contiguous() else tensor.clone()
+
+
+def stage_state(stage, master: list[torch.Tensor]) -> dict:
+    """Data-parallel rank 0's file; `master` holds the full fp32 master weights."""
     v = stage.versions
+    names_of = {id(m): name for name, m in zip(v.names, v.master)}
     versions = {} if v.alias else {
-        version: [t.detach().cpu() for t in leaves] for version, leaves in v.versions.items()}
+        version: {name: _standalone(t) for name, t in zip(v.names, leaves)}
+        for version, leaves in v.versions.items()}
+    c = stage.layout.coords
     return {
-        "format": "megatron_2bw/1",
-        "names": v.names,
-        "master": {name: m.detach().cpu() for name, m in zip(v.names, v.master)},
-        "versions": versions,
-        "optimizer": stage.optimizer.state_dict(),
-        "loss_scaler": stage.scaler.state_dict(),
+        "format": FORMAT,
         "iteration": stage.iteration,
         "consumed_samples": stage.consumed_samples,
         "config": stage.config.to_dict(),
         "layout": {"tensor": stage.layout.tensor, "pipeline": stage.layout.pipeline,
                    "data": stage.layout.data},
+        "tp_rank": c.tp, "pp_rank": c.pp,
+        "specs": {name: spec_dict(spec) for name, spec in zip(v.names, v.specs)},
+        "model": {name: _standalone(m) for name, m in zip(v.names, master)},
+        "versions": versions,
+        "optimizer": optimizer_state_by_name(stage.optimizer, names_of),
+        "loss_scaler": stage.scaler.state_dict(),
     }
 
 
+def _any_rank_failed(failed: bool, layout, device: torch.device) -> bool:
+    if not (dist.is_initialized() and layout.world_size > 1):
+        return failed
+    flag = torch.tensor([1.0 if failed else 0.0], device=device)  # NCCL reduces device tensors
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
 def save_checkpoint(stage) -> str:
-    """Collective over all ranks (call at a drained point)."""
+    """Collective over all ranks, at a drained point. The marker moves to this iteration only after
+    every rank has written its files."""
     root, layout = stage.config.checkpoint.save, stage.layout
     c = layout.coords
-    directory = rank_dir(root, stage.iteration, c.tp, c.pp)
-    if hasattr(stage.optimizer, "consolidate_state_dict"):  # sharded optimizer: gather on dp 0
-        stage.optimizer.consolidate_state_dict(to=layout.rank_of(c.tp, 0, c.pp))
-    if c.dp == 0:
-        atomic_save(stage_state(stage), os.path.join(directory, "model_optim_rng.pt"))
-    atomic_save(rng_state_dict(), os.path.join(directory, f"rng_dp{c.dp:03d}.pt"))
-    if dist.is_initialized() and layout.world_size > 1:
-        dist.barrier()
+    writer = layout.rank_of(c.tp, 0, c.pp)  # data-parallel rank 0 writes the stage's file
+    master = stage.versions.full_master(dst=writer)  # distributed optimizer: gathered there
+    if hasattr(stage.optimizer, "consolidate_state_dict"):
+        stage.optimizer.consolidate_state_dict(to=writer)
+    error = None
+    try:
+        if c.dp == 0:
+            atomic_save(stage_state(stage, master), model_file(root, stage.iteration, c.tp, c.pp))
+        atomic_save(rng_state_dict(), rng_file(root, stage.iteration, c.tp, c.pp, c.dp))
+        if layout.rank == 0:
+            write_metadata(root, stage.iteration, stage.consumed_samples, stage.config,
+                           layout.tensor, layout.pipeline, layout.data)
+    except Exception as caught:  # noqa: BLE001 - every rank must learn of it before the marker
+        error = caught
+    if _any_rank_failed(error is not None, layout, stage.device):
+        if error is not None:
+            raise error
+        raise CheckpointError(f"saving iteration {stage.iteration} to {root} failed on another "
+                              f"rank; {MARKER} still names the previous checkpoint")
     if layout.rank == 0:
         write_marker(root, stage.iteration)
         print(f" saved checkpoint at iteration {stage.iteration} to {root}", flush=True)
     if dist.is_initialized() and layout.world_size > 1:
         dist.barrier()
-    return directory
+    return rank_dir(root, stage.iteration, c.tp, c.pp)
 
 
-def load_stage_file(root: str, iteration: int, tp: int, pp: int) -> dict:
-    path = os.path.join(rank_dir(root, iteration, tp, pp), "model_optim_rng.pt")
-    if not os.path.exists(path):
-        raise CheckpointError(f"{path} is missing: the checkpoint in {root} is incomplete or was "
-                              f"written with another layout; {CONVERT_HINT}")
-    return torch.load(path, map_location="cpu", weights_only=False)
+# -- load --------------------------------------------------------------------------------------------
 
-
-def check_layout(state: dict, root: str, tensor: int, pipeline: int) -> None:
-    saved = state["layout"]
+def check_layout(metadata: dict, root: str, tensor: int, pipeline: int) -> None:
+    saved = metadata["layout"]
     if (saved["tensor"], saved["pipeline"]) != (tensor, pipeline):
         raise CheckpointError(
-            f"checkpoint {root} was saved with --tensor-model-parallel-size {saved['tensor']} and "
-            f"--pipeline-model-parallel-size {saved['pipeline']}, this run uses {tensor} and "
-            f"{pipeline}; {CONVERT_HINT}")
+            f"checkpoint {root} (iteration {metadata['iteration']}) was saved with "
+            f"--tensor-model-parallel-size {saved['tensor']} --pipeline-model-parallel-size "
+            f"{saved['pipeline']}, but this run uses --tensor-model-parallel-size {tensor} "
+            f"--pipeline-model-parallel-size {pipeline}; "
+            + CONVERT_HINT.format(root=root, t=tensor, p=pipeline))
+
+
+def check_architecture(saved: Config, current: Config, root: str) -> None:
+    for field in ARCHITECTURE_FIELDS:
+        old, new = getattr(saved.model, field), getattr(current.model, field)
+        if old != new:
+            flag = "--" + field.replace("_", "-")
+            raise CheckpointError(f"checkpoint {root} holds a model with {field} = {old!r}, this run "
+                                  f"has {new!r} (set by {flag} or the tokenizer): the weights do not "
+                                  f"fit")
+
+
+def _check_parameters(state: dict, names: list[str], shapes: list, path: str) -> None:
+    missing = [n for n in names if n not in state["model"]]
+    unexpected = [n for n in state["model"] if n not in set(names)]
+    if missing or unexpected:
+        raise CheckpointError(f"{path} does not hold this stage's parameters: missing "
+                              f"{missing[:3]}, unexpected {unexpected[:3]}")
+    for name, shape in zip(names, shapes):
+        if tuple(state["model"][name].shape) != tuple(shape):
+            raise CheckpointError(
+                f"{path}: parameter {name} has shape {tuple(state['model'][name].shape)}, this "
+                f"model's is {tuple(shape)} (a different --make-vocab-size-divisible-by?)")
 
 
 @torch.no_grad()
-def load_checkpoint(stage, root: str) -> None:
-    iteration = read_marker(root)
-    if iteration is None:
-        raise CheckpointError(f"--load {root}: no {MARKER} (nothing saved there yet?)")
+def load_checkpoint(stage, root: str, iteration: int | None = None) -> dict | None:
+    """Load this rank's stage from `root` (the latest iteration by default). Returns the RNG states
+    to restore once the run is ready to train (None with --finetune/--no-load-rng): building data
+    loaders draws from the torch generator, so restoring them here would be undone."""
+    metadata = read_metadata(root, iteration)
+    iteration = metadata["iteration"]
     layout, ckpt = stage.layout, stage.config.checkpoint
+    check_layout(metadata, root, layout.tensor, layout.pipeline)
+    check_architecture(Config.from_dict(metadata["config"]), stage.config, root)
     c = layout.coords
-    state = load_stage_file(root, iteration, c.tp, c.pp)
-    check_layout(state, root, layout.tensor, layout.pipeline)
+    path = model_file(root, iteration, c.tp, c.pp)
+    state = load_file(path)
     v = stage.versions
-    missing = [n for n in v.names if n not in state["master"]]
-    if missing:
-        raise CheckpointError(f"{root}: checkpoint lacks parameters {missing[:3]}... (another model?)")
-    for name, m in zip(v.names, v.master):
-        m.copy_(state["master"][name])
-    if ckpt.finetune:  # weights only, training starts at iteration 0 with one version
+    _check_parameters(state, v.names, v.shapes, path)
+    v.load_full_master([state["model"][name] for name in v.names])  # sharded: this rank's part
+    if ckpt.finetune:  # weights only: training starts at iteration 0 with a fresh optimizer
         v.reset(0)
-        return
-    v.reset(state["iteration"], {int(k): t for k, t in state["versions"].items()})
+        print_once(layout, f" loaded weights of {root} (iteration {iteration}) for fine-tuning")
+        return None
+    schedule = stage.config.parallel.pipeline_schedule
+    needed = {version_for_batch(schedule, iteration), iteration}  # 2BW: batch N uses version N-1
+    saved_versions = {int(k): t for k, t in state["versions"].items()}
+    v.reset(iteration, {version: [saved_versions.get(version, state["model"])[n] for n in v.names]
+                        for version in needed})
     if not ckpt.no_load_optim:
-        stage.optimizer.load_state_dict(state["optimizer"])
-        stage.scaler.load_state_dict(state["loss_scaler"])
+        names_of = {id(m): name for name, m in zip(v.names, v.master)}
+        stage.optimizer.load_state_dict(
+            optimizer_state_by_index(stage.optimizer, state["optimizer"], names_of))
+        if state["loss_scaler"]:  # converted or imported checkpoints may have none
+            stage.scaler.load_state_dict(state["loss_scaler"])
     stage.iteration = state["iteration"]
     stage.consumed_samples = state["consumed_samples"]
-    if not ckpt.no_load_rng:
-        rng_path = os.path.join(rank_dir(root, iteration, c.tp, c.pp), f"rng_dp{c.dp:03d}.pt")
-        if os.path.exists(rng_path):
-            load_rng_state_dict(torch.load(rng_path, weights_only=False))
+    print_once(layout, f" loaded checkpoint {root} at iteration {stage.iteration}")
+    if ckpt.no_load_rng:
+        return None
+    rng_path = rng_file(root, iteration, c.tp, c.pp, c.dp)
+    if not os.path.exists(rng_path):  # converted checkpoint or more data-parallel replicas
+        if c.tp == 0 and c.pp == 0:  # once per data-parallel replica
+            print(f" {rng_path} not found: the RNG states of data-parallel replica {c.dp} start "
+                  f"fresh from --seed", flush=True)
+        return None
+    return torch.load(rng_path, weights_only=False)
+
+
+def maybe_load_checkpoint(stage) -> dict | None:
+    """--load DIR: resume (Megatron's behaviour: an empty DIR starts from scratch, with a warning,
+    except under --finetune, which needs weights)."""
+    root = stage.config.checkpoint.load
+    if not root:
+        return None
+    if not (os.path.isdir(root) and read_marker(root) is not None):
+        if stage.config.checkpoint.finetune:
+            raise CheckpointError(f"--finetune --load {root}: no checkpoint there ({MARKER} "
+                                  f"is missing)")
+        print_once(stage.layout, f" WARNING: --load {root} holds no checkpoint ({MARKER} is "
+                                 f"missing): training starts from scratch")
+        return None
+    return load_checkpoint(stage, root)
+
+
+def print_once(layout, message: str) -> None:
     if layout.rank == 0:
-        print(f" loaded checkpoint {root} at iteration {stage.iteration}", flush=True)
-
-
-def maybe_load_checkpoint(stage) -> None:
-    if stage.config.checkpoint.load:
-        load_checkpoint(stage, stage.config.checkpoint.load)
+        print(message, flush=True)

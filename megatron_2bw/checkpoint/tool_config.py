@@ -1,0 +1,33 @@
+"""The configuration of a tool that reads a checkpoint: the shared pretraining flags, with every flag
+the user left unset taken from the configuration saved in the checkpoint.
+
+The parallel layout is the tool's own (it is not inherited from the training run), and flags that
+fix the model's shape must agree with the checkpoint.
+"""
+from __future__ import annotations
+
+import argparse
+
+from megatron_2bw.arguments import ConfigError, config_from_args, explicit_fields
+from megatron_2bw.checkpoint.save_load import ARCHITECTURE_FIELDS
+from megatron_2bw.config import CheckpointConfig, Config, ParallelConfig
+
+
+def check_architecture_flags(args: argparse.Namespace, base: Config, source: str) -> None:
+    """A typed flag such as --hidden-size must match the model held by `source`. (--vocab-size
+    sizes a NullTokenizer, which adds its eod id: tools check the tokenizer against the model.)"""
+    for section, field in explicit_fields(args):
+        if section == "model" and field in ARCHITECTURE_FIELDS and field != "vocab_size":
+            typed, saved = getattr(args, field), getattr(base.model, field)
+            if typed != saved:
+                raise ConfigError(f"--{field.replace('_', '-')} {typed} contradicts {source}, whose "
+                                  f"model has {field} = {saved}")
+
+
+def config_with_base(args: argparse.Namespace, base: Config, source: str,
+                     require_data: bool = False) -> Config:
+    """config_from_args over `base` (a checkpoint's or an imported model's configuration)."""
+    check_architecture_flags(args, base, source)
+    base = Config.from_dict(base.to_dict())
+    base.parallel, base.checkpoint = ParallelConfig(), CheckpointConfig()
+    return config_from_args(args, base.model.model_type, base=base, require_data=require_data)

@@ -1,0 +1,106 @@
+"""Save/load: exact resume (2BW, dropout on) for t=2 x p=2 and p=2 x d=2, an interrupted save
+leaves the previous checkpoint as latest, and layout or model mismatches are named."""
+import os
+
+import pytest
+import torch
+
+from megatron_2bw.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from megatron_2bw.checkpoint.save_load import (MARKER, maybe_load_checkpoint, read_marker,
+                                               rng_file)
+from megatron_2bw.distributed.layout import ParallelLayout
+from megatron_2bw.tensor_parallel.random import rng_state_dict
+from megatron_2bw.training import build_stage
+from tests.checkpoint.conftest import N
+from tests.checkpoint.helpers import (config_from_flags, logged_losses, pretrain_flags,
+                                      save_random_checkpoint)
+
+
+@pytest.mark.parametrize("run_name", ["t2p2_run", "p2d2_run"])
+def test_resumed_training_is_bit_identical_to_straight_training(run_name, request):
+    run = request.getfixturevalue(run_name)
+    straight = logged_losses(run.root / "straight.jsonl")
+    first, second = logged_losses(run.root / "first.jsonl"), logged_losses(run.root / "second.jsonl")
+    assert [i for i, _ in first] == list(range(1, N + 1))  # stopped and saved at N ...
+    assert [i for i, _ in second] == list(range(N + 1, 2 * N + 1))  # ... resumed after it
+    assert first + second == straight  # every loss, bit for bit
+    for rank in run.ranks:
+        assert rank["straight"].keys() == rank["resumed"].keys()
+        for name, weight in rank["straight"].items():
+            assert torch.equal(weight, rank["resumed"][name]), name
+    # with dropout, skipping the RNG restore would change the trajectory: the states were saved
+    assert os.path.exists(rng_file(run.checkpoints, N, 0, 0, 0))
+
+
+def _stage(flags):
+    config = config_from_flags(flags)
+    return build_stage(config, ParallelLayout(1, 1, 1), torch.device("cpu"), None)
+
+
+def test_a_save_killed_half_way_leaves_the_previous_checkpoint_loadable(tmp_path, monkeypatch):
+    flags = pretrain_flags(1, 1, 10, "--save", str(tmp_path), "--load", str(tmp_path))
+    stage = _stage(flags)
+    stage.iteration, stage.consumed_samples = 3, 6
+    save_checkpoint(stage)
+    saved = [m.detach().clone() for m in stage.versions.master]
+    with torch.no_grad():
+        for m in stage.versions.master:
+            m.add_(1.0)
+    stage.iteration = 4
+    real_save, calls = torch.save, []
+
+    def dying_save(obj, path, *args, **kwargs):  # the first file is written, the second is not
+        calls.append(path)
+        if len(calls) > 1:
+            raise OSError("disk full")
+        real_save(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", dying_save)
+    with pytest.raises(OSError, match="disk full"):
+        save_checkpoint(stage)
+    monkeypatch.setattr(torch, "save", real_save)
+    assert read_marker(str(tmp_path)) == 3
+    assert not [f for _, _, files in os.walk(tmp_path) for f in files if ".tmp" in f]
+    fresh = _stage(flags)
+    maybe_load_checkpoint(fresh)
+    assert (fresh.iteration, fresh.consumed_samples) == (3, 6)
+    for m, expected in zip(fresh.versions.master, saved):
+        assert torch.equal(m, expected)
+
+
+def test_loading_another_layout_names_both_layouts_and_the_conversion_tool(tmp_path):
+    save_random_checkpoint(tmp_path, "gpt", t=2, p=2)
+    stage = _stage(pretrain_flags(1, 1, 10))
+    with pytest.raises(CheckpointError) as error:
+        load_checkpoint(stage, str(tmp_path))
+    message = str(error.value)
+    assert "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2" in message
+    assert "--tensor-model-parallel-size 1 --pipeline-model-parallel-size 1" in message
+    assert "tools/convert_checkpoint.py" in message
+
+
+def test_a_different_model_is_refused_by_name(tmp_path):
+    save_random_checkpoint(tmp_path, "gpt", t=1, p=1)
+    stage = _stage(pretrain_flags(1, 1, 10, "--hidden-size", "64"))
+    with pytest.raises(CheckpointError, match="hidden_size = 32.*--hidden-size"):
+        load_checkpoint(stage, str(tmp_path))
+
+
+def test_finetune_loads_weights_only_and_an_empty_load_dir_starts_from_scratch(tmp_path, capsys):
+    state = save_random_checkpoint(tmp_path / "ckpt", "gpt", t=1, p=1)
+    stage = _stage(pretrain_flags(1, 1, 10, "--load", str(tmp_path / "ckpt"), "--finetune"))
+    before = rng_state_dict()["torch"]
+    assert maybe_load_checkpoint(stage) is None  # no RNG states to restore
+    assert torch.equal(rng_state_dict()["torch"], before)
+    assert (stage.iteration, stage.versions.newest) == (0, 0)
+    names = stage.versions.names
+    word = stage.versions.master[names.index("embedding.word_embeddings.weight")]
+    assert torch.equal(word[:101], state.model["embedding.word_embeddings.weight"])
+    assert not word[101:].any()  # vocabulary padding rows
+
+    empty = _stage(pretrain_flags(1, 1, 10, "--load", str(tmp_path / "nothing")))
+    assert maybe_load_checkpoint(empty) is None and empty.iteration == 0
+    assert f"{MARKER} is missing): training starts from scratch" in capsys.readouterr().out
+    with pytest.raises(CheckpointError, match="--finetune --load"):
+        maybe_load_checkpoint(_stage(pretrain_flags(1, 1, 10, "--load", str(tmp_path / "nothing"),
+                                                    "--finetune")))
