@@ -1,0 +1,72 @@
+"""Fine-tune a pretrained BERT checkpoint on a GLUE task and report its official dev metrics.
+
+    torchrun --standalone --nproc-per-node 2 tools/finetune_glue.py --task MNLI \\
+        --data-dir data/glue/MNLI --load checkpoints/bert --tensor-model-parallel-size 2 \\
+        --epochs 3 --lr 2e-5 --micro-batch-size 32 --seq-length 128 --results results/MNLI.json
+
+Tasks: MNLI (dev matched and mismatched), QQP, QNLI, SST-2, CoLA, STS-B, MRPC, RTE. The data is a
+task directory of the GLUE distribution (--data-dir, .tsv files) or a local Hugging Face `datasets`
+copy of the task (--datasets-dir). Flags are pretrain_bert.py's; model and tokenizer flags left
+unset come from the checkpoint. Layout and results format: docs/glue.md and docs/bert.md.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_2bw.arguments import ConfigError, build_parser, explicit_fields  # noqa: E402
+from megatron_2bw.evaluation.finetune import (DEFAULT_WARMUP_FRACTION, GlueSettings,  # noqa: E402
+                                              finetune, finetune_config, open_pretrained)
+from megatron_2bw.evaluation.glue import TASKS  # noqa: E402
+
+PROGRAM = "finetune_glue.py"
+
+
+def add_glue_args(parser) -> None:
+    g = parser.add_argument_group("GLUE fine-tuning")
+    g.add_argument("--task", required=True, help=f"one of {', '.join(TASKS)}")
+    g.add_argument("--data-dir", help="the task's directory of the GLUE distribution (train.tsv, "
+                                      "dev.tsv, ...)")
+    g.add_argument("--datasets-dir", help="a local Hugging Face datasets copy of the task "
+                                          "(save_to_disk directory or per-split parquet/jsonl)")
+    g.add_argument("--results", help="write the per-epoch dev metrics to this JSON file")
+    g.add_argument("--epochs", type=int, default=3)
+    g.add_argument("--lr-warmup-fraction", type=float, default=None,
+                   help=f"warm-up steps as a fraction of all steps (default "
+                        f"{DEFAULT_WARMUP_FRACTION} unless --lr-warmup-iters is given)")
+
+
+def settings_from_args(args) -> GlueSettings:
+    warmup_iters_typed = ("optimizer", "lr_warmup_iters") in explicit_fields(args)
+    if warmup_iters_typed and args.lr_warmup_fraction is not None:
+        raise ConfigError("give --lr-warmup-fraction or --lr-warmup-iters, not both")
+    fraction = args.lr_warmup_fraction
+    if fraction is None and not warmup_iters_typed:
+        fraction = DEFAULT_WARMUP_FRACTION
+    return GlueSettings(args.task, args.data_dir, args.datasets_dir, args.results, args.epochs,
+                        fraction)
+
+
+def main(argv=None) -> dict:
+    args = build_parser(__doc__.split("\n")[0], add_glue_args).parse_args(argv)
+    settings = settings_from_args(args)
+    if args.load is None:
+        raise ConfigError("--load DIR is required: the --save directory of pretrain_bert.py")
+    pretrained = open_pretrained(args.load)
+    return finetune(finetune_config(args, pretrained), settings, pretrained)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (ValueError, FileNotFoundError) as error:  # ConfigError and bad data files included
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"{PROGRAM}: error: {error}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
