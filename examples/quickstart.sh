@@ -34,3 +34,7 @@ torchrun --standalone --nproc-per-node "$NPROC" pretrain_gpt.py "${MODEL[@]}" "$
     --hidden-dropout 0.0 --attention-dropout 0.0 --clip-grad 1.0 \
     --log-interval 20 --eval-interval 100 --eval-iters 4 \
     --save "$CHECKPOINT_DIR" --log-file "$CHECKPOINT_DIR/log.jsonl"
+
+# perplexity of the trained model on the held-out plays (full non-overlapping windows)
+python tools/evaluate_perplexity.py --load "$CHECKPOINT_DIR" \
+    --data-path "$DATA_DIR/valid_text_document" --output "$CHECKPOINT_DIR/valid_perplexity.json"

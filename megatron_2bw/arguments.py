@@ -70,6 +70,11 @@ def build_parser(description: str = "", extra_args_provider=None) -> argparse.Ar
     _flag(g, "--distributed-timeout-minutes", "parallel", "timeout_minutes", type=float)
     _bool_flag(g, "--auto-parallel", "parallel", "auto_parallel", "choose t, p, micro batch, "
                "recomputation and schedule with the planner")
+    _flag(g, "--planner-hardware", "parallel", "planner_hardware", type=str,
+          help="--auto-parallel: hardware YAML, a shipped name (p3.16xlarge, dgx-a100, dgx-h100) "
+               "or 'local' (detected and profiled at start-up; the default)")
+    _flag(g, "--planner-profile-cache", "parallel", "planner_profile_cache", type=str,
+          help="--auto-parallel: directory caching the measured profiles")
     _bool_flag(g, "--use-distributed-optimizer", "parallel", "use_distributed_optimizer",
                "shard fp32 master weights and optimizer state over data-parallel replicas")
     _flag(g, "--ddp-bucket-size", "parallel", "ddp_bucket_size", type=int)

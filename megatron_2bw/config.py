@@ -53,6 +53,8 @@ class ParallelConfig:
     distributed_backend: str | None = None  # None: nccl with CUDA, gloo otherwise
     timeout_minutes: float = 10.0
     auto_parallel: bool = False
+    planner_hardware: str = "local"  # --auto-parallel: YAML file, shipped name or "local"
+    planner_profile_cache: str | None = None
     use_distributed_optimizer: bool = False
     ddp_bucket_size: int = 40_000_000  # elements per data-parallel all-reduce bucket
 

@@ -24,11 +24,12 @@ from megatron_2bw.distributed.layout import ParallelLayout
 from megatron_2bw.distributed.p2p import PipelineP2P
 from megatron_2bw.logging import (Timers, TrainingLogger, format_log_line,
                                   measured_bubble_fraction)
-from megatron_2bw.memory import MemoryTracker, optimizer_state_tensors
+from megatron_2bw.memory import MemoryTracker, optimizer_state_tensors, static_breakdown
 from megatron_2bw.models import build_stage_model
 from megatron_2bw.optim.grad_scaler import build_loss_scaler
 from megatron_2bw.optim.lr_schedule import learning_rate
 from megatron_2bw.optim.optimizer import build_torch_optimizer
+from megatron_2bw.planner.memory import estimate_stage_memory
 from megatron_2bw.pipeline.executor import StageExecutor
 from megatron_2bw.pipeline.partition import layer_ranges
 from megatron_2bw.pipeline.schedules import stage_actions
@@ -111,10 +112,26 @@ def build_optimizer(config: Config, master_params, layout: ParallelLayout):
 
 
 def static_tensors(stage: Stage) -> list[torch.Tensor]:
-    v = stage.versions
-    tensors = list(v.master) + [m.grad for m in v.master] + [v.main_grad_buffer]
-    tensors += [p for leaves in v.versions.values() for p in leaves]
-    return tensors + optimizer_state_tensors(stage.optimizer)
+    """Weights, gradient buffers and optimizer state (all allocated when the stage is built)."""
+    return stage.versions.tensors() + optimizer_state_tensors(stage.optimizer)
+
+
+def startup_memory_report(stage: Stage) -> str:
+    """This rank's memory by kind: the planner's estimate (the same estimator its search uses) and
+    what the built stage holds (weights, gradients and optimizer state exist from the start)."""
+    c, layout = stage.config, stage.layout
+    estimate = estimate_stage_memory(c.model, c.parallel, c.precision, c.recompute,
+                                     c.optimizer.optimizer, c.training.micro_batch_size,
+                                     stage.microbatches, layout.data, layout.stage)
+    measured = static_breakdown(stage.versions, stage.optimizer)
+    mib = 2.0 ** 20
+    names = {"params": "params", "grads": "grads", "optimizer": "optimizer state",
+             "versions_stash": "2bw stash", "activations": "activations", "workspace": "workspace"}
+    estimated = " | ".join(f"{label} {getattr(estimate, key) / mib:.2f}"
+                           for key, label in names.items())
+    held = " | ".join(f"{names[key]} {value / mib:.2f}" for key, value in measured.items())
+    return (f" [rank {layout.rank}] stage {layout.stage} memory (MiB): estimated {estimated} | "
+            f"total {estimate.total / mib:.2f}; held at start {held}")
 
 
 # -- one segment ---------------------------------------------------------------------------------
@@ -179,6 +196,7 @@ class ProgressLog:
         self.start_iteration = self.last_logged = start_iteration
         self.memory: MemoryTracker | None = None
         self.results: list[StepResult] = []
+        self.interval_throughputs: list[float] = []  # samples/s per log interval
 
     def __call__(self, result: StepResult) -> None:
         self.results.append(result)
@@ -212,6 +230,8 @@ class ProgressLog:
         if "forward" in timings:
             metrics["bubble-fraction"] = measured_bubble_fraction(timings, seconds * iterations)
         self.results = []
+        if iteration - iterations > self.start_iteration:  # the first interval includes start-up
+            self.interval_throughputs.append(train.global_batch_size / seconds)
         if self.is_writer:
             print(format_log_line(iteration, train.train_iters, metrics, seconds), flush=True)
             self.sink.log(iteration, metrics)
@@ -259,15 +279,22 @@ def set_cpu_threads() -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
 
 
-def setup(config: Config) -> tuple[ParallelLayout, torch.device]:
+def setup(config: Config, typed: set) -> tuple[Config, ParallelLayout, torch.device, object]:
+    """Initialise the processes, apply --auto-parallel's plan, check the layout, build the groups."""
     info, device = init_distributed(config.parallel.distributed_backend,
                                     config.parallel.timeout_minutes)
     set_cpu_threads()
+    plan = None
+    if config.parallel.auto_parallel:
+        from megatron_2bw.planner.auto import describe_plan, plan_job
+        config, plan = plan_job(config, info.world_size, info.rank, typed)
+        if info.rank == 0:
+            print(f" auto-parallel plan: {describe_plan(plan)}", flush=True)
     par = config.parallel
     validate_for_world(config, info.world_size)
     layout = ParallelLayout(info.world_size, par.tensor_parallel, par.pipeline_parallel, info.rank)
     layout.build_groups(par.timeout_minutes)
-    return layout, device
+    return config, layout, device, plan
 
 
 def evaluate(stage: Stage, iterator, log: ProgressLog, iteration: int) -> dict:
@@ -333,27 +360,34 @@ def build_data(config: Config, layout: ParallelLayout, tokenizer):
     return factory(datasets[0]), factory(datasets[1])
 
 
-def pretrain(config: Config) -> Stage:
-    """Train to --train-iters (or an exit request); returns this rank's stage."""
+def pretrain(config: Config, typed: set = frozenset()) -> Stage:
+    """Train to --train-iters (or an exit request); returns this rank's stage. `typed`: the
+    (section, field) pairs given on the command line, which --auto-parallel keeps pinned."""
     from megatron_2bw.checkpoint import maybe_load_checkpoint, save_checkpoint
+    from megatron_2bw.tensor_parallel.random import load_rng_state_dict
     from megatron_2bw.data.tokenizers import build_tokenizer
-    layout, device = setup(config)
+    config, layout, device, plan = setup(config, typed)
     _FAILURE_CONTEXT["layout"] = layout
     tokenizer = build_tokenizer(config.data, config.model.vocab_size)
     config.model.vocab_size = tokenizer.vocab_size
-    timers = Timers(config.logging.timing_log_level)
+    synchronize = torch.cuda.synchronize if device.type == "cuda" else None
+    timers = Timers(config.logging.timing_log_level, synchronize)
     log = ProgressLog(config, layout, timers, 0)
     stage = build_stage(config, layout, device, timers, on_step=log)
     _FAILURE_CONTEXT["stage"] = stage
     log.memory = stage.memory
-    maybe_load_checkpoint(stage)
+    resumed_rng = maybe_load_checkpoint(stage)
     log.start_iteration = log.last_logged = stage.iteration
     stage.memory.set_static(static_tensors(stage))
     print_rank0(layout, startup_summary(stage))
+    if layout.coords.dp == 0:  # one line per model-parallel rank, as Megatron's memory report
+        print(startup_memory_report(stage), flush=True)
     train_data, valid_data = build_data(config, layout, tokenizer)
     train = config.training
     train_iterator = train_data(stage.iteration * train.global_batch_size)
     valid_iterator = valid_data(0) if valid_data is not None else None
+    if resumed_rng is not None:  # only now: creating the data loaders drew from the torch RNG
+        load_rng_state_dict(resumed_rng)
     exit_request = ExitRequest(config, log.start_time)
     for end in segment_ends(config, stage.iteration):
         feed = MicrobatchFeed(train_iterator, device, stage.iteration * stage.microbatches)
@@ -372,6 +406,11 @@ def pretrain(config: Config) -> Stage:
             print_rank0(layout, f" exiting at iteration {end} (signal, time limit or --exit-interval)")
             break
     report_memory(stage)
+    if plan is not None and log.is_writer and log.interval_throughputs:
+        measured = sorted(log.interval_throughputs)[len(log.interval_throughputs) // 2]
+        print(f" auto-parallel: planner predicted {plan.throughput_samples_per_s:.2f} samples/s, "
+              f"measured {measured:.2f} samples/s (median of the log intervals after the first)",
+              flush=True)
     log.sink.close()
     return stage
 

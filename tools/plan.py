@@ -13,7 +13,6 @@ machine, detected, with the model's pieces measured here (cached under --profile
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import sys
@@ -28,7 +27,8 @@ from megatron_2bw.arguments import (ConfigError, build_parser, config_from_args,
 from megatron_2bw.planner.hardware import (HardwareSpec, detect_hardware, load_hardware,  # noqa: E402
                                            shipped_hardware)
 from megatron_2bw.planner.profile import default_cache_dir, measured_profile  # noqa: E402
-from megatron_2bw.planner.search import Plan, SearchSpace, rank_plans_for  # noqa: E402
+from megatron_2bw.planner.search import (Plan, SearchSpace, pinned_search_space,  # noqa: E402
+                                         rank_plans_for)
 
 PROGRAM = "plan.py"
 LOCAL_MICRO_BATCH_SIZES = (1, 2, 4)  # measured here; other sizes interpolated
@@ -49,22 +49,7 @@ def add_plan_args(parser) -> None:
 
 def search_space(args, config) -> SearchSpace:
     """Dimensions the user typed on the command line are pinned."""
-    typed = explicit_fields(args)
-    par = config.parallel
-
-    def pinned(section: str, field: str, value):
-        return (value,) if (section, field) in typed else None
-
-    space = SearchSpace(
-        tensor_parallel=pinned("parallel", "tensor_parallel", par.tensor_parallel),
-        pipeline_parallel=pinned("parallel", "pipeline_parallel", par.pipeline_parallel),
-        micro_batch_sizes=pinned("training", "micro_batch_size", config.training.micro_batch_size),
-        layer_split=tuple(par.layer_split) if par.layer_split else None)  # pins p as well
-    if ("recompute", "granularity") in typed or args.recompute_activations:
-        space = dataclasses.replace(space, recompute=(config.recompute.granularity,))
-    if ("parallel", "schedule") in typed:
-        space = dataclasses.replace(space, schedules=(par.schedule,))
-    return space
+    return pinned_search_space(config, explicit_fields(args))
 
 
 def local_hardware() -> HardwareSpec:

@@ -16,10 +16,11 @@ Per microbatch, a stage's forward and backward include its tensor-parallel all-r
 each way, Megatron's f/g, plus the embedding's and the head's), which block compute. Recomputation
 adds a forward ("full": the layer with its all-reduces; "selective": the attention core).
 Per batch (pipeline/update.py): `reduce` blocks for the data-parallel all-reduce of the stage's
-gradient buffer and the move into the fp32 master gradients, and on the first stage for the
-tied-embedding all-reduce with the last stage (which runs it in the background); the grad-norm
-all-reduce over the model group runs in the background until `step`, which then runs the optimizer
-(memory-bound) and writes the new weight version.
+gradient buffer and the move into the fp32 master gradients; the tied-embedding all-reduce between
+the first and last stage and the grad-norm all-reduce over the model group run in the background
+until `step` (the first stage adds its part of the norm at its step, once the tied sum is there, so
+every other stage's step also waits for the first stage to reach its step), which then runs the
+optimizer (memory-bound) and writes the new weight version.
 """
 from __future__ import annotations
 
@@ -78,6 +79,8 @@ class StageCost:
     reduce_s: float  # blocking: data-parallel all-reduce + gradients into the master copy
     reduce_async_s: float  # the grad-norm all-reduce the step waits for (after every reduce)
     step_s: float  # optimizer + new weight version
+    tied_async_s: float = 0.0  # first stage of p > 1: the tied-embedding all-reduce it waits for
+    # at its step before adding its part of the grad norm (the other stages' steps wait for that)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -279,11 +282,10 @@ def stage_costs(model: ModelConfig, hardware: HardwareSpec, costs: ComputeCosts,
             forward_s=forward, backward_s=backward,
             send_act_s=0.0 if last else net.transfer_time(s, s + 1, activation),
             send_grad_s=0.0 if first else net.transfer_time(s, s - 1, activation),
-            # the first stage counts the tied weights in the grad norm: it waits in reduce for their
-            # sum (so when the last stage's step waits for every reduce, the sum is there too)
-            reduce_s=data_ar + local / memory_rate + (tied_ar if first and not last else 0.0),
+            reduce_s=data_ar + local / memory_rate,
             reduce_async_s=stats_ar,
-            step_s=step / memory_rate + step_comm))
+            step_s=step / memory_rate + step_comm,
+            tied_async_s=tied_ar if first and not last else 0.0))
     return result
 
 
@@ -351,5 +353,6 @@ def time_per_batch_lower_bound(stages: list[StageCost], schedule: str, microbatc
     if schedule != "2bw":
         first = stages[0]
         path = max(m * own[k] + sum(own[:k]) for k in range(p))
-        bound = max(bound, path + first.reduce_s + first.reduce_async_s + first.step_s)
+        bound = max(bound, path + first.reduce_s + first.tied_async_s + first.reduce_async_s
+                    + first.step_s)
     return bound

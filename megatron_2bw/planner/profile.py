@@ -259,8 +259,10 @@ def saved_activation_bytes(layer, hidden: torch.Tensor, mask=None) -> tuple[floa
 
 
 def measure_costs(model: ModelConfig, precision: PrecisionConfig, micro_batch_size: int,
-                  device: torch.device | None = None, repeats: int = 3) -> dict:
-    """Measure one layer, the embedding and the head at t = 1 (a JSON-able record)."""
+                  device: torch.device | None = None, repeats: int = 7) -> dict:
+    """Measure one layer, the embedding and the head at t = 1 (a JSON-able record). Medians of
+    `repeats` runs: on a shared machine fewer let one slow run decide (3 gave a micro batch of 2 a
+    slower layer than one of 4 under a load average of 4)."""
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, precision.working_dtype_name)
     b, s, h = micro_batch_size, model.seq_length, model.hidden_size

@@ -250,6 +250,26 @@ def best_plan(config: Config, world_size: int, hardware: HardwareSpec,
     return plans[0]
 
 
+def pinned_search_space(config: Config, typed: set[tuple[str, str]]) -> SearchSpace:
+    """The search with every dimension the user typed on the command line pinned to its value;
+    `typed` holds (section, field) pairs (megatron_2bw.arguments.explicit_fields)."""
+    par = config.parallel
+
+    def pinned(section: str, name: str, value):
+        return (value,) if (section, name) in typed else None
+
+    space = SearchSpace(
+        tensor_parallel=pinned("parallel", "tensor_parallel", par.tensor_parallel),
+        pipeline_parallel=pinned("parallel", "pipeline_parallel", par.pipeline_parallel),
+        micro_batch_sizes=pinned("training", "micro_batch_size", config.training.micro_batch_size),
+        layer_split=tuple(par.layer_split) if par.layer_split else None)  # pins p as well
+    if ("recompute", "granularity") in typed or config.recompute.granularity is not None:
+        space = dataclasses.replace(space, recompute=(config.recompute.granularity,))
+    if ("parallel", "schedule") in typed:
+        space = dataclasses.replace(space, schedules=(par.schedule,))
+    return space
+
+
 def apply_plan(config: Config, plan: Plan) -> Config:
     """A copy of `config` set up to run `plan` (parallel sizes, layer split, schedule, micro batch
     size, recomputation)."""

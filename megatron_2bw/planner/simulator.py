@@ -73,6 +73,8 @@ def simulate(actions: list[list[S.Action]] | Compiled, durations: list[StageCost
     in_flight, peak = [0] * p, [0] * p
     p2p_wait = [dict.fromkeys(reduces, 0.0) for _ in range(p)]
     step_wait = [dict.fromkeys(reduces, 0.0) for _ in range(p)]  # for the batch's collectives
+    tied_first = p > 1 and durations[0].tied_async_s > 0
+    step_arrival: dict[int, float] = {}  # batch -> when the first stage reached its step
 
     def wait(s: int, batch: int, start: float, arrival: tuple[float, float]) -> float:
         """Advance to an arrival (time, transfer seconds); the part of the wait while the data
@@ -123,6 +125,14 @@ def simulate(actions: list[list[S.Action]] | Compiled, durations: list[StageCost
                     if any(batch not in reduce_end[x] for x in range(p)):
                         break
                     ready = max(reduce_end[x][batch] for x in range(p)) + cost.reduce_async_s
+                    if tied_first:  # the first stage adds its norm part at its own step, once
+                        if s == 0:  # the tied-embedding sum has arrived
+                            step_arrival.setdefault(batch, t)
+                        elif batch not in step_arrival:
+                            break
+                        first_ready = max(reduce_end[0][batch] + durations[0].tied_async_s,
+                                          step_arrival[batch])
+                        ready = max(ready, first_ready + cost.reduce_async_s)
                     if ready > t:
                         step_wait[s][batch] += ready - t
                         t = ready

@@ -73,11 +73,12 @@ def test_stage_durations_add_up_the_pieces():
     assert first.send_grad_s == 0.0 == last.send_act_s
     # fp32 flush: the master weights are the working weights, so reduce = the grad-norm pass
     # (d = 1: no all-reduce) and the step = Adam + unscaling, all at memory bandwidth
-    # The first stage also waits for the all-reduce of the tied word embeddings' fp32 gradient with
-    # the last stage; every step waits for the grad-norm all-reduce (4 bytes, 2 ranks).
+    # The first stage's step also waits for the all-reduce of the tied word embeddings' fp32
+    # gradient with the last stage; every step waits for the grad-norm all-reduce (4 bytes, 2 ranks).
     P = stage_parameters(MODEL, 1, 1, True, False)
     tied = 2 * 1 / 2 * (4 * 1024 * 64) / 100 + 2 * 1.0
-    assert first.reduce_s == pytest.approx(12 * P / 1e12 + tied)
+    assert first.reduce_s == pytest.approx(12 * P / 1e12)
+    assert first.tied_async_s == pytest.approx(tied) and last.tied_async_s == 0.0
     assert last.reduce_s == pytest.approx(12 * stage_parameters(MODEL, 1, 3, False, True) / 1e12)
     assert first.step_s == pytest.approx((28 + 8) * P / 1e12)
     assert first.reduce_async_s == last.reduce_async_s == pytest.approx(2 * 1 / 2 * 4 / 100 + 2)
