@@ -5,14 +5,7 @@
         --num-attention-heads 4 --seq-length 64 --micro-batch-size 2 --global-batch-size 8 \\
         --train-iters 100 --lr 3e-4 --mock-data --vocab-size 1000
 """
-from megatron_2bw.arguments import explicit_fields, parse_config
-from megatron_2bw.training import pretrain, run_and_report
-
-
-def main():
-    config, args = parse_config(model_type="gpt", description=__doc__)
-    pretrain(config, explicit_fields(args))
-
+from megatron_2bw.training import main, run_and_report
 
 if __name__ == "__main__":
-    run_and_report(main)
+    run_and_report(lambda: main("gpt", __doc__))

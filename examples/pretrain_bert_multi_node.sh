@@ -57,35 +57,9 @@ set -euo pipefail
 
 REPO_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 
-args=(
-    --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP"
-    --pipeline-schedule "$PIPELINE_SCHEDULE" --distributed-timeout-minutes "$DIST_TIMEOUT_MINUTES"
-    --num-layers "$NUM_LAYERS" --hidden-size "$HIDDEN_SIZE"
-    --num-attention-heads "$NUM_ATTENTION_HEADS" --seq-length "$SEQ_LENGTH"
-    --micro-batch-size "$MICRO_BATCH_SIZE" --global-batch-size "$GLOBAL_BATCH_SIZE"
-    --train-iters "$TRAIN_ITERS" --lr "$LR" --min-lr "$MIN_LR" --lr-decay-style linear
-    --lr-warmup-iters "$LR_WARMUP_ITERS" --weight-decay 0.01 --clip-grad 1.0
-    --log-interval "$LOG_INTERVAL"
-)
-if [[ "$PRECISION" != fp32 ]]; then
-    args+=(--"$PRECISION")
-fi
-if [[ -z "$DATA_PATH" ]]; then
-    echo "pretrain_bert_multi_node.sh: DATA_PATH is empty: training on --mock-data" >&2
-    args+=(--mock-data --vocab-size "$VOCAB_SIZE")
-else
-    args+=(--data-path "$DATA_PATH" --split "949,50,1" --tokenizer-type "$TOKENIZER_TYPE"
-           --vocab-file "$VOCAB_FILE")
-fi
-if [[ -n "$CHECKPOINT_DIR" ]]; then
-    args+=(--save "$CHECKPOINT_DIR" --save-interval "$SAVE_INTERVAL")
-    if [[ -f "$CHECKPOINT_DIR/latest_checkpointed_iteration.txt" ]]; then
-        args+=(--load "$CHECKPOINT_DIR")  # resume; the first run of a job starts from scratch
-    fi
-fi
-if [[ -n "$TENSORBOARD_DIR" ]]; then
-    args+=(--tensorboard-dir "$TENSORBOARD_DIR")
-fi
+LR_DECAY_STYLE=linear WEIGHT_DECAY=0.01 SPLIT=949,50,1 MERGE_FILE=  # BERT: WordPiece vocab only
+# shellcheck source=examples/training_args.sh
+source "$REPO_DIR/examples/training_args.sh"
 
 # exec: torchrun receives the signals (SIGTERM from Slurm) and passes them to the workers.
 exec torchrun --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$GPUS_PER_NODE" \

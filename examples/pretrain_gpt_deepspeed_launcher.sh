@@ -63,34 +63,7 @@ if [[ -n "$MASTER_ADDR" ]]; then
     launcher_args+=(--master_addr "$MASTER_ADDR")
 fi
 
-args=(
-    --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP"
-    --pipeline-schedule "$PIPELINE_SCHEDULE"
-    --num-layers "$NUM_LAYERS" --hidden-size "$HIDDEN_SIZE"
-    --num-attention-heads "$NUM_ATTENTION_HEADS" --seq-length "$SEQ_LENGTH"
-    --micro-batch-size "$MICRO_BATCH_SIZE" --global-batch-size "$GLOBAL_BATCH_SIZE"
-    --train-iters "$TRAIN_ITERS" --lr "$LR" --min-lr "$MIN_LR" --lr-decay-style cosine
-    --lr-warmup-iters "$LR_WARMUP_ITERS" --weight-decay 0.1 --clip-grad 1.0
-    --log-interval "$LOG_INTERVAL"
-)
-if [[ "$PRECISION" != fp32 ]]; then
-    args+=(--"$PRECISION")
-fi
-if [[ -z "$DATA_PATH" ]]; then
-    echo "pretrain_gpt_deepspeed_launcher.sh: DATA_PATH is empty: training on --mock-data" >&2
-    args+=(--mock-data --vocab-size "$VOCAB_SIZE")
-else
-    args+=(--data-path "$DATA_PATH" --split "969,30,1" --tokenizer-type "$TOKENIZER_TYPE"
-           --vocab-file "$VOCAB_FILE" --merge-file "$MERGE_FILE")
-fi
-if [[ -n "$CHECKPOINT_DIR" ]]; then
-    args+=(--save "$CHECKPOINT_DIR" --save-interval "$SAVE_INTERVAL")
-    if [[ -f "$CHECKPOINT_DIR/latest_checkpointed_iteration.txt" ]]; then
-        args+=(--load "$CHECKPOINT_DIR")  # resume; the first run of a job starts from scratch
-    fi
-fi
-if [[ -n "$TENSORBOARD_DIR" ]]; then
-    args+=(--tensorboard-dir "$TENSORBOARD_DIR")
-fi
+# shellcheck source=examples/training_args.sh
+source "$REPO_DIR/examples/training_args.sh"
 
 exec deepspeed "${launcher_args[@]}" "$REPO_DIR/pretrain_gpt.py" "${args[@]}" "$@"

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from megatron_2bw.arguments import validate_for_world
+from megatron_2bw.arguments import explicit_fields, parse_config, validate_for_world
 from megatron_2bw.config import Config
 from megatron_2bw.distributed.comm import all_reduce
 from megatron_2bw.distributed.launch import init_distributed
@@ -422,6 +422,12 @@ def startup_summary(stage: Stage) -> str:
             f"p {layout.pipeline}, schedule {c.parallel.pipeline_schedule}, m = {stage.microbatches} "
             f"microbatches of {c.training.micro_batch_size}, {c.precision.working_dtype_name}; "
             f"stage 0 holds {n / 1e6:.2f} M parameters on rank 0")
+
+
+def main(model_type: str, description: str = "") -> None:
+    """The pretraining scripts: Megatron flags -> config -> pretrain."""
+    config, args = parse_config(model_type=model_type, description=description)
+    pretrain(config, explicit_fields(args))
 
 
 _FAILURE_CONTEXT: dict = {}

@@ -6,9 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_2bw.config import ModelConfig, RecomputeConfig
-from megatron_2bw.models.gpt import tied_output_embedding
-from megatron_2bw.models.transformer import Embedding, LayerNorm, TransformerStack
+from megatron_2bw.config import ModelConfig
+from megatron_2bw.models.transformer import LanguageModelStage, LayerNorm
 from megatron_2bw.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron_2bw.tensor_parallel.layers import ReplicatedLinear, make_param, parallel_lm_logits
 
@@ -44,28 +43,11 @@ class BertHeads(nn.Module):
         return lm_logits, binary_logits
 
 
-class BertModel(nn.Module):
+class BertModel(LanguageModelStage):
     causal = False
 
-    def __init__(self, config: ModelConfig, group, padded_vocab_size: int, layers: range,
-                 pre_process: bool = True, post_process: bool = True,
-                 recompute: RecomputeConfig | None = None):
-        super().__init__()
-        self.config, self.group = config, group
-        self.pre_process, self.post_process = pre_process, post_process
-        if pre_process:
-            self.embedding = Embedding(config, padded_vocab_size, group)
-            if not post_process:
-                self.embedding.word_embeddings.weight.spec.tied = True
-        self.transformer = TransformerStack(config, group, layers, self.causal, recompute)
-        if post_process:
-            self.heads = BertHeads(config, padded_vocab_size, group)
-            if not pre_process:
-                self.output_embedding = tied_output_embedding(padded_vocab_size,
-                                                              config.hidden_size, group)
-
-    def head_weight(self) -> torch.Tensor:
-        return self.embedding.word_embeddings.weight if self.pre_process else self.output_embedding
+    def build_heads(self, config: ModelConfig, padded_vocab_size: int, group) -> None:
+        self.heads = BertHeads(config, padded_vocab_size, group)
 
     def encode(self, hidden, batch: dict):
         if self.pre_process:

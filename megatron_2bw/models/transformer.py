@@ -12,7 +12,8 @@ from torch import nn
 from megatron_2bw.config import ModelConfig, RecomputeConfig
 from megatron_2bw.distributed.comm import group_size
 from megatron_2bw.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
-                                                 VocabParallelEmbedding, replicated_param)
+                                                 VocabParallelEmbedding, make_param,
+                                                 replicated_param)
 from megatron_2bw.tensor_parallel.random import checkpoint, get_rng_tracker
 
 try:  # NVIDIA apex is optional; torch's layer_norm computes the same function
@@ -150,3 +151,43 @@ def _run_layers(layers):
             x = layer(x, mask)
         return x
     return run
+
+
+def tied_output_embedding(padded_vocab_size: int, hidden_size: int, group) -> nn.Parameter:
+    """The last stage's copy of the word embeddings (kept identical to the first stage's)."""
+    weight = make_param((padded_vocab_size, hidden_size), group, 0, "normal")
+    weight.spec.init_name = "embedding.word_embeddings.weight"
+    weight.spec.tied = weight.spec.tied_copy = True
+    return weight
+
+
+class LanguageModelStage(nn.Module):
+    """What every pipeline stage of GPT and BERT shares: the first stage owns the embeddings, every
+    stage its range of layers, the last stage the heads (`build_heads`) and, when it is not also
+    the first, a tied copy of the word embeddings for the output layer."""
+
+    causal: bool
+
+    def __init__(self, config: ModelConfig, group, padded_vocab_size: int, layers: range,
+                 pre_process: bool = True, post_process: bool = True,
+                 recompute: RecomputeConfig | None = None):
+        super().__init__()
+        self.config, self.group = config, group
+        self.pre_process, self.post_process = pre_process, post_process
+        if pre_process:
+            self.embedding = Embedding(config, padded_vocab_size, group)
+            if not post_process:
+                self.embedding.word_embeddings.weight.spec.tied = True
+        self.transformer = TransformerStack(config, group, layers, self.causal, recompute)
+        if post_process:
+            self.build_heads(config, padded_vocab_size, group)
+            if not pre_process:
+                self.output_embedding = tied_output_embedding(padded_vocab_size,
+                                                              config.hidden_size, group)
+
+    def build_heads(self, config: ModelConfig, padded_vocab_size: int, group) -> None:
+        raise NotImplementedError
+
+    def head_weight(self) -> torch.Tensor:
+        return self.embedding.word_embeddings.weight if self.pre_process else self.output_embedding
+
