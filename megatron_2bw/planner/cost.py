@@ -101,9 +101,13 @@ class Network:
     def node(self, rank: int) -> int:
         return rank // self.hardware.devices_per_node
 
-    def _link_times(self, hops: list[tuple[int, int]]) -> list[tuple[float, float]]:
-        """(seconds per byte, latency) of each hop when all hops carry traffic at once."""
+    def _link_times(self, hops: list[tuple[int, int]], collective: bool = False
+                    ) -> list[tuple[float, float]]:
+        """(seconds per byte, latency) of each hop when all hops carry traffic at once; a
+        collective's hops inside a node take the measured collective hop latency if there is one."""
         hw = self.hardware
+        intra_latency = hw.collective_hop_latency_s if collective and \
+            hw.collective_hop_latency_s is not None else hw.intra_node_latency_s
         leaving: dict[int, int] = {}
         entering: dict[int, int] = {}
         nodes = [(self.node(src), self.node(dst)) for src, dst in hops]
@@ -111,7 +115,7 @@ class Network:
             if src != dst:
                 leaving[src] = leaving.get(src, 0) + 1
                 entering[dst] = entering.get(dst, 0) + 1
-        return [(1.0 / hw.intra_node_bandwidth, hw.intra_node_latency_s) if src == dst else
+        return [(1.0 / hw.intra_node_bandwidth, intra_latency) if src == dst else
                 (max(leaving[src], entering[dst]) / hw.inter_node_bandwidth, hw.inter_node_latency_s)
                 for src, dst in nodes]
 
@@ -122,7 +126,7 @@ class Network:
         if key not in self._cache:
             rings = [sorted(g) for g in self.groups(kind, stage) if len(g) > 1]
             hops = [(r[i], r[(i + 1) % len(r)]) for r in rings for i in range(len(r))]
-            links = iter(self._link_times(hops))
+            links = iter(self._link_times(hops, collective=True))
             result = []
             for ring in rings:
                 ring_links = [next(links) for _ in ring]

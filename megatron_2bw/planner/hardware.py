@@ -54,6 +54,10 @@ class HardwareSpec:
     reserved_memory_bytes: float = 0.0  # held outside the framework: CUDA context, NCCL buffers
     kernel_overhead_s: float = 0.0  # fixed cost of each kernel launch (launch latency, tail)
     source: str = ""
+    # latency per ring hop of a small all-reduce inside a node, when measured (detect_hardware):
+    # a library's all-reduce of a few bytes is not 2(n-1) sequential p2p messages (gloo on 2 CPU
+    # ranks: 0.23 ms against a 0.74 ms p2p half round trip). None: intra_node_latency_s.
+    collective_hop_latency_s: float | None = None
 
     def __hash__(self) -> int:  # peak_flops is a dict; specs key the planner's caches
         return hash((self.name, self.devices_per_node, self.nodes, self.memory_per_device_bytes,
@@ -204,6 +208,7 @@ class LinkProbe:
     inter_node_latency_s: float | None
     allreduce_bytes: int
     allreduce_s: float  # one all-reduce of allreduce_bytes over the whole group
+    small_allreduce_s: float  # one all-reduce of 4 bytes over the whole group
     ranks_per_node: tuple[int, ...]
 
 
@@ -283,8 +288,10 @@ def probe_links(group=None, repeats: int = 5, large_bytes: int = 8 << 20) -> Lin
     inter = _link(group, other_node, device, repeats, large_bytes)
     tensor = torch.ones(large_bytes // 4, dtype=torch.float32, device=device)
     allreduce_s = median_time(lambda: dist.all_reduce(tensor, group=group), device, repeats)
-    [allreduce_s] = _agree([allreduce_s], dist.ReduceOp.MAX, group, device)
-    return LinkProbe(*intra, *inter, large_bytes, allreduce_s,
+    small = torch.ones(1, dtype=torch.float32, device=device)
+    small_s = median_time(lambda: dist.all_reduce(small, group=group), device, 4 * repeats + 1)
+    allreduce_s, small_s = _agree([allreduce_s, small_s], dist.ReduceOp.MAX, group, device)
+    return LinkProbe(*intra, *inter, large_bytes, allreduce_s, small_s,
                      tuple(len(ranks) for ranks in ranks_of_host.values()))
 
 
@@ -343,6 +350,9 @@ def detect_hardware(group=None, name: str | None = None, repeats: int = 5) -> Ha
     intra_bw = probe.intra_node_bandwidth or bandwidth
     intra_latency = probe.intra_node_latency_s or 0.0
     hosts = len(probe.ranks_per_node)
+    size = dist.get_world_size(group)
+    # a ring all-reduce pays 2(n-1) hop latencies; measured over a group within one node only
+    hop_latency = probe.small_allreduce_s / (2 * (size - 1)) if size > 1 and hosts == 1 else None
     return HardwareSpec(
         name=name or f"{socket.gethostname()}-{label}-{hosts}x{ranks_here}".replace(" ", "_"),
         devices_per_node=ranks_here, nodes=hosts, memory_per_device_bytes=memory,
@@ -351,5 +361,6 @@ def detect_hardware(group=None, name: str | None = None, repeats: int = 5) -> Ha
         inter_node_latency_s=probe.inter_node_latency_s or intra_latency,
         peak_flops=flops, memory_bandwidth=bandwidth, efficiency=1.0,
         reserved_memory_bytes=reserved, kernel_overhead_s=launch,
+        collective_hop_latency_s=hop_latency,
         source=f"measured by detect_hardware on {socket.gethostname()} ({dist.get_world_size(group)} "
                f"ranks)")

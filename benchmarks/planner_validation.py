@@ -1,0 +1,313 @@
+"""Measured against predicted: the planner's time per iteration for every configuration it considers
+for a small GPT on this machine, next to the runtime's measured time per iteration.
+
+    python benchmarks/planner_validation.py --world-sizes 2 4 --repeats 3 \
+        --json planner_validation.json --markdown planner_validation.md
+
+For each world size the hardware is detected by the job's own ranks (`detect_hardware`, as
+`--hardware local` does), the model's layer, embedding and head are profiled here in one process
+(`measured_profile`), and `rank_plans_for` costs and replays every configuration of the search
+space. Each fitting configuration is then trained by the real runtime (`build_stage` +
+`run_segment`, the code `pretrain_gpt.py` runs) on freshly forked gloo ranks with one thread each;
+its time per iteration is the mean interval between optimizer steps after the warm-up batches (what
+the "elapsed time per iteration" log line reports). Configurations are interleaved (A B C ... A B C)
+and repeated, because this shared machine is noisy; the table gives the medians.
+
+Targets (issue 8): every configuration within 20% of its prediction, and the planner's first choice
+the measured best or within 5% of it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pickle
+import socket
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+
+from megatron_2bw.arguments import parse_config  # noqa: E402
+from megatron_2bw.config import Config  # noqa: E402
+from megatron_2bw.distributed.launch import pick_device  # noqa: E402
+from megatron_2bw.distributed.layout import ParallelLayout  # noqa: E402
+from megatron_2bw.planner.cost import RECOMPUTE_OPTIONS  # noqa: E402
+from megatron_2bw.planner.hardware import HardwareSpec, detect_hardware  # noqa: E402
+from megatron_2bw.planner.profile import measured_profile  # noqa: E402
+from megatron_2bw.planner.search import Plan, SearchSpace, apply_plan, rank_plans_for  # noqa: E402
+from megatron_2bw.training import build_stage, run_segment  # noqa: E402
+
+ERROR_TARGET = 0.20  # |measured - predicted| / measured, every configuration
+CHOICE_TARGET = 0.05  # the first choice's measured time over the measured best's, minus one
+
+
+# -- forked gloo ranks ---------------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_entry(rank: int, world: int, port: int, out_dir: str, fn, args, timeout: float):
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    try:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend, rank=rank, world_size=world,
+                                timeout=timedelta(seconds=timeout))
+        result = fn(rank, world, *args)
+        with open(os.path.join(out_dir, f"{rank}.pkl"), "wb") as f:
+            pickle.dump(result, f)
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        with open(os.path.join(out_dir, f"{rank}.err"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def on_ranks(world: int, fn, *args, timeout: float = 600.0) -> list:
+    """fn(rank, world, *args) on `world` forked ranks (they inherit the parent's imports: fast
+    start); the per-rank results."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        context = mp.start_processes(_rank_entry, args=(world, _free_port(), out_dir, fn, args,
+                                                        timeout),
+                                     nprocs=world, join=False, start_method="fork")
+        deadline = time.time() + timeout
+        try:
+            while not context.join(timeout=0.5):
+                if time.time() > deadline:
+                    raise TimeoutError(f"{world} ranks did not finish within {timeout:.0f} s")
+        except Exception as error:
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+            errors = [Path(out_dir, name).read_text() for name in sorted(os.listdir(out_dir))
+                      if name.endswith(".err")]
+            raise RuntimeError("\n".join(errors) or str(error)) from None
+        return [pickle.loads(Path(out_dir, f"{rank}.pkl").read_bytes()) for rank in range(world)]
+
+
+# -- what a rank does ----------------------------------------------------------------------------
+
+def _detect(rank: int, world: int) -> HardwareSpec:
+    return detect_hardware()
+
+
+def _train(rank: int, world: int, config: Config, warmup: int, measured: int) -> float:
+    """Seconds per iteration on this rank: the mean interval between its optimizer steps after
+    `warmup` batches, all batches in one undrained segment (as pretrain runs between evaluations)."""
+    par = config.parallel
+    layout = ParallelLayout(world, par.tensor_parallel, par.pipeline_parallel, rank)
+    layout.build_groups(par.timeout_minutes)
+    device = pick_device(rank)
+    steps: list[float] = []
+    stage = build_stage(config, layout, device, None,
+                        on_step=lambda result: steps.append(time.perf_counter()))
+    model = config.model
+    generator = torch.Generator().manual_seed(1000 + layout.coords.dp)
+    tokens = torch.randint(0, model.vocab_size, (8, config.training.micro_batch_size,
+                                                 model.seq_length + 1), generator=generator)
+    dist.barrier()
+    run_segment(stage, 0, warmup + measured, lambda k: {"tokens": tokens[k % 8].to(device)})
+    dist.barrier()
+    return (steps[-1] - steps[warmup - 1]) / measured
+
+
+# -- the benchmark -------------------------------------------------------------------------------
+
+@dataclass
+class Row:
+    world_size: int
+    config: str
+    predicted_ms: float
+    measured_ms: list[float]  # one per repeat
+    rank_predicted: int = 0
+    rank_measured: int = 0
+    plan: dict | None = None
+
+    @property
+    def median_ms(self) -> float:
+        return statistics.median(self.measured_ms)
+
+    @property
+    def error(self) -> float:
+        """(predicted - measured) / measured."""
+        return (self.predicted_ms - self.median_ms) / self.median_ms
+
+
+def model_config(args) -> Config:
+    argv = ["--num-layers", str(args.num_layers), "--hidden-size", str(args.hidden_size),
+            "--num-attention-heads", str(args.num_attention_heads),
+            "--seq-length", str(args.seq_length), "--max-position-embeddings", str(args.seq_length),
+            "--vocab-size", str(args.vocab_size), "--global-batch-size", str(args.global_batch_size),
+            "--micro-batch-size", "1", "--train-iters", "1000000", "--lr", "1e-4",
+            "--optimizer", "adam", "--mock-data"]
+    config, _ = parse_config(argv, "gpt", require_data=False)
+    return config
+
+
+def predict(config: Config, world: int, space: SearchSpace, profile_cache: str | None,
+            progress: bool) -> tuple[HardwareSpec, list[Plan]]:
+    """Detect the hardware with `world` ranks, profile here, and replay every configuration."""
+    hardware = on_ranks(world, _detect)[0]
+    profile = measured_profile(config.model, config.precision, hardware,
+                               list(space.micro_batch_sizes), profile_cache, progress=progress)
+    plans = rank_plans_for(config, world, hardware, profile, space, simulate_top=10 ** 6)
+    return hardware, [plan for plan in plans if plan.fits]
+
+
+def measure(rows: list[tuple[Row, Config]], warmup: int, measured: int, repeats: int,
+            progress: bool) -> None:
+    """Interleaved: every configuration once per round, `repeats` rounds."""
+    from tqdm import tqdm
+    with tqdm(total=repeats * len(rows), desc="training", unit="run", disable=not progress) as bar:
+        for _ in range(repeats):
+            for row, config in rows:
+                seconds = on_ranks(row.world_size, _train, config, warmup, measured)
+                row.measured_ms.append(1000 * max(seconds))
+                bar.update()
+
+
+def assign_ranks(rows: list[Row]) -> None:
+    """1-based ranks by predicted and by measured time, within a world size."""
+    for by, field_name in ((lambda r: r.predicted_ms, "rank_predicted"),
+                           (lambda r: r.median_ms, "rank_measured")):
+        for position, row in enumerate(sorted(rows, key=by), 1):
+            setattr(row, field_name, position)
+
+
+def verdict(rows: list[Row]) -> dict:
+    worst = max(rows, key=lambda r: abs(r.error))
+    first = min(rows, key=lambda r: r.rank_predicted)
+    best = min(rows, key=lambda r: r.rank_measured)
+    choice_gap = first.median_ms / best.median_ms - 1
+    return {"configurations": len(rows),
+            "within_20_percent": sum(abs(r.error) <= ERROR_TARGET for r in rows),
+            "worst_error": worst.error, "worst_config": worst.config,
+            "error_target_holds": abs(worst.error) <= ERROR_TARGET,
+            "first_choice": first.config, "measured_best": best.config,
+            "first_choice_gap": choice_gap, "choice_target_holds": choice_gap <= CHOICE_TARGET}
+
+
+def markdown(rows_by_world: dict[int, list[Row]], verdicts: dict[int, dict], header: str) -> str:
+    lines = [header, ""]
+    for world, rows in rows_by_world.items():
+        v = verdicts[world]
+        lines += [f"### {world} processes", "",
+                  "| config | predicted ms/iter | measured ms/iter (median) | min-max | error % "
+                  "| rank predicted | rank measured |", "|---|---:|---:|---:|---:|---:|---:|"]
+        for row in sorted(rows, key=lambda r: r.rank_predicted):
+            lines.append(f"| {row.config} | {row.predicted_ms:.0f} | {row.median_ms:.0f} | "
+                         f"{min(row.measured_ms):.0f}-{max(row.measured_ms):.0f} | "
+                         f"{100 * row.error:+.1f} | {row.rank_predicted} | {row.rank_measured} |")
+        lines += ["", f"- within 20%: {v['within_20_percent']} of {v['configurations']} "
+                      f"(worst {100 * v['worst_error']:+.1f}%, {v['worst_config']}): "
+                      f"**{'holds' if v['error_target_holds'] else 'does not hold'}**",
+                  f"- first choice {v['first_choice']}; measured best {v['measured_best']}; "
+                  f"the first choice is {100 * v['first_choice_gap']:.1f}% slower: "
+                  f"**{'holds' if v['choice_target_holds'] else 'does not hold'}**", ""]
+    return "\n".join(lines)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--num-layers", type=int, default=4)
+    parser.add_argument("--hidden-size", type=int, default=128)
+    parser.add_argument("--num-attention-heads", type=int, default=4)
+    parser.add_argument("--seq-length", type=int, default=128)
+    parser.add_argument("--vocab-size", type=int, default=4096)
+    parser.add_argument("--global-batch-size", type=int, default=16)
+    parser.add_argument("--micro-batch-sizes", type=int, nargs="+", default=[2, 4],
+                        help="the micro batch sizes searched and measured (a restriction)")
+    parser.add_argument("--recompute", nargs="+", default=["none"],
+                        choices=["none", "selective", "full"],
+                        help="recomputation options searched and measured (a restriction)")
+    parser.add_argument("--warmup-batches", type=int, default=2)
+    parser.add_argument("--measured-batches", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--profile-cache", default=None,
+                        help="directory of the profile cache (default: a fresh temporary one)")
+    parser.add_argument("--json", default=None, help="write every row and the verdicts here")
+    parser.add_argument("--markdown", default=None, help="write the tables here")
+    parser.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args(argv)
+    for name in ("world_sizes", "micro_batch_sizes"):
+        if any(x < 1 for x in getattr(args, name)):
+            parser.error(f"--{name.replace('_', '-')} must be positive integers")
+    if args.warmup_batches < 1 or args.measured_batches < 1 or args.repeats < 1:
+        parser.error("--warmup-batches, --measured-batches and --repeats must be at least 1")
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    torch.set_num_threads(1)  # the profile runs here like one rank
+    torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])  # import once; forked ranks inherit
+    config = model_config(args)
+    space = SearchSpace(micro_batch_sizes=tuple(args.micro_batch_sizes),
+                        recompute=tuple(None if r == "none" else r for r in args.recompute))
+    assert set(space.recompute) <= set(RECOMPUTE_OPTIONS)
+    progress = not args.no_progress
+    cache = args.profile_cache or tempfile.mkdtemp(prefix="planner_validation_")
+    load_before = os.getloadavg()[0]
+
+    rows_by_world: dict[int, list[Row]] = {}
+    hardware_by_world: dict[int, dict] = {}
+    pending: list[tuple[Row, Config]] = []
+    for world in args.world_sizes:
+        hardware, plans = predict(config, world, space, cache, progress)
+        hardware_by_world[world] = asdict(hardware)
+        rows = []
+        for plan in plans:
+            row = Row(world, plan.candidate.describe(), 1000 * plan.time_per_batch_s, [],
+                      plan=plan.to_json())
+            rows.append(row)
+            pending.append((row, apply_plan(config, plan)))
+        rows_by_world[world] = rows
+    measure(pending, args.warmup_batches, args.measured_batches, args.repeats, progress)
+    load_after = os.getloadavg()[0]
+
+    verdicts = {}
+    for world, rows in rows_by_world.items():
+        assign_ranks(rows)
+        verdicts[world] = verdict(rows)
+    m = config.model
+    header = (f"GPT: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads, "
+              f"sequence {m.seq_length}, vocabulary {m.vocab_size}, fp32, Adam, global batch "
+              f"{config.training.global_batch_size}; micro batch sizes "
+              f"{', '.join(map(str, args.micro_batch_sizes))}; recomputation "
+              f"{', '.join(args.recompute)}; {args.warmup_batches} warm-up + "
+              f"{args.measured_batches} measured batches, {args.repeats} interleaved repeats; "
+              f"load average {load_before:.2f} before, {load_after:.2f} after.")
+    report = {"header": header, "load_average": [load_before, load_after],
+              "hardware": hardware_by_world, "verdicts": verdicts,
+              "rows": [{**asdict(row), "median_ms": row.median_ms, "error": row.error}
+                       for rows in rows_by_world.values() for row in rows]}
+    text = markdown(rows_by_world, verdicts, header)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+    if args.markdown:
+        Path(args.markdown).write_text(text + "\n")
+    return report
+
+
+if __name__ == "__main__":
+    main()

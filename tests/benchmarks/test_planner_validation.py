@@ -1,0 +1,64 @@
+"""Smoke test of the planner-validation benchmark's machinery on a tiny GPT (the timings are not
+checked: only that every configuration the planner considers is predicted, trained and reported)."""
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "planner_validation.py"
+TINY = ["--world-sizes", "2", "--num-layers", "2", "--hidden-size", "32",
+        "--num-attention-heads", "2", "--seq-length", "16", "--vocab-size", "64",
+        "--global-batch-size", "4", "--micro-batch-sizes", "2", "--warmup-batches", "1",
+        "--measured-batches", "1", "--repeats", "1", "--no-progress"]
+
+
+def _load_benchmark():
+    spec = importlib.util.spec_from_file_location("planner_validation", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = _load_benchmark()
+
+
+def test_every_configuration_is_predicted_measured_and_reported(tmp_path, capsys):
+    json_path, md_path = tmp_path / "table.json", tmp_path / "table.md"
+    bench.main(TINY + ["--json", str(json_path), "--markdown", str(md_path),
+                       "--profile-cache", str(tmp_path / "cache")])
+    report = json.loads(json_path.read_text())
+    rows = report["rows"]
+    # world 2, b = 2 of a batch of 4: (t, p, d) in (1,1,2), (2,1,1), (1,2,1), three schedules each
+    shapes = {(r["plan"]["tensor_parallel"], r["plan"]["pipeline_parallel"],
+               r["plan"]["data_parallel"]) for r in rows}
+    assert shapes == {(1, 1, 2), (2, 1, 1), (1, 2, 1)}
+    assert {r["plan"]["schedule"] for r in rows} == {"2bw", "flush", "gpipe"}
+    assert len(rows) == 9
+    for row in rows:
+        assert row["predicted_ms"] > 0 and len(row["measured_ms"]) == 1
+        assert row["measured_ms"][0] > 0
+        assert abs(row["error"] - (row["predicted_ms"] / row["median_ms"] - 1)) < 1e-9
+        assert row["plan"]["simulated"]  # every fitting configuration is replayed
+    assert sorted(r["rank_predicted"] for r in rows) == list(range(1, 10))
+    assert sorted(r["rank_measured"] for r in rows) == list(range(1, 10))
+    assert report["verdicts"]["2"]["configurations"] == 9
+    hardware = report["hardware"]["2"]
+    assert hardware["devices_per_node"] == 2 and hardware["collective_hop_latency_s"] > 0
+    table = md_path.read_text()
+    assert table.count("| t=") == 9 and "### 2 processes" in table
+    assert "vocabulary 64" in table and "load average" in table
+
+
+def test_verdict_names_the_worst_error_and_the_first_choice_gap():
+    rows = [bench.Row(2, "a", predicted_ms=100.0, measured_ms=[110.0, 100.0, 90.0]),
+            bench.Row(2, "b", predicted_ms=120.0, measured_ms=[95.0]),
+            bench.Row(2, "c", predicted_ms=200.0, measured_ms=[150.0])]
+    bench.assign_ranks(rows)
+    assert [r.rank_predicted for r in rows] == [1, 2, 3]
+    assert [r.rank_measured for r in rows] == [2, 1, 3]
+    v = bench.verdict(rows)
+    assert v["worst_config"] == "c" and abs(v["worst_error"] - (200 / 150 - 1)) < 1e-12
+    assert v["within_20_percent"] == 1 and not v["error_target_holds"]  # b: +26%, c: +33%
+    assert v["first_choice"] == "a" and v["measured_best"] == "b"
+    assert abs(v["first_choice_gap"] - (100 / 95 - 1)) < 1e-12 and v["choice_target_holds"] is False
