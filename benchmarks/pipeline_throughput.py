@@ -1,0 +1,586 @@
+"""Pipeline throughput: one GPT, one data stream, one global batch, trained in one invocation by
+- one process (megatron_2bw, no pipeline), and on 2 processes by
+- megatron_2bw's GPipe, PipeDream-Flush and PipeDream-2BW schedules (build_stage + run_segment), and
+- the peers: torch.distributed.pipelining Schedule1F1B / ScheduleGPipe and DeepSpeed's PipelineEngine.
+
+    python benchmarks/pipeline_throughput.py --repeats 3 --json results.json --plot throughput.png
+
+Every rank (and the one-process baseline) runs with torch.set_num_threads(1). The configurations
+are interleaved (A B C ... A B C ...) and repeated, because this shared 2-core machine is noisy;
+before each run the benchmark waits for other processes to go quiet, measures how many cores they
+took during the run and repeats a disturbed run (--max-other-load, --retries). The table gives
+the median tokens/s with the min-max spread, the ratio to the one-process median, the peak memory
+growth per stage and the first batch's loss (identical weights and data in every run, so it must
+agree). The layer split is chosen from measured per-layer, embedding and head times
+unless --pipeline-layer-split is given, and its ideal speed-up is reported.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import json
+import os
+import queue as queue_module
+import socket
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+# run from a checkout without installing; `peers` sits next to this file
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
+
+from megatron_2bw.config import (Config, ModelConfig, OptimizerConfig, ParallelConfig,  # noqa: E402
+                                 TrainingConfig)
+from megatron_2bw.data.mock import MockGPTDataset  # noqa: E402
+from megatron_2bw.distributed.launch import pick_device  # noqa: E402
+from megatron_2bw.distributed.layout import ParallelLayout  # noqa: E402
+from megatron_2bw.models import build_stage_model  # noqa: E402
+from megatron_2bw.pipeline.partition import layer_ranges  # noqa: E402
+from megatron_2bw.tensor_parallel.random import seed_everything  # noqa: E402
+from megatron_2bw.training import build_stage, run_segment  # noqa: E402
+
+STAGES = 2
+# name -> (processes, what trains it)
+RUNS = {
+    "one_process": (1, "megatron_2bw, no pipeline"),
+    "gpipe": (STAGES, "megatron_2bw GPipe"),
+    "flush": (STAGES, "megatron_2bw PipeDream-Flush"),
+    "2bw": (STAGES, "megatron_2bw PipeDream-2BW"),
+    "torch_1f1b": (STAGES, "torch.distributed.pipelining Schedule1F1B"),
+    "torch_gpipe": (STAGES, "torch.distributed.pipelining ScheduleGPipe"),
+    "deepspeed": (STAGES, "DeepSpeed PipelineEngine (1F1B)"),
+}
+
+
+@dataclass
+class Workload:
+    """What every run trains: the model, the data and the batch (d = 1: global = micro x m)."""
+    model: ModelConfig
+    micro_batch: int
+    global_batch: int
+    warmup_batches: int
+    measured_batches: int
+    optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(
+        optimizer="adam", lr=1e-4, lr_decay_style="constant", clip_grad=1.0))
+    seed: int = 1234
+    data_seed: int = 7
+
+    @property
+    def microbatches(self) -> int:
+        return self.global_batch // self.micro_batch
+
+    @property
+    def tokens_per_batch(self) -> int:
+        return self.global_batch * self.model.seq_length
+
+    def batch_tokens(self, batch: int) -> torch.Tensor:
+        """[global batch, seq + 1] token ids of batch `batch` (mock data, the same in every run)."""
+        dataset = MockGPTDataset(10 ** 9, self.model.seq_length, self.model.vocab_size, self.data_seed)
+        start = batch * self.global_batch
+        return torch.stack([torch.from_numpy(dataset[i]["tokens"])
+                            for i in range(start, start + self.global_batch)])
+
+    def config(self, stages: int, schedule: str, split: list[int] | None) -> Config:
+        return Config(model=self.model,
+                      parallel=ParallelConfig(pipeline_parallel=stages, schedule=schedule,
+                                              layer_split=split if stages > 1 else None),
+                      optimizer=self.optimizer,
+                      training=TrainingConfig(micro_batch_size=self.micro_batch,
+                                              global_batch_size=self.global_batch,
+                                              train_iters=self.warmup_batches + self.measured_batches,
+                                              seed=self.seed))
+
+
+# -- balancing the stages ------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class StageCosts:
+    """Measured seconds of one microbatch's forward + backward, one thread."""
+    embedding: float
+    layer: float
+    head: float  # final norm, logits and loss
+
+    def stage_seconds(self, split: list[int]) -> list[float]:
+        return [n * self.layer + (self.embedding if s == 0 else 0.0)
+                + (self.head if s == len(split) - 1 else 0.0) for s, n in enumerate(split)]
+
+    def ideal_speedup(self, split: list[int]) -> float:
+        """One process's time over the slowest stage's: the best any schedule can do."""
+        seconds = self.stage_seconds(split)
+        return sum(seconds) / max(seconds)
+
+    def best_split(self, num_layers: int) -> list[int]:
+        splits = [[a, num_layers - a] for a in range(1, num_layers)]
+        return max(splits, key=self.ideal_speedup)
+
+
+def measure_stage_costs(workload: Workload, repeats: int = 7) -> StageCosts:
+    """Time the embedding, one layer and the head alone: round-robin over the three (so a change in
+    the machine's load hits all alike), median of `repeats` after a warm-up pass."""
+    config, seed = workload.model, workload.seed
+    seed_everything(seed, 0, 0)
+    tokens = workload.batch_tokens(0)[:workload.micro_batch]
+    hidden = torch.randn(workload.micro_batch, config.seq_length, config.hidden_size)
+    parts = {"embedding": (range(0), True, False), "layer": (range(1), False, False),
+             "head": (range(0), False, True)}
+    models = {name: build_stage_model(config, None, 1, layers, pre, post, seed)
+              for name, (layers, pre, post) in parts.items()}
+    times: dict[str, list[float]] = {name: [] for name in parts}
+    for i in range(repeats + 1):
+        for name, (_, pre, post) in parts.items():
+            start = time.perf_counter()
+            out = models[name](None if pre else hidden.clone().requires_grad_(), {"tokens": tokens})
+            if post:
+                out[0].backward()
+            else:
+                out.backward(torch.ones_like(out))
+            if i:  # the first pass allocates
+                times[name].append(time.perf_counter() - start)
+    return StageCosts(**{name: statistics.median(values) for name, values in times.items()})
+
+
+# -- one rank of one run -------------------------------------------------------------------------
+
+class PeakMemory:
+    """Peak memory growth of this process from construction: the allocator's peak on CUDA; on CPU
+    the kernel's resident-set high-water mark (VmHWM), reset at the start, minus the resident set
+    then. The same measure for every run, ours and the peers'."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+            self.base = torch.cuda.memory_allocated(device)
+        else:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # resets VmHWM to the current resident set
+            self.base = self._status_bytes("VmRSS")
+
+    @staticmethod
+    def _status_bytes(key: str) -> int:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+        raise RuntimeError(f"/proc/self/status has no {key}")
+
+    def peak_bytes(self) -> int:
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device) - self.base
+        return self._status_bytes("VmHWM") - self.base
+
+
+class MegatronTrainer:
+    """megatron_2bw's runtime: build_stage, then run_segment (a segment of 2BW is one undrained
+    1F1B sequence, so the measured batches run as one segment)."""
+
+    def __init__(self, workload: Workload, split, rank: int, world: int, schedule: str | None,
+                 device: torch.device):
+        self.workload, self.device = workload, device
+        config = workload.config(world, schedule, split)
+        layout = ParallelLayout(world, 1, world, rank)
+        layout.build_groups(config.parallel.timeout_minutes)
+        self.first_loss: float | None = None
+        self.stage = build_stage(config, layout, device, None, on_step=self._on_step)
+
+    def _on_step(self, result) -> None:
+        if result.batch == 0 and "lm loss" in result.metrics:
+            self.first_loss = result.metrics["lm loss"]
+
+    def _microbatch(self, k: int) -> dict:
+        m, micro = self.workload.microbatches, self.workload.micro_batch
+        b, j = divmod(k, m)
+        return {"tokens": self.workload.batch_tokens(b)[j * micro:(j + 1) * micro].to(self.device)}
+
+    def run(self, first_batch: int, batches: int) -> None:
+        run_segment(self.stage, first_batch, batches, self._microbatch)
+
+
+def build_trainer(name: str, workload: Workload, split, rank: int, world: int, device):
+    if name in ("one_process", "gpipe", "flush", "2bw"):
+        schedule = None if name == "one_process" else name
+        return MegatronTrainer(workload, split, rank, world, schedule, device)
+    import peers
+    if name in ("torch_1f1b", "torch_gpipe"):
+        return peers.TorchPipeliningTrainer(workload, split, rank, world, name[len("torch_"):],
+                                            device)
+    return peers.DeepSpeedTrainer(workload, split, rank, world, device)
+
+
+@dataclass
+class RankResult:
+    seconds: float  # wall time of the measured batches, between barriers
+    peak_memory_bytes: int
+    first_loss: float | None
+
+
+def import_runtime(name: str) -> None:
+    """Import what a run's runtime loads lazily before the memory baseline: library code is not
+    training memory. (The first torch optimizer imports about 800 modules, ~90 MB and seconds:
+    the parent does it once so that forked ranks inherit it.)"""
+    torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], foreach=True)
+    if name == "deepspeed":
+        importlib.import_module("deepspeed")
+    elif name.startswith("torch_"):
+        importlib.import_module("torch.distributed.pipelining")
+
+
+def train_one_rank(name: str, workload: Workload, split, rank: int, world: int) -> RankResult:
+    device = pick_device(rank)
+    import_runtime(name)
+    memory = PeakMemory(device)
+    trainer = build_trainer(name, workload, split, rank, world, device)
+    trainer.run(0, workload.warmup_batches)
+    _barrier(world)
+    start = time.perf_counter()
+    trainer.run(workload.warmup_batches, workload.measured_batches)
+    _barrier(world)
+    seconds = time.perf_counter() - start
+    return RankResult(seconds, memory.peak_bytes(), trainer.first_loss)
+
+
+def _barrier(world: int) -> None:
+    if world > 1:
+        dist.barrier()
+
+
+def _rank_entry(rank: int, world: int, port: int, results, name, workload, split, timeout):
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    try:
+        if world > 1:
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            dist.init_process_group(backend, rank=rank, world_size=world,
+                                    timeout=timedelta(seconds=timeout))
+        results.put((rank, train_one_rank(name, workload, split, rank, world), None))
+    except BaseException:  # noqa: BLE001 - reported to the parent, which stops the run
+        results.put((rank, None, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_once(name: str, workload: Workload, split, timeout: float = 900.0) -> list[RankResult]:
+    """One run on freshly forked processes (one per stage); every rank's result, by rank."""
+    world = RUNS[name][0]
+    context = mp.get_context("fork")  # the children inherit the imports: fast start
+    results = context.Queue()
+    port = _free_port()
+    processes = [context.Process(target=_rank_entry,
+                                 args=(rank, world, port, results, name, workload, split, timeout))
+                 for rank in range(world)]
+    for process in processes:
+        process.start()
+    collected: dict[int, RankResult] = {}
+    try:
+        deadline = time.time() + timeout
+        while len(collected) < world:
+            try:
+                rank, result, error = results.get(timeout=max(1.0, deadline - time.time()))
+            except queue_module.Empty:
+                raise RuntimeError(f"run {name} did not finish within {timeout:.0f} s") from None
+            if error is not None:
+                raise RuntimeError(f"run {name}, rank {rank} failed:\n{error}")
+            collected[rank] = result
+    finally:
+        for process in processes:
+            process.join(timeout=30)
+            if process.is_alive():
+                process.kill()
+    return [collected[rank] for rank in range(world)]
+
+
+# -- other processes on the machine --------------------------------------------------------------
+
+def machine_cpu_seconds() -> float:
+    """CPU seconds every process on the machine has used (Linux /proc/stat, all cores)."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu_seconds() -> float:
+    """CPU seconds of this process and of its finished (joined) children: the runs' ranks."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+class OtherLoad:
+    """Cores that other processes kept busy between start() and stop(): a shared machine is
+    noisy, so each run says how disturbed it was."""
+
+    def start(self) -> None:
+        self.wall, self.machine, self.own = time.time(), machine_cpu_seconds(), own_cpu_seconds()
+
+    def stop(self) -> float:
+        others = (machine_cpu_seconds() - self.machine) - (own_cpu_seconds() - self.own)
+        return max(0.0, others) / max(time.time() - self.wall, 1e-6)
+
+
+def wait_for_idle(max_cores: float, timeout: float, window: float = 2.0) -> float:
+    """Wait (up to `timeout` s) until other processes use at most `max_cores` over a `window`;
+    return the last window's value."""
+    deadline = time.time() + timeout
+    meter = OtherLoad()
+    while True:
+        meter.start()
+        time.sleep(window)
+        load = meter.stop()
+        if load <= max_cores or time.time() >= deadline:
+            return load
+
+
+# -- the benchmark -------------------------------------------------------------------------------
+
+@dataclass
+class RunSummary:
+    name: str
+    tokens_per_s: list[float] = field(default_factory=list)  # one per repeat
+    other_load: list[float] = field(default_factory=list)  # cores other processes used, per repeat
+    peak_memory_bytes: list[int] = field(default_factory=list)  # per stage, max over repeats
+    first_loss: float | None = None
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.tokens_per_s)
+
+
+@dataclass
+class Quietness:
+    """How hard to try for an undisturbed machine: before each run wait until other processes use
+    at most `max_other_cores`; repeat a run that they disturbed more than that, `retries` times."""
+    max_other_cores: float = 0.25
+    idle_timeout: float = 300.0
+    retries: int = 2
+
+
+def benchmark(workload: Workload, names: list[str], split: list[int], repeats: int,
+              quiet: Quietness | None = None, progress=None) -> list[RunSummary]:
+    """Interleaved: every configuration once per round, `repeats` rounds."""
+    quiet = quiet or Quietness(max_other_cores=float("inf"), idle_timeout=0.0, retries=0)
+    summaries = {name: RunSummary(name, peak_memory_bytes=[0] * RUNS[name][0]) for name in names}
+    import_runtime("one_process")
+    meter = OtherLoad()
+    for _ in range(repeats):
+        for name in names:
+            for attempt in range(quiet.retries + 1):
+                if quiet.idle_timeout > 0:
+                    wait_for_idle(quiet.max_other_cores, quiet.idle_timeout)
+                meter.start()
+                ranks = run_once(name, workload, split)
+                load = meter.stop()
+                if load <= quiet.max_other_cores:
+                    break
+            seconds = max(r.seconds for r in ranks)
+            summary = summaries[name]
+            summary.tokens_per_s.append(workload.measured_batches * workload.tokens_per_batch
+                                        / seconds)
+            summary.other_load.append(load)
+            summary.peak_memory_bytes = [max(a, r.peak_memory_bytes)
+                                         for a, r in zip(summary.peak_memory_bytes, ranks)]
+            summary.first_loss = next((r.first_loss for r in ranks if r.first_loss is not None),
+                                      None)
+            if progress is not None:
+                progress.set_postfix_str(f"{name}: {summary.tokens_per_s[-1]:.0f} tokens/s, "
+                                         f"others {load:.2f} cores")
+                progress.update(1)
+    return list(summaries.values())
+
+
+def format_table(summaries: list[RunSummary], baseline: float | None) -> str:
+    lines = [f"{'run':<12} {'tokens/s (median)':>17} {'min-max':>11} {'x one proc':>10} "
+             f"{'peak MiB per stage':>18} {'batch-0 loss':>12} {'others':>6}  trained by",
+             "-" * 126]
+    for s in summaries:
+        spread = f"{min(s.tokens_per_s):.0f}-{max(s.tokens_per_s):.0f}"
+        ratio = f"{s.median / baseline:.2f}x" if baseline else "-"
+        memory = " | ".join(f"{b / 2 ** 20:.0f}" for b in s.peak_memory_bytes)
+        loss = f"{s.first_loss:.4f}" if s.first_loss is not None else "-"
+        lines.append(f"{s.name:<12} {s.median:>17.0f} {spread:>11} {ratio:>10} {memory:>18} "
+                     f"{loss:>12} {max(s.other_load):>6.2f}  {RUNS[s.name][1]}")
+    lines.append("others: the most cores other processes kept busy during any repeat of the run")
+    return "\n".join(lines)
+
+
+def plot(summaries: list[RunSummary], baseline: float | None, output: str, title: str) -> None:
+    from matplotlib.figure import Figure  # no pyplot: no global backend or figure state
+    fig = Figure(figsize=(11, 4.6))
+    speed_ax, memory_ax = fig.subplots(1, 2, gridspec_kw={"width_ratios": [3, 2]})
+    names = [s.name for s in summaries]
+    medians = [s.median for s in summaries]
+    errors = [[m - min(s.tokens_per_s) for m, s in zip(medians, summaries)],
+              [max(s.tokens_per_s) - m for m, s in zip(medians, summaries)]]
+    colours = ["#7f7f7f" if n == "one_process" else "#1f77b4" if n in ("gpipe", "flush", "2bw")
+               else "#ff7f0e" for n in names]
+    bars = speed_ax.bar(names, medians, yerr=errors, capsize=4, color=colours)
+    if baseline:
+        speed_ax.bar_label(bars, [f"{m / baseline:.2f}x" for m in medians], padding=2, fontsize=8)
+        speed_ax.axhline(baseline, color="#7f7f7f", linestyle=":", linewidth=1)
+    speed_ax.set_ylabel("tokens/s (median, whiskers: min-max)")
+    speed_ax.set_title("throughput (label: ratio to one process)", fontsize=10)
+    speed_ax.tick_params(axis="x", rotation=30)
+    width = 0.38
+    for stage in range(STAGES):
+        # one bar per stage side by side; the one-process run's single bar is centred
+        runs = [(i, s) for i, s in enumerate(summaries) if stage < len(s.peak_memory_bytes)]
+        memory_ax.bar([i + ((stage - 0.5) * width if len(s.peak_memory_bytes) > 1 else 0.0)
+                       for i, s in runs], [s.peak_memory_bytes[stage] / 2 ** 20 for _, s in runs],
+                      width, label=f"stage {stage}" if stage else "stage 0 (or the whole model)")
+    memory_ax.set_xticks(range(len(names)), names, rotation=30)
+    memory_ax.set_ylabel("peak resident memory growth (MiB)")
+    memory_ax.legend(fontsize=8, loc="lower center", bbox_to_anchor=(0.5, 1.06), ncol=2,
+                     frameon=False)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(output, dpi=120)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pipeline_throughput.py",
+                                     description=__doc__.split("\n")[0])
+    g = parser.add_argument_group("model, data and batch (the same in every run)")
+    g.add_argument("--num-layers", type=int, default=9)
+    g.add_argument("--hidden-size", type=int, default=256)
+    g.add_argument("--num-attention-heads", type=int, default=8)
+    g.add_argument("--seq-length", type=int, default=128)
+    g.add_argument("--vocab-size", type=int, default=8192)
+    g.add_argument("--micro-batch-size", type=int, default=4)
+    g.add_argument("--global-batch-size", type=int, default=8,
+                   help="micro batch x m (one data-parallel replica); default m = 2")
+    g.add_argument("--pipeline-layer-split", type=str,
+                   help="layers per stage, e.g. 5,3 (default: the best split for measured times)")
+    b = parser.add_argument_group("measurement")
+    b.add_argument("--warmup-batches", type=int, default=2)
+    b.add_argument("--measured-batches", type=int, default=24,
+                   help="batches timed per run, as one segment (2BW fills and drains once)")
+    b.add_argument("--repeats", type=int, default=3, help="interleaved rounds (median, min-max)")
+    b.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated subset of {','.join(RUNS)}")
+    b.add_argument("--max-other-load", type=float, default=0.25, metavar="CORES",
+                   help="before each run wait until other processes use at most this many cores, "
+                        "and repeat a run they disturbed more (default 0.25)")
+    b.add_argument("--idle-timeout", type=float, default=300.0, metavar="SECONDS",
+                   help="longest wait for an idle machine before a run (0: do not wait)")
+    b.add_argument("--retries", type=int, default=2,
+                   help="extra attempts of a run disturbed by other processes (default 2)")
+    b.add_argument("--json", help="write the results as JSON to this file")
+    b.add_argument("--plot", help="write a PNG bar chart to this file")
+    return parser
+
+
+def fail(message: str) -> None:
+    print(f"pipeline_throughput.py: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def parse_workload(args) -> tuple[Workload, list[str], list[int] | None]:
+    if args.max_other_load < 0 or args.idle_timeout < 0 or args.retries < 0:
+        fail("--max-other-load, --idle-timeout and --retries must not be negative")
+    for flag in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size",
+                 "micro_batch_size", "global_batch_size", "measured_batches", "repeats"):
+        if getattr(args, flag) < 1:
+            fail(f"--{flag.replace('_', '-')} must be a positive integer, got {getattr(args, flag)}")
+    if args.warmup_batches < 1:
+        fail(f"--warmup-batches must be >= 1 (batch 0's loss is compared), got {args.warmup_batches}")
+    if args.global_batch_size % args.micro_batch_size:
+        fail(f"--global-batch-size {args.global_batch_size} must be a multiple of "
+             f"--micro-batch-size {args.micro_batch_size}")
+    m = args.global_batch_size // args.micro_batch_size
+    if m < STAGES:
+        fail(f"--global-batch-size / --micro-batch-size = {m} microbatches, but the 1F1B schedules "
+             f"need at least {STAGES} (the number of stages)")
+    if args.hidden_size % args.num_attention_heads:
+        fail(f"--hidden-size {args.hidden_size} must be divisible by --num-attention-heads "
+             f"{args.num_attention_heads}")
+    if args.num_layers < STAGES:
+        fail(f"--num-layers {args.num_layers} must be at least {STAGES} (one per stage)")
+    names = [n.strip() for n in args.runs.split(",") if n.strip()]
+    unknown = [n for n in names if n not in RUNS]
+    if unknown or not names:
+        fail(f"--runs expects a comma-separated subset of {','.join(RUNS)}, got {args.runs!r}")
+    split = None
+    if args.pipeline_layer_split:
+        try:
+            split = [int(x) for x in args.pipeline_layer_split.split(",")]
+            layer_ranges(args.num_layers, STAGES, split)
+        except ValueError:
+            fail(f"--pipeline-layer-split expects {STAGES} positive comma-separated layer counts "
+                 f"summing to --num-layers {args.num_layers}, got {args.pipeline_layer_split!r}")
+    for flag in ("json", "plot"):
+        path = getattr(args, flag)
+        if path and not Path(path).resolve().parent.is_dir():
+            fail(f"--{flag} {path}: directory {Path(path).parent} does not exist")
+    model = ModelConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
+                        num_attention_heads=args.num_attention_heads, seq_length=args.seq_length,
+                        vocab_size=args.vocab_size, hidden_dropout=0.0, attention_dropout=0.0)
+    workload = Workload(model, args.micro_batch_size, args.global_batch_size, args.warmup_batches,
+                        args.measured_batches)
+    return workload, names, split
+
+
+def main(argv=None) -> list[RunSummary]:
+    from tqdm import tqdm
+    args = build_parser().parse_args(argv)
+    workload, names, split = parse_workload(args)
+    torch.set_num_threads(1)  # the one-process baseline, and the cost profile, use one thread too
+    costs = measure_stage_costs(workload)
+    split = split or costs.best_split(workload.model.num_layers)
+    model = workload.model
+    print(f"model: GPT, {model.num_layers} layers, hidden {model.hidden_size}, "
+          f"{model.num_attention_heads} heads, sequence {model.seq_length}, vocabulary "
+          f"{model.padded_vocab_size(1)}, fp32; batch {workload.global_batch} = "
+          f"{workload.microbatches} microbatches of {workload.micro_batch}; "
+          f"{workload.warmup_batches} warm-up + {workload.measured_batches} measured batches per run; "
+          f"1 thread per process")
+    print(f"measured forward+backward per microbatch: embedding {costs.embedding * 1e3:.1f} ms, "
+          f"layer {costs.layer * 1e3:.1f} ms, head (norm, logits, loss) {costs.head * 1e3:.1f} ms")
+    stage_ms = ", ".join(f"{s * 1e3:.0f}" for s in costs.stage_seconds(split))
+    print(f"layer split {split}: stage times {stage_ms} ms per microbatch, ideal speed-up "
+          f"{costs.ideal_speedup(split):.2f}x (total / slowest stage)")
+    quiet = Quietness(args.max_other_load, args.idle_timeout, args.retries)
+    with tqdm(total=len(names) * args.repeats, desc="runs", unit="run", file=sys.stderr) as bar:
+        summaries = benchmark(workload, names, split, args.repeats, quiet, bar)
+    baseline = next((s.median for s in summaries if s.name == "one_process"), None)
+    print(format_table(summaries, baseline))
+    if args.json:
+        record = {"model": {k: getattr(model, k) for k in ("num_layers", "hidden_size",
+                                                           "num_attention_heads", "seq_length",
+                                                           "vocab_size")},
+                  "micro_batch_size": workload.micro_batch,
+                  "global_batch_size": workload.global_batch,
+                  "layer_split": split, "ideal_speedup": costs.ideal_speedup(split),
+                  "stage_costs_s": dataclasses.asdict(costs),
+                  "runs": [{"name": s.name, "tokens_per_s": s.median,
+                            "tokens_per_s_repeats": s.tokens_per_s,
+                            "other_processes_cores": s.other_load,
+                            "speedup_vs_one_process": s.median / baseline if baseline else None,
+                            "peak_memory_bytes": s.peak_memory_bytes,
+                            "first_batch_loss": s.first_loss} for s in summaries]}
+        Path(args.json).write_text(json.dumps(record, indent=2) + "\n")
+    if args.plot:
+        plot(summaries, baseline, args.plot,
+             f"GPT {model.num_layers}L h{model.hidden_size} s{model.seq_length} "
+             f"V{model.padded_vocab_size(1)}, batch {workload.global_batch} (m = "
+             f"{workload.microbatches}), split {split}, ideal {costs.ideal_speedup(split):.2f}x; "
+             f"2 processes x 1 thread vs 1 process x 1 thread")
+    return summaries
+
+
+if __name__ == "__main__":
+    main()

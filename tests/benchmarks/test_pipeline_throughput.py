@@ -1,0 +1,87 @@
+"""Smoke test of the throughput benchmark's machinery on a tiny GPT (the numbers are not checked:
+only that every run trains the same model on the same data and the outputs are well formed)."""
+import importlib.util
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "pipeline_throughput.py"
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length",
+        "16", "--vocab-size", "128", "--micro-batch-size", "2", "--global-batch-size", "4",
+        "--warmup-batches", "1", "--measured-batches", "2", "--repeats", "1",
+        "--idle-timeout", "0", "--retries", "0"]  # a busy test machine is fine for a smoke test
+
+
+def _load_benchmark():
+    spec = importlib.util.spec_from_file_location("pipeline_throughput", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # ranks' results are unpickled by module name
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = _load_benchmark()
+
+
+def test_every_run_trains_the_same_model_and_reports(tmp_path, capsys):
+    json_path, png_path = tmp_path / "results.json", tmp_path / "throughput.png"
+    summaries = bench.main(TINY + ["--json", str(json_path), "--plot", str(png_path)])
+    record = json.loads(json_path.read_text())
+    names = [run["name"] for run in record["runs"]]
+    assert names == ["one_process", "gpipe", "flush", "2bw", "torch_1f1b", "torch_gpipe",
+                     "deepspeed"]
+    for run in record["runs"]:
+        assert run["tokens_per_s"] > 0
+        assert len(run["peak_memory_bytes"]) == (1 if run["name"] == "one_process" else 2)
+        assert all(b > 0 for b in run["peak_memory_bytes"])
+    # identical initial weights and data: batch 0's loss is the same function value in every run,
+    # ours and the peers' (the 2BW delay only changes later batches)
+    losses = [s.first_loss for s in summaries]
+    assert all(abs(loss - losses[0]) < 1e-4 for loss in losses), losses
+    assert record["runs"][0]["speedup_vs_one_process"] == pytest.approx(1.0)
+    assert sum(record["layer_split"]) == 2 and record["ideal_speedup"] > 1.0
+    assert png_path.read_bytes()[:8] == PNG_SIGNATURE
+    table = capsys.readouterr().out
+    assert all(name in table for name in names) and "ideal speed-up" in table
+    assert all(cores >= 0 for run in record["runs"] for cores in run["other_processes_cores"])
+
+
+def test_other_load_counts_a_busy_child_process():
+    meter = bench.OtherLoad()
+    meter.start()
+    busy = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\n"
+                             "while time.time() - t < 1.0: pass"])
+    time.sleep(1.2)  # measured before the child is waited for: it counts as another process
+    load = meter.stop()
+    busy.wait()
+    assert 0.5 < load <= 2.0
+
+
+def test_split_is_chosen_from_measured_costs():
+    costs = bench.StageCosts(embedding=0.1, layer=1.0, head=2.9)
+    # an even 4|4 split leaves stage 0 with 37% of the work; 5|3 is the balanced one
+    assert costs.stage_seconds([4, 4]) == pytest.approx([4.1, 6.9])
+    assert costs.ideal_speedup([4, 4]) == pytest.approx(11.0 / 6.9)
+    assert costs.best_split(8) == [5, 3]
+    assert costs.ideal_speedup([5, 3]) == pytest.approx(11.0 / 5.9)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--pipeline-layer-split", "4,4,1"], "--pipeline-layer-split expects 2 positive"),
+    (["--runs", "2bw,megatron"], "--runs expects"),
+    (["--global-batch-size", "6", "--micro-batch-size", "4"], "must be a multiple"),
+    (["--global-batch-size", "4", "--micro-batch-size", "4"], "need at least 2"),
+    (["--json", "/no/such/dir/r.json"], "does not exist"),
+    (["--retries", "-1"], "must not be negative"),
+])
+def test_bad_input_is_one_line_error(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("pipeline_throughput.py: error: ") and message in err and "\n" not in err
