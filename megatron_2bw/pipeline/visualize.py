@@ -87,7 +87,6 @@ def draw_timeline(ax, timed: list[list[S.TimedAction]], title: str, end: float |
     ax.set_xlim(0, end)
     ax.set_ylim(len(timed) - 0.5, -0.7)  # stage 0 on top, room for the version labels
     ax.set_yticks(range(len(timed)), [f"stage {s}" for s in range(len(timed))])
-    ax.set_xlabel("time (forward = 1 unit, backward = 2 units)")
     ax.set_title(f"{title}\nbubble: {bubble_fraction(timed):.0%} of stage time, "
                  f"makespan {makespan(timed):g} units", fontsize=10)
     for side in ("top", "right"):
@@ -126,6 +125,7 @@ def plot_schedules(shapes: list[ScheduleShape], output: str, forward_time: float
     axes = fig.subplots(len(shapes), 1, gridspec_kw={"height_ratios": heights}, squeeze=False)
     for ax, shape, t in zip(axes[:, 0], shapes, timed):
         draw_timeline(ax, t, shape.title(), end)
+        ax.set_xlabel(f"time in units (a forward takes {forward_time:g}, a backward {backward_time:g})")
     _legend(fig, versions)
     fig.tight_layout(rect=(0, legend_inches / fig_height, 1, 1))
     fig.savefig(output, dpi=130)
