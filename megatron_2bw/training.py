@@ -19,7 +19,7 @@ import torch.distributed as dist
 from megatron_2bw.arguments import explicit_fields, parse_config, validate_for_world
 from megatron_2bw.config import Config
 from megatron_2bw.distributed.comm import all_reduce
-from megatron_2bw.distributed.launch import init_distributed
+from megatron_2bw.distributed.launch import exit_process, init_distributed
 from megatron_2bw.distributed.layout import ParallelLayout
 from megatron_2bw.distributed.p2p import PipelineP2P
 from megatron_2bw.logging import (Timers, TrainingLogger, format_log_line,
@@ -444,7 +444,7 @@ def run_and_report(main) -> None:
         layout = _FAILURE_CONTEXT.get("layout")
         if layout is None or layout.rank == 0:
             print(f"{name}: error: {error}", file=sys.stderr, flush=True)
-        _hard_exit(2)
+        exit_process(2)
     except BaseException as error:  # noqa: BLE001 - every failure must end the job loudly
         if isinstance(error, SystemExit) and not error.code:
             raise
@@ -457,13 +457,6 @@ def run_and_report(main) -> None:
         traceback.print_exc()
         print(f"FAILED: {where}: {type(error).__name__}: {error}\n  last schedule actions: "
               f"{history}", file=sys.stderr, flush=True)
-        _hard_exit(1)
+        exit_process(1)
     else:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def _hard_exit(code: int) -> None:
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+        exit_process(0)

@@ -34,7 +34,7 @@ from megatron_2bw.checkpoint.tool_config import config_with_base  # noqa: E402
 from megatron_2bw.data.cli import exit_on_user_error  # noqa: E402
 from megatron_2bw.data.indexed import IndexedDataset  # noqa: E402
 from megatron_2bw.data.tokenizers import build_tokenizer  # noqa: E402
-from megatron_2bw.distributed.launch import detect_launch, init_distributed  # noqa: E402
+from megatron_2bw.distributed.launch import detect_launch, exit_process, init_distributed  # noqa: E402
 from megatron_2bw.distributed.layout import ParallelLayout  # noqa: E402
 from megatron_2bw.evaluation import perplexity as P  # noqa: E402
 from megatron_2bw.models import build_stage_model  # noqa: E402
@@ -176,6 +176,7 @@ def main(argv=None) -> dict:
             with open(args.output, "w") as f:
                 json.dump(report, f, indent=2)
     if owns_process_group:
+        dist.barrier()  # no rank closes its connections while another still communicates
         dist.destroy_process_group()
     return report
 
@@ -183,3 +184,4 @@ def main(argv=None) -> dict:
 if __name__ == "__main__":
     with exit_on_user_error(sys.argv[0]):
         main()
+    exit_process(0)

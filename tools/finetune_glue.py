@@ -14,11 +14,11 @@ from __future__ import annotations
 import os
 import sys
 
-import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_2bw.arguments import ConfigError, build_parser, explicit_fields  # noqa: E402
+from megatron_2bw.distributed.launch import exit_process  # noqa: E402
 from megatron_2bw.evaluation.finetune import (DEFAULT_WARMUP_FRACTION, GlueSettings,  # noqa: E402
                                               finetune, finetune_config, open_pretrained)
 from megatron_2bw.evaluation.glue import TASKS  # noqa: E402
@@ -66,7 +66,5 @@ if __name__ == "__main__":
     except (ValueError, FileNotFoundError) as error:  # ConfigError and bad data files included
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"{PROGRAM}: error: {error}", file=sys.stderr, flush=True)
-        sys.exit(2)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        exit_process(2)
+    exit_process(0)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 import socket
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -77,3 +78,16 @@ def init_distributed(backend: str | None, timeout_minutes: float) -> tuple[Launc
                                 timeout=timedelta(minutes=timeout_minutes),
                                 device_id=device if device.type == "cuda" else None)
     return info, device
+
+
+def exit_process(code: int) -> None:
+    """End a launched process. On success every rank first waits for the others (so none closes
+    its connections while another still communicates) and the process groups are destroyed. Then
+    exit without interpreter finalization: gloo worker threads that still hold tensors can abort a
+    finished run there (SIGABRT), and a failed rank must stop at once so the launcher stops the job."""
+    if code == 0 and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
