@@ -149,9 +149,10 @@ class GradientUpdater:
         """This rank's sum of squared master gradients, summed over the model-parallel group in
         the background (non-finite when any rank overflowed)."""
         v = self.versions
-        squares = [m.grad.float().pow(2).sum() for m, counted in zip(v.master, self.norm_mask)
-                   if counted]
-        stats = torch.stack([torch.stack(squares).sum() if squares else torch.zeros(())])
+        # per-tensor norms: no temporary of the gradients' size (pow(2) would allocate one)
+        norms = [torch.linalg.vector_norm(m.grad, dtype=torch.float32)
+                 for m, counted in zip(v.master, self.norm_mask) if counted]
+        stats = torch.stack([torch.stack(norms).square().sum() if norms else torch.zeros(())])
         if v.sharded:  # the replicas are in step here: add up their shards first
             all_reduce(stats, self.data_group)
         return stats, all_reduce(stats, self.model_group, async_op=True)
