@@ -5,7 +5,8 @@
 
     python benchmarks/pipeline_throughput.py --repeats 3 --json results.json --plot throughput.png
 
-Every rank (and the one-process baseline) runs with torch.set_num_threads(1). The configurations
+Every rank (and the one-process baseline) runs with torch.set_num_threads(1), and rank r of every
+run (peers included) is bound to core r (--no-bind-cores leaves them to the scheduler). The configurations
 are interleaved (A B C ... A B C ...) and repeated, because this shared 2-core machine is noisy;
 before each run the benchmark waits for other processes to go quiet, measures how many cores they
 took during the run and repeats a disturbed run (--max-other-load, --retries). The table gives
@@ -41,7 +42,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).res
 from megatron_2bw.config import (Config, ModelConfig, OptimizerConfig, ParallelConfig,  # noqa: E402
                                  TrainingConfig)
 from megatron_2bw.data.mock import MockGPTDataset  # noqa: E402
-from megatron_2bw.distributed.launch import pick_device  # noqa: E402
+from megatron_2bw.distributed.launch import bind_cores, pick_device  # noqa: E402
 from megatron_2bw.distributed.layout import ParallelLayout  # noqa: E402
 from megatron_2bw.models import build_stage_model  # noqa: E402
 from megatron_2bw.pipeline.partition import layer_ranges  # noqa: E402
@@ -89,7 +90,7 @@ class Workload:
         return torch.stack([torch.from_numpy(dataset[i]["tokens"])
                             for i in range(start, start + self.global_batch)])
 
-    def config(self, stages: int, schedule: str, split: list[int] | None) -> Config:
+    def config(self, stages: int, schedule: str | None, split: list[int] | None) -> Config:
         return Config(model=self.model,
                       parallel=ParallelConfig(pipeline_parallel=stages, schedule=schedule,
                                               layer_split=split if stages > 1 else None),
@@ -253,7 +254,9 @@ def _barrier(world: int) -> None:
         dist.barrier()
 
 
-def _rank_entry(rank: int, world: int, port: int, results, name, workload, split, timeout):
+def _rank_entry(rank: int, world: int, port: int, results, name, workload, split, timeout, bind):
+    if bind:  # every runtime alike, the peers included: rank r on core r
+        bind_cores(rank, world)
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
@@ -276,14 +279,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_once(name: str, workload: Workload, split, timeout: float = 900.0) -> list[RankResult]:
+def run_once(name: str, workload: Workload, split, timeout: float = 900.0,
+             bind: bool = True) -> list[RankResult]:
     """One run on freshly forked processes (one per stage); every rank's result, by rank."""
     world = RUNS[name][0]
     context = mp.get_context("fork")  # the children inherit the imports: fast start
     results = context.Queue()
     port = _free_port()
     processes = [context.Process(target=_rank_entry,
-                                 args=(rank, world, port, results, name, workload, split, timeout))
+                                 args=(rank, world, port, results, name, workload, split, timeout,
+                                       bind))
                  for rank in range(world)]
     for process in processes:
         process.start()
@@ -372,7 +377,8 @@ class Quietness:
 
 
 def benchmark(workload: Workload, names: list[str], split: list[int], repeats: int,
-              quiet: Quietness | None = None, progress=None) -> list[RunSummary]:
+              quiet: Quietness | None = None, progress=None, bind: bool = True
+              ) -> list[RunSummary]:
     """Interleaved: every configuration once per round, `repeats` rounds."""
     quiet = quiet or Quietness(max_other_cores=float("inf"), idle_timeout=0.0, retries=0)
     summaries = {name: RunSummary(name, peak_memory_bytes=[0] * RUNS[name][0]) for name in names}
@@ -384,7 +390,7 @@ def benchmark(workload: Workload, names: list[str], split: list[int], repeats: i
                 if quiet.idle_timeout > 0:
                     wait_for_idle(quiet.max_other_cores, quiet.idle_timeout)
                 meter.start()
-                ranks = run_once(name, workload, split)
+                ranks = run_once(name, workload, split, bind=bind)
                 load = meter.stop()
                 if load <= quiet.max_other_cores:
                     break
@@ -421,15 +427,20 @@ def format_table(summaries: list[RunSummary], baseline: float | None) -> str:
 
 def plot(summaries: list[RunSummary], baseline: float | None, output: str, title: str) -> None:
     from matplotlib.figure import Figure  # no pyplot: no global backend or figure state
+    from matplotlib.patches import Patch
     fig = Figure(figsize=(11, 4.6))
     speed_ax, memory_ax = fig.subplots(1, 2, gridspec_kw={"width_ratios": [3, 2]})
     names = [s.name for s in summaries]
     medians = [s.median for s in summaries]
     errors = [[m - min(s.tokens_per_s) for m, s in zip(medians, summaries)],
               [max(s.tokens_per_s) - m for m, s in zip(medians, summaries)]]
-    colours = ["#7f7f7f" if n == "one_process" else "#1f77b4" if n in ("gpipe", "flush", "2bw")
-               else "#ff7f0e" for n in names]
+    ours = ("one_process", "gpipe", "flush", "2bw")
+    colours = ["#7f7f7f" if n == "one_process" else "#2ca02c" if n in ours else "#9467bd"
+               for n in names]
     bars = speed_ax.bar(names, medians, yerr=errors, capsize=4, color=colours)
+    speed_ax.legend(handles=[Patch(color="#2ca02c", label="megatron_2bw, 2 processes"),
+                             Patch(color="#9467bd", label="peers, 2 processes")],
+                    fontsize=8, loc="upper right")
     if baseline:
         speed_ax.bar_label(bars, [f"{m / baseline:.2f}x" for m in medians], padding=2, fontsize=8)
         speed_ax.axhline(baseline, color="#7f7f7f", linestyle=":", linewidth=1)
@@ -468,10 +479,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="layers per stage, e.g. 5,3 (default: the best split for measured times)")
     b = parser.add_argument_group("measurement")
     b.add_argument("--warmup-batches", type=int, default=2)
-    b.add_argument("--measured-batches", type=int, default=24,
+    b.add_argument("--measured-batches", type=int, default=48,
                    help="batches timed per run, as one segment (2BW fills and drains once)")
     b.add_argument("--repeats", type=int, default=3, help="interleaved rounds (median, min-max)")
     b.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated subset of {','.join(RUNS)}")
+    b.add_argument("--no-bind-cores", action="store_true",
+                   help="leave ranks unbound (default: rank r of every run, peers included, on "
+                        "core r, as --bind-cores-to-rank does in training)")
     b.add_argument("--max-other-load", type=float, default=0.25, metavar="CORES",
                    help="before each run wait until other processes use at most this many cores, "
                         "and repeat a run they disturbed more (default 0.25)")
@@ -547,7 +561,7 @@ def main(argv=None) -> list[RunSummary]:
           f"{model.padded_vocab_size(1)}, fp32; batch {workload.global_batch} = "
           f"{workload.microbatches} microbatches of {workload.micro_batch}; "
           f"{workload.warmup_batches} warm-up + {workload.measured_batches} measured batches per run; "
-          f"1 thread per process")
+          f"1 thread per process{'' if args.no_bind_cores else ', rank r bound to core r'}")
     print(f"measured forward+backward per microbatch: embedding {costs.embedding * 1e3:.1f} ms, "
           f"layer {costs.layer * 1e3:.1f} ms, head (norm, logits, loss) {costs.head * 1e3:.1f} ms")
     stage_ms = ", ".join(f"{s * 1e3:.0f}" for s in costs.stage_seconds(split))
@@ -555,7 +569,8 @@ def main(argv=None) -> list[RunSummary]:
           f"{costs.ideal_speedup(split):.2f}x (total / slowest stage)")
     quiet = Quietness(args.max_other_load, args.idle_timeout, args.retries)
     with tqdm(total=len(names) * args.repeats, desc="runs", unit="run", file=sys.stderr) as bar:
-        summaries = benchmark(workload, names, split, args.repeats, quiet, bar)
+        summaries = benchmark(workload, names, split, args.repeats, quiet, bar,
+                              bind=not args.no_bind_cores)
     baseline = next((s.median for s in summaries if s.name == "one_process"), None)
     print(format_table(summaries, baseline))
     if args.json:

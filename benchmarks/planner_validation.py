@@ -45,7 +45,8 @@ from megatron_2bw.distributed.layout import ParallelLayout  # noqa: E402
 from megatron_2bw.planner.cost import RECOMPUTE_OPTIONS  # noqa: E402
 from megatron_2bw.planner.hardware import HardwareSpec, detect_hardware  # noqa: E402
 from megatron_2bw.planner.profile import measured_profile  # noqa: E402
-from megatron_2bw.planner.search import Plan, SearchSpace, apply_plan, rank_plans_for  # noqa: E402
+from megatron_2bw.planner.search import (Plan, SearchSpace, apply_plan, rank_plans_for,  # noqa: E402
+                                         tensor_parallel_options)
 from megatron_2bw.training import build_stage, run_segment  # noqa: E402
 
 ERROR_TARGET = 0.20  # |measured - predicted| / measured, every configuration
@@ -166,7 +167,9 @@ def predict(config: Config, world: int, space: SearchSpace, profile_cache: str |
     """Detect the hardware with `world` ranks, profile here, and replay every configuration."""
     hardware = on_ranks(world, _detect)[0]
     profile = measured_profile(config.model, config.precision, hardware,
-                               list(space.micro_batch_sizes), profile_cache, progress=progress)
+                               list(space.micro_batch_sizes), profile_cache, progress=progress,
+                               tensor_parallel_sizes=tensor_parallel_options(config, world,
+                                                                             hardware, space))
     plans = rank_plans_for(config, world, hardware, profile, space, simulate_top=10 ** 6)
     return hardware, [plan for plan in plans if plan.fits]
 

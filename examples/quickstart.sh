@@ -30,7 +30,7 @@ rm -rf "$CHECKPOINT_DIR"
 torchrun --standalone --nproc-per-node "$NPROC" pretrain_gpt.py "${MODEL[@]}" "${TOKENIZER[@]}" \
     --train-data-path "$DATA_DIR/train_text_document" \
     --valid-data-path "$DATA_DIR/valid_text_document" \
-    --auto-parallel --pipeline-model-parallel-size 2 --pipeline-schedule 2bw \
+    --auto-parallel --pipeline-model-parallel-size 2 --pipeline-schedule 2bw --bind-cores-to-rank \
     --global-batch-size 32 --train-iters "$TRAIN_ITERS" \
     --lr 2e-3 --min-lr 2e-4 --lr-warmup-iters 20 --lr-decay-style cosine --weight-decay 0.1 \
     --hidden-dropout 0.0 --attention-dropout 0.0 --clip-grad 1.0 \

@@ -78,6 +78,9 @@ def build_parser(description: str = "", extra_args_provider=None) -> argparse.Ar
     _bool_flag(g, "--use-distributed-optimizer", "parallel", "use_distributed_optimizer",
                "shard fp32 master weights and optimizer state over data-parallel replicas")
     _flag(g, "--ddp-bucket-size", "parallel", "ddp_bucket_size", type=int)
+    _bool_flag(g, "--bind-cores-to-rank", "parallel", "bind_cores_to_rank",
+               "bind each local rank to its own share of the node's CPU cores (as DeepSpeed's "
+               "launcher option of that name)")
     g.add_argument("--local_rank", "--local-rank", type=int, default=None,
                    help="set by the deepspeed launcher; the environment is used instead")
 

@@ -57,6 +57,7 @@ class ParallelConfig:
     planner_profile_cache: str | None = None
     use_distributed_optimizer: bool = False
     ddp_bucket_size: int = 40_000_000  # elements per data-parallel all-reduce bucket
+    bind_cores_to_rank: bool = False  # each local rank on its own share of the node's cores
 
     @property
     def pipeline_schedule(self) -> str:

@@ -5,15 +5,28 @@ import torch
 import torch.distributed as dist
 
 
+class ShardShapeGroup:
+    """Stands in for a tensor-parallel group of `size` when one process times one rank's shard
+    (the planner's profiler): layers take their shard shapes from it, and collectives over it do
+    nothing (the cost model adds their time)."""
+
+    def __init__(self, size: int, rank: int = 0):
+        self.size, self.rank = size, rank
+
+
 def group_size(group) -> int:
-    return 1 if group is None else dist.get_world_size(group)
+    if group is None:
+        return 1
+    return group.size if isinstance(group, ShardShapeGroup) else dist.get_world_size(group)
 
 
 def group_rank(group) -> int:
-    return 0 if group is None else dist.get_rank(group)
+    if group is None:
+        return 0
+    return group.rank if isinstance(group, ShardShapeGroup) else dist.get_rank(group)
 
 
 def all_reduce(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM, async_op: bool = False):
-    if group_size(group) == 1:
+    if group_size(group) == 1 or isinstance(group, ShardShapeGroup):
         return None
     return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)

@@ -297,7 +297,26 @@ def bottleneck_label(breakdown: dict[str, float], busiest_stage: int) -> str:
     """The largest share of the busiest stage's time per batch, as a name."""
     share = max(breakdown, key=breakdown.get)
     return {"compute": f"compute stage {busiest_stage}", "p2p": "p2p",
-            "data_parallel": "data-parallel all-reduce", "bubble": "pipeline bubble"}[share]
+            "data_parallel": "data-parallel all-reduce", "bubble": "pipeline bubble",
+            "shared_cores": "ranks sharing cores"}[share]
+
+
+def shared_core_time(stages: list[StageCost], hardware: HardwareSpec, candidate: Candidate,
+                     microbatches: int) -> float:
+    """The least time per batch when a node runs more ranks than it has compute slots (CPU
+    ranks sharing cores take turns): the node's slots must get through the compute of all its
+    ranks (forwards, backwards, step). 0 when every rank has a processor of its own."""
+    c = candidate
+    world = c.tensor_parallel * c.pipeline_parallel * c.data_parallel
+    hardware = hardware.for_world(world)
+    per_node = min(world, hardware.devices_per_node)
+    if per_node <= hardware.compute_slots:
+        return 0.0
+    layout = ParallelLayout(world, c.tensor_parallel, c.pipeline_parallel)
+    busy = [microbatches * (st.forward_s + st.backward_s) + st.step_s for st in stages]
+    return max(sum(busy[layout.coordinates(rank).pp]
+                   for rank in range(start, min(world, start + per_node)))
+               for start in range(0, world, per_node)) / hardware.compute_slots
 
 
 def busiest_stage(stages: list[StageCost], microbatches: int) -> int:

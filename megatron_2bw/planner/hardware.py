@@ -58,11 +58,19 @@ class HardwareSpec:
     # a library's all-reduce of a few bytes is not 2(n-1) sequential p2p messages (gloo on 2 CPU
     # ranks: 0.23 ms against a 0.74 ms p2p half round trip). None: intra_node_latency_s.
     collective_hop_latency_s: float | None = None
+    # processors that run a node's ranks at the same time: None means one per device (GPUs);
+    # CPU ranks share the node's cores, so more ranks than cores take turns (detect_hardware)
+    compute_slots_per_node: int | None = None
 
     def __hash__(self) -> int:  # peak_flops is a dict; specs key the planner's caches
         return hash((self.name, self.devices_per_node, self.nodes, self.memory_per_device_bytes,
                      self.intra_node_bandwidth, self.inter_node_bandwidth,
-                     tuple(sorted(self.peak_flops.items())), self.memory_bandwidth, self.efficiency))
+                     tuple(sorted(self.peak_flops.items())), self.memory_bandwidth, self.efficiency,
+                     self.compute_slots_per_node))
+
+    @property
+    def compute_slots(self) -> int:
+        return self.compute_slots_per_node or self.devices_per_node
 
     @property
     def world_size(self) -> int:
@@ -93,7 +101,8 @@ _REQUIRED = {"devices_per_node": "count", "memory_per_device": "bytes",
              "inter_node_bandwidth": "bandwidth", "inter_node_latency": "seconds",
              "peak_flops": "flops", "memory_bandwidth": "bandwidth"}
 _OPTIONAL = {"name": "text", "nodes": "count", "efficiency": "fraction",
-             "reserved_memory": "bytes", "kernel_overhead": "seconds", "source": "text"}
+             "reserved_memory": "bytes", "kernel_overhead": "seconds", "source": "text",
+             "compute_slots_per_node": "count"}
 
 
 def parse_quantity(value, kind: str, where: str) -> float:
@@ -192,7 +201,8 @@ def load_hardware(path_or_name: str | os.PathLike) -> HardwareSpec:
         inter_node_latency_s=values["inter_node_latency"], peak_flops=values["peak_flops"],
         memory_bandwidth=values["memory_bandwidth"], efficiency=values.get("efficiency", 0.4),
         reserved_memory_bytes=values.get("reserved_memory", 0.0),
-        kernel_overhead_s=values.get("kernel_overhead", 0.0), source=values.get("source", where))
+        kernel_overhead_s=values.get("kernel_overhead", 0.0), source=values.get("source", where),
+        compute_slots_per_node=values.get("compute_slots_per_node"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -324,7 +334,8 @@ def detect_hardware(group=None, name: str | None = None, repeats: int = 5) -> Ha
     """The machine at hand as a HardwareSpec.
 
     Memory: the device's total memory (CUDA; what the context, NCCL and others hold is
-    `reserved_memory_bytes`), or the host's RAM divided by the ranks on the host (CPU).
+    `reserved_memory_bytes`), or the host's RAM divided by the ranks on the host (CPU), whose
+    ranks share the cores this process may run on (`compute_slots_per_node`).
     peak_flops and memory_bandwidth are *achieved* rates of a matmul and a copy (the slowest rank's),
     so efficiency is 1. Link figures come from `probe_links`; without a second rank on a node the
     device's copy bandwidth stands in for the intra-node link, and a single-node job reports the
@@ -340,13 +351,17 @@ def detect_hardware(group=None, name: str | None = None, repeats: int = 5) -> Ha
         memory = float(properties.total_memory)
         reserved = float(total - free - torch.cuda.memory_reserved(device))
         label = properties.name
+        slots = None
     else:
         memory, reserved, label = _host_memory_bytes() / ranks_here, 0.0, "cpu"
+        slots = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     flops, bandwidth, launch = _measure_compute(device)
     measured = _agree([memory, *flops.values(), bandwidth], dist.ReduceOp.MIN, group, device)
     memory, bandwidth = measured[0], measured[-1]
     flops = dict(zip(flops, measured[1:-1]))
     reserved, launch = _agree([max(reserved, 0.0), launch], dist.ReduceOp.MAX, group, device)
+    if slots is not None:
+        slots = int(_agree([float(slots)], dist.ReduceOp.MIN, group, device)[0])
     intra_bw = probe.intra_node_bandwidth or bandwidth
     intra_latency = probe.intra_node_latency_s or 0.0
     hosts = len(probe.ranks_per_node)
@@ -361,6 +376,6 @@ def detect_hardware(group=None, name: str | None = None, repeats: int = 5) -> Ha
         inter_node_latency_s=probe.inter_node_latency_s or intra_latency,
         peak_flops=flops, memory_bandwidth=bandwidth, efficiency=1.0,
         reserved_memory_bytes=reserved, kernel_overhead_s=launch,
-        collective_hop_latency_s=hop_latency,
+        collective_hop_latency_s=hop_latency, compute_slots_per_node=slots,
         source=f"measured by detect_hardware on {socket.gethostname()} ({dist.get_world_size(group)} "
                f"ranks)")

@@ -25,10 +25,12 @@ These fixed costs per microbatch make small micro batches (and narrow tensor-par
 efficient.
 
 `MeasuredProfile`, on the device at hand: runs the real model code (megatron_2bw.models) for one
-layer, the embedding and the head at t = 1 for the requested micro batch sizes, counts the bytes a
-layer stashes with saved-tensor hooks, and caches the numbers as JSON per (hardware name, model
-shape, dtype). Micro batch sizes not measured are interpolated linearly in b; t > 1 scales the t = 1
-measurement by the analytic model's ratio (the shard's kernels are the full layer's, narrower).
+layer, the embedding and the head for the requested tensor-parallel sizes and micro batch sizes,
+counts the bytes a layer stashes with saved-tensor hooks, and caches the numbers as JSON per
+(hardware name, model shape, dtype). A tensor-parallel size t is timed in this one process on one
+rank's shard (`ShardShapeGroup`: the shard's shapes, no collectives; cost.py adds those), so the
+narrower kernels' lower efficiency is measured, not assumed. Micro batch sizes not measured are
+interpolated linearly in b; a t not measured scales the t = 1 figures by the analytic ratio.
 """
 from __future__ import annotations
 
@@ -42,6 +44,7 @@ from typing import Protocol
 import torch
 
 from megatron_2bw.config import ModelConfig, PrecisionConfig
+from megatron_2bw.distributed.comm import ShardShapeGroup
 from megatron_2bw.planner.hardware import HardwareSpec, median_time
 from megatron_2bw.planner.memory import (MASK_BYTES, dtype_bytes, grad_buffer_bytes,
                                          layer_activation_bytes, layer_parameters)
@@ -199,11 +202,14 @@ def _synthetic_batch(model: ModelConfig, b: int, device) -> dict:
     return {"tokens": torch.randint(0, v, (b, s + 1), device=device)}
 
 
-def _piece(model: ModelConfig, layers: int, pre: bool, post: bool, dtype, device):
-    """The real stage module (t = 1) holding only the piece to time, randomly initialised."""
+def _piece(model: ModelConfig, tensor_parallel: int, layers: int, pre: bool, post: bool, dtype,
+           device):
+    """One rank's shard of the real stage module holding only the piece to time, randomly
+    initialised."""
     from megatron_2bw.models import MODELS
-    module = MODELS[model.model_type](model, None, model.padded_vocab_size(1), range(layers), pre,
-                                      post)
+    group = ShardShapeGroup(tensor_parallel) if tensor_parallel > 1 else None
+    module = MODELS[model.model_type](model, group, model.padded_vocab_size(tensor_parallel),
+                                      range(layers), pre, post)
     with torch.no_grad():
         for param in module.parameters():
             param.normal_(0.0, model.init_method_std)
@@ -259,16 +265,18 @@ def saved_activation_bytes(layer, hidden: torch.Tensor, mask=None) -> tuple[floa
 
 
 def measure_costs(model: ModelConfig, precision: PrecisionConfig, micro_batch_size: int,
-                  device: torch.device | None = None, repeats: int = 7) -> dict:
-    """Measure one layer, the embedding and the head at t = 1 (a JSON-able record). Medians of
-    `repeats` runs: on a shared machine fewer let one slow run decide (3 gave a micro batch of 2 a
-    slower layer than one of 4 under a load average of 4)."""
+                  device: torch.device | None = None, repeats: int = 7,
+                  tensor_parallel: int = 1) -> dict:
+    """Measure one rank's shard of a layer, the embedding and the head (a JSON-able record).
+    Medians of `repeats` runs: on a shared machine fewer let one slow run decide (3 gave a micro
+    batch of 2 a slower layer than one of 4 under a load average of 4)."""
+    t = tensor_parallel
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, precision.working_dtype_name)
     b, s, h = micro_batch_size, model.seq_length, model.hidden_size
     batch = _synthetic_batch(model, b, device)
 
-    body = _piece(model, 1, False, False, dtype, device)
+    body = _piece(model, t, 1, False, False, dtype, device)
     hidden = torch.randn(b, s, h, device=device, dtype=dtype, requires_grad=True)
     grad = torch.randn(b, s, h, device=device, dtype=dtype)
     layer_f, layer_b = _forward_backward_times(lambda: (body(hidden, batch), grad), device, repeats)
@@ -279,14 +287,14 @@ def measure_costs(model: ModelConfig, precision: PrecisionConfig, micro_batch_si
         mask = padding_attention_mask(batch["padding_mask"])
     full_bytes, selective_bytes = saved_activation_bytes(layer, hidden, mask)
     with torch.no_grad():
-        qkv = layer.attention.qkv(hidden).view(b, s, model.num_attention_heads, 3, model.head_dim)
+        qkv = layer.attention.qkv(hidden).view(b, s, layer.attention.local_heads, 3, model.head_dim)
         q, k, v = (x.transpose(1, 2) for x in qkv.unbind(dim=3))
     core_f = median_time(lambda: layer.attention.core(q, k, v, mask), device, repeats)
 
-    embedding = _piece(model, 0, True, False, dtype, device)
+    embedding = _piece(model, t, 0, True, False, dtype, device)
     emb_f, emb_b = _forward_backward_times(lambda: (embedding(None, batch), grad), device, repeats)
 
-    head = _piece(model, 0, False, True, dtype, device)
+    head = _piece(model, t, 0, False, True, dtype, device)
     head_f, head_b = _forward_backward_times(lambda: (head(hidden, batch)[0], None), device, repeats)
     return {"layer_forward_s": layer_f, "layer_backward_s": layer_b,
             "attention_core_forward_s": core_f, "embedding_forward_s": emb_f,
@@ -309,60 +317,69 @@ def _cache_path(cache_dir: Path, hardware_name: str, model: ModelConfig,
 
 
 class MeasuredProfile:
-    """Measured t = 1 costs at some micro batch sizes; others interpolated, t > 1 scaled."""
+    """Measured costs per (t, micro batch size); other sizes interpolated, other t scaled."""
 
-    def __init__(self, records: dict[int, dict], analytic: AnalyticProfile):
-        if not records:
-            raise ValueError("a measured profile needs at least one micro batch size")
-        self.records = {int(b): r for b, r in records.items()}
+    def __init__(self, records: dict[tuple[int, int], dict], analytic: AnalyticProfile):
+        if not any(t == 1 for t, _ in records):
+            raise ValueError("a measured profile needs at least one micro batch size at t = 1")
+        self.records: dict[int, dict[int, dict]] = {}
+        for (t, b), record in records.items():
+            self.records.setdefault(int(t), {})[int(b)] = record
         self.analytic = analytic
 
-    def _at_t1(self, key: str, b: int) -> float:
-        if b in self.records:
-            return self.records[b][key]
-        sizes = sorted(self.records)
+    @staticmethod
+    def _interpolate(records: dict[int, dict], key: str, b: int) -> float:
+        if b in records:
+            return records[b][key]
+        sizes = sorted(records)
         if len(sizes) == 1:
-            return self.records[sizes[0]][key] * b / sizes[0]
+            return records[sizes[0]][key] * b / sizes[0]
         # least-squares line through the measurements: fixed cost + cost per sample
         mean_b = sum(sizes) / len(sizes)
-        values = [self.records[x][key] for x in sizes]
+        values = [records[x][key] for x in sizes]
         mean_v = sum(values) / len(values)
         slope = sum((x - mean_b) * (v - mean_v) for x, v in zip(sizes, values)) / \
             sum((x - mean_b) ** 2 for x in sizes)
         return max(mean_v + slope * (b - mean_b), 0.0)
 
     def costs(self, tensor_parallel: int, micro_batch_size: int) -> ComputeCosts:
-        b = micro_batch_size
-        measured = {f.name: self._at_t1(f.name, b) for f in dataclasses.fields(ComputeCosts)}
-        if tensor_parallel == 1:
-            return ComputeCosts(**measured)
+        b, t = micro_batch_size, tensor_parallel
+        keys = [f.name for f in dataclasses.fields(ComputeCosts)]
+        if t in self.records:
+            return ComputeCosts(**{k: self._interpolate(self.records[t], k, b) for k in keys})
+        measured = {k: self._interpolate(self.records[1], k, b) for k in keys}
         full = dataclasses.asdict(self.analytic.costs(1, b))
-        shard = dataclasses.asdict(self.analytic.costs(tensor_parallel, b))
+        shard = dataclasses.asdict(self.analytic.costs(t, b))
         return ComputeCosts(**{k: v * shard[k] / full[k] if full[k] else v
                                for k, v in measured.items()})
 
 
 def measured_profile(model: ModelConfig, precision: PrecisionConfig, hardware: HardwareSpec,
                      micro_batch_sizes: list[int], cache_dir: str | os.PathLike | None = None,
-                     device: torch.device | None = None, progress: bool = False) -> MeasuredProfile:
-    """Measure what the JSON cache does not hold yet (per micro batch size) and return the profile."""
+                     device: torch.device | None = None, progress: bool = False,
+                     tensor_parallel_sizes: list[int] = (1,)) -> MeasuredProfile:
+    """Measure what the JSON cache does not hold yet (per tensor-parallel and micro batch size)
+    and return the profile."""
     path = _cache_path(Path(cache_dir or default_cache_dir()), hardware.name, model, precision)
     cached = json.loads(path.read_text()) if path.exists() else {}
-    records = {int(b): r for b, r in cached.get("micro_batch_sizes", {}).items()}
-    missing = [b for b in sorted(set(micro_batch_sizes)) if b not in records]
+    records = {(int(t), int(b)): r for t, sizes in cached.get("tensor_parallel", {}).items()
+               for b, r in sizes.items()}
+    wanted = sorted({(t, b) for t in {1, *tensor_parallel_sizes} for b in micro_batch_sizes})
+    missing = [key for key in wanted if key not in records]
     if missing:
         from tqdm import tqdm
-        for b in tqdm(missing, desc="profiling", unit="micro batch size", disable=not progress):
-            records[b] = measure_costs(model, precision, b, device)
+        for t, b in tqdm(missing, desc="profiling", unit="size", disable=not progress):
+            records[(t, b)] = measure_costs(model, precision, b, device, tensor_parallel=t)
         path.parent.mkdir(parents=True, exist_ok=True)
         m = model
+        by_t: dict[str, dict] = {}
+        for (t, b), record in sorted(records.items()):
+            by_t.setdefault(str(t), {})[str(b)] = record
         path.write_text(json.dumps({
             "hardware": hardware.name, "dtype": precision.working_dtype_name,
             "model": {"type": m.model_type, "hidden_size": m.hidden_size,
                       "num_attention_heads": m.num_attention_heads,
                       "ffn_hidden_size": m.ffn_hidden_size, "seq_length": m.seq_length,
                       "padded_vocab_size": m.padded_vocab_size(1)},
-            "torch": torch.__version__,
-            "micro_batch_sizes": {str(b): r for b, r in sorted(records.items())}}, indent=1))
+            "torch": torch.__version__, "tensor_parallel": by_t}, indent=1))
     return MeasuredProfile(records, AnalyticProfile(model, precision, hardware))
-

@@ -23,7 +23,7 @@ from megatron_2bw.config import Config, ModelConfig, ParallelConfig, PrecisionCo
 from megatron_2bw.pipeline.schedules import SCHEDULES
 from megatron_2bw.planner.cost import (RECOMPUTE_OPTIONS, Candidate, StageCost, balanced_split,
                                        bottleneck_label, busiest_stage, paper_breakdown,
-                                       stage_costs, time_per_batch_lower_bound)
+                                       shared_core_time, stage_costs, time_per_batch_lower_bound)
 from megatron_2bw.planner.hardware import HardwareSpec
 from megatron_2bw.planner.memory import StageMemory, estimate_stage_memory, memory_limit_bytes
 from megatron_2bw.planner.profile import AnalyticProfile, ComputeCosts, Profile
@@ -114,6 +114,14 @@ def candidates(model: ModelConfig, world_size: int, hardware: HardwareSpec, glob
     return result
 
 
+def tensor_parallel_options(config: Config, world_size: int, hardware: HardwareSpec,
+                            space: SearchSpace | None = None) -> list[int]:
+    """The tensor-parallel sizes the search will consider (what a measured profile must time)."""
+    return sorted({c.tensor_parallel for c in candidates(
+        config.model, world_size, hardware.for_world(world_size),
+        config.training.global_batch_size, space)})
+
+
 def recompute_config(granularity: str | None) -> RecomputeConfig:
     """The runtime's recomputation settings for a planner choice (full: every layer, one by one)."""
     if granularity == "full":
@@ -180,6 +188,11 @@ class _Planner:
             seconds = sum(breakdown.values())
             bubble = breakdown["bubble"] / seconds
             bottleneck = bottleneck_label(breakdown, busiest_stage(item.durations, m))
+        shared = shared_core_time(item.durations, self.hardware, c, m)
+        if shared > seconds:  # the node's cores, not the schedule, set the pace
+            breakdown = {**breakdown, "shared_cores": shared - seconds}
+            seconds = shared
+            bottleneck = bottleneck_label({"shared_cores": 1.0}, 0)
         return Plan(candidate=c, microbatches=m, time_per_batch_s=seconds,
                     throughput_samples_per_s=self.global_batch_size / seconds,
                     stage_memory=item.memory, memory_limit_bytes=self.memory_limit,

@@ -24,7 +24,7 @@ def losses(output: str) -> list[float]:
 @pytest.mark.parametrize("layout", [
     ["--tensor-model-parallel-size", "2"],
     ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-     "--pipeline-schedule", "2bw"],
+     "--pipeline-schedule", "2bw", "--bind-cores-to-rank"],
 ])
 def test_loss_falls(layout):
     result = subprocess.run([TORCHRUN, "--nproc-per-node", "4", "--master-port", str(free_port()),

@@ -1,3 +1,5 @@
+import os
+
 import pytest
 
 from megatron_2bw.planner.hardware import (HardwareSpec, detect_hardware, load_hardware,
@@ -57,6 +59,9 @@ def test_units_and_a_full_file(tmp_path):
         source=str(tmp_path / "hw.yaml"))
     assert spec.usable_memory_bytes == 2 * 2**30 - 256 * 2**20
     assert spec.for_world(10).nodes == 3 and spec.for_world(10).world_size == 12
+    assert spec.compute_slots == 4  # one processor per device unless the file says otherwise
+    cpu = load_hardware(write(tmp_path, GOOD + "compute_slots_per_node: 2\n", "cpu.yaml"))
+    assert (cpu.compute_slots_per_node, cpu.compute_slots) == (2, 2)
 
 
 @pytest.mark.parametrize("edit, message", [
@@ -67,6 +72,7 @@ def test_units_and_a_full_file(tmp_path):
     (lambda t: t.replace("float32:", "float8:"), "unknown dtype.*float8"),
     (lambda t: t.replace("devices_per_node: 4", "devices_per_node: four"), "positive integer"),
     (lambda t: t.replace("efficiency: 50%", "efficiency: 1.5"), r"efficiency must be in \(0, 1\]"),
+    (lambda t: t + "compute_slots_per_node: 0\n", "compute_slots_per_node must be a positive"),
     (lambda t: "- a list\n", "expected a mapping"),
     (lambda t: "devices_per_node: [\n", "not valid YAML"),
 ])
@@ -98,3 +104,4 @@ def test_detect_hardware_over_two_gloo_ranks():
     assert all(v > 0 for v in spec.peak_flops.values()) and spec.memory_bandwidth > 0
     assert spec.efficiency == 1.0  # measured rates are achieved rates
     assert 0 < spec.kernel_overhead_s < 1e-2
+    assert spec.compute_slots_per_node == len(os.sched_getaffinity(0))  # CPU ranks share cores

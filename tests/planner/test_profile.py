@@ -60,7 +60,7 @@ def test_saved_tensor_count_of_the_real_layer():
     its output (which is also the dense layer's input) and a log-sum-exp per row."""
     model = ModelConfig(num_layers=1, hidden_size=64, num_attention_heads=4, seq_length=32,
                         vocab_size=1000, hidden_dropout=0.0, attention_dropout=0.0)
-    body = profile_module._piece(model, 1, False, False, torch.float32, torch.device("cpu"))
+    body = profile_module._piece(model, 1, 1, False, False, torch.float32, torch.device("cpu"))
     layer = next(iter(body.transformer.layers.values()))
     b, s, h, a, e = 2, 32, 64, 4, 4
     none, selective = saved_activation_bytes(layer, torch.randn(b, s, h, requires_grad=True))
@@ -75,25 +75,30 @@ def test_measured_profile_is_cached_interpolated_and_scaled(tmp_path, monkeypatc
     calls = []
     real = profile_module.measure_costs
 
-    def counting(model, precision, b, device=None, repeats=3):
-        calls.append(b)
-        return real(model, precision, b, device, repeats=1)
+    def counting(model, precision, b, device=None, repeats=3, tensor_parallel=1):
+        calls.append((tensor_parallel, b))
+        return real(model, precision, b, device, repeats=1, tensor_parallel=tensor_parallel)
 
     monkeypatch.setattr(profile_module, "measure_costs", counting)
-    profile = measured_profile(MODEL, PrecisionConfig(), HARDWARE, [1, 2], tmp_path)
-    assert calls == [1, 2]
+    profile = measured_profile(MODEL, PrecisionConfig(), HARDWARE, [1, 2], tmp_path,
+                               tensor_parallel_sizes=[2])
+    assert calls == [(1, 1), (1, 2), (2, 1), (2, 2)]  # t = 1 always: other t fall back on it
     [cache] = tmp_path.glob("toy__gpt-h64-a4-f256-s32-v1024__float32.json")
-    stored = json.loads(cache.read_text())
-    assert set(stored["micro_batch_sizes"]) == {"1", "2"}
-    assert stored["micro_batch_sizes"]["1"]["layer_activation_bytes"] > 0
-    again = measured_profile(MODEL, PrecisionConfig(), HARDWARE, [2, 1], tmp_path)
-    assert calls == [1, 2]  # nothing measured twice
+    stored = json.loads(cache.read_text())["tensor_parallel"]
+    assert set(stored) == {"1", "2"} and set(stored["1"]) == {"1", "2"}
+    assert stored["1"]["1"]["layer_activation_bytes"] > 0
+    # one rank's shard stashes less than the whole layer (the replicated LayerNorm inputs stay)
+    assert 0 < stored["2"]["2"]["layer_activation_bytes"] < stored["1"]["2"]["layer_activation_bytes"]
+    again = measured_profile(MODEL, PrecisionConfig(), HARDWARE, [2, 1], tmp_path,
+                             tensor_parallel_sizes=[2])
+    assert len(calls) == 4  # nothing measured twice
     assert again.records == profile.records
+    assert again.costs(2, 2).layer_forward_s == stored["2"]["2"]["layer_forward_s"]
 
-    records = {1: dict.fromkeys(stored["micro_batch_sizes"]["1"], 1.0),
-               3: dict.fromkeys(stored["micro_batch_sizes"]["1"], 2.0)}
+    keys = stored["1"]["1"]
+    records = {(1, 1): dict.fromkeys(keys, 1.0), (1, 3): dict.fromkeys(keys, 2.0)}
     fake = MeasuredProfile(records, AnalyticProfile(MODEL, PrecisionConfig(), HARDWARE))
     assert fake.costs(1, 5).layer_forward_s == pytest.approx(3.0)  # the line through b = 1, 3
     analytic = AnalyticProfile(MODEL, PrecisionConfig(), HARDWARE)
     ratio = analytic.costs(2, 1).layer_forward_s / analytic.costs(1, 1).layer_forward_s
-    assert fake.costs(2, 1).layer_forward_s == pytest.approx(ratio)
+    assert fake.costs(2, 1).layer_forward_s == pytest.approx(ratio)  # t = 2 not measured: scaled

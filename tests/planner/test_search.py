@@ -85,3 +85,22 @@ def test_no_candidate_is_an_error():
     one_layer = dataclasses.replace(MODEL, num_layers=1, num_attention_heads=1)  # t = p = 1
     with pytest.raises(ValueError, match="no valid parallel configuration"):
         rank_plans(one_layer, 8, P3, 12, PrecisionConfig())  # d = 8 does not divide 12
+
+
+def test_ranks_sharing_cores_slow_every_configuration_alike():
+    """Four CPU ranks on two cores: each plan takes at least the node's summed compute over two
+    cores, and says so; with a core per rank the same plans are faster."""
+    own_cores = dataclasses.replace(P3, devices_per_node=4, compute_slots_per_node=None)
+    shared = dataclasses.replace(own_cores, compute_slots_per_node=2)
+    space = SearchSpace(micro_batch_sizes=(4,), recompute=(None,), schedules=("2bw",))
+    fast = {p.candidate.describe(): p for p in rank_plans(MODEL, 4, own_cores, 64,
+                                                          PrecisionConfig(), space=space)}
+    slow = rank_plans(MODEL, 4, shared, 64, PrecisionConfig(), space=space)
+    for plan in slow:
+        alone = fast[plan.candidate.describe()]
+        assert plan.time_per_batch_s > alone.time_per_batch_s
+        assert plan.bottleneck == "ranks sharing cores"
+        assert plan.breakdown["shared_cores"] > 0
+    # four replicas of the whole model: each core runs two of them
+    replicas = next(p for p in slow if p.candidate.data_parallel == 4)
+    assert replicas.time_per_batch_s > 1.8 * fast[replicas.candidate.describe()].time_per_batch_s

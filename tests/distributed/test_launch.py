@@ -1,0 +1,45 @@
+"""Where a rank learns its place: torchrun and Slurm environments, ranks per node, core binding."""
+import multiprocessing as mp
+import os
+
+import pytest
+
+from megatron_2bw.distributed.launch import bind_cores, detect_launch, local_world_size
+
+
+def test_torchrun_and_slurm_environments():
+    torchrun = detect_launch({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1",
+                              "MASTER_ADDR": "node0", "MASTER_PORT": "1234",
+                              "TORCHELASTIC_RUN_ID": "x"})
+    assert (torchrun.rank, torchrun.world_size, torchrun.local_rank, torchrun.launcher) == \
+        (3, 8, 1, "torchrun")
+    slurm = detect_launch({"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1",
+                           "SLURM_JOB_NODELIST": "gpu[07-08]"})
+    assert (slurm.rank, slurm.world_size, slurm.local_rank, slurm.master_addr) == \
+        (5, 8, 1, "gpu07")
+    assert detect_launch({}).world_size == 1
+
+
+def test_ranks_per_node():
+    assert local_world_size({"LOCAL_WORLD_SIZE": "4"}) == 4
+    assert local_world_size({"SLURM_NTASKS_PER_NODE": "2(x3)"}) == 2
+    assert local_world_size({}) == 1
+
+
+def _bound(local_rank, local_world, out):
+    out.put((bind_cores(local_rank, local_world), sorted(os.sched_getaffinity(0))))
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux only")
+def test_each_local_rank_gets_its_own_share_of_the_cores():
+    cores = sorted(os.sched_getaffinity(0))
+    context = mp.get_context("fork")  # bind a child, not the test process
+    results = []
+    for local_rank in range(len(cores) + 1):  # one rank more than cores: round-robin
+        out = context.Queue()
+        child = context.Process(target=_bound, args=(local_rank, len(cores), out))
+        child.start()
+        results.append(out.get(timeout=30))
+        child.join()
+    assert [mine for mine, _ in results] == [[c] for c in cores] + [[cores[0]]]
+    assert all(mine == affinity for mine, affinity in results)  # the process is bound to them
