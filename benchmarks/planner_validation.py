@@ -9,8 +9,8 @@ For each world size the hardware is detected by the job's own ranks (`detect_har
 (`measured_profile`), and `rank_plans_for` costs and replays every configuration of the search
 space. Each fitting configuration is then trained by the real runtime (`build_stage` +
 `run_segment`, the code `pretrain_gpt.py` runs) on freshly forked gloo ranks with one thread each;
-its time per iteration is the mean interval between optimizer steps after the warm-up batches (what
-the "elapsed time per iteration" log line reports). Configurations are interleaved (A B C ... A B C)
+its time per iteration is the mean interval between the ends of its batches after the warm-up
+batches (what the "elapsed time per iteration" log line reports, in steady state). Configurations are interleaved (A B C ... A B C)
 and repeated, because this shared machine is noisy; the table gives the medians.
 
 Targets (issue 8): every configuration within 20% of its prediction, and the planner's first choice
@@ -110,15 +110,23 @@ def _detect(rank: int, world: int) -> HardwareSpec:
 
 
 def _train(rank: int, world: int, config: Config, warmup: int, measured: int) -> float:
-    """Seconds per iteration on this rank: the mean interval between its optimizer steps after
-    `warmup` batches, all batches in one undrained segment (as pretrain runs between evaluations)."""
+    """Seconds per iteration on this rank: the mean interval between the ends of its batches (its
+    gradient reduction, right after a batch's last backward in every schedule) after `warmup`
+    batches, all batches in one undrained segment (as pretrain runs between evaluations). Not the
+    optimizer steps: 2BW defers a batch's step into the next batch, and its last two steps both
+    fall into the final drain."""
     par = config.parallel
     layout = ParallelLayout(world, par.tensor_parallel, par.pipeline_parallel, rank)
     layout.build_groups(par.timeout_minutes)
     device = pick_device(rank)
-    steps: list[float] = []
-    stage = build_stage(config, layout, device, None,
-                        on_step=lambda result: steps.append(time.perf_counter()))
+    stage = build_stage(config, layout, device, None)
+    batch_ends: list[float] = []
+    reduce = stage.updater.reduce
+
+    def timed_reduce(batch: int, microbatches: int) -> None:
+        batch_ends.append(time.perf_counter())
+        reduce(batch, microbatches)
+    stage.updater.reduce = timed_reduce
     model = config.model
     generator = torch.Generator().manual_seed(1000 + layout.coords.dp)
     tokens = torch.randint(0, model.vocab_size, (8, config.training.micro_batch_size,
@@ -126,7 +134,7 @@ def _train(rank: int, world: int, config: Config, warmup: int, measured: int) ->
     dist.barrier()
     run_segment(stage, 0, warmup + measured, lambda k: {"tokens": tokens[k % 8].to(device)})
     dist.barrier()
-    return (steps[-1] - steps[warmup - 1]) / measured
+    return (batch_ends[-1] - batch_ends[warmup - 1]) / measured
 
 
 # -- the benchmark -------------------------------------------------------------------------------

@@ -11,7 +11,8 @@ Communication (hardware.py's link model):
   time: all pipeline replicas send their activations together, all data-parallel groups of a stage
   reduce together.
 - an all-reduce is a ring over the group in rank order: 2(n-1)/n * n_bytes / (slowest hop) +
-  2(n-1) * latency (per bucket for the bucketed data-parallel all-reduce).
+  2(n-1) * latency (per bucket for the bucketed data-parallel all-reduce); inside a node, the
+  hardware's measured all-reduce times of that group size when it has them (detect_hardware).
 Per microbatch, a stage's forward and backward include its tensor-parallel all-reduces (2 per layer
 each way, Megatron's f/g, plus the embedding's and the head's), which block compute. Recomputation
 adds a forward ("full": the layer with its all-reduces; "selective": the attention core).
@@ -119,9 +120,9 @@ class Network:
                 (max(leaving[src], entering[dst]) / hw.inter_node_bandwidth, hw.inter_node_latency_s)
                 for src, dst in nodes]
 
-    def _rings(self, kind: str, stage: int | None) -> list[tuple[int, float, float]]:
-        """(ranks, seconds per byte of the slowest hop, worst hop latency) of each ring of a group
-        kind, when all of them run at once."""
+    def _rings(self, kind: str, stage: int | None) -> list[tuple[int, float, float, bool]]:
+        """(ranks, seconds per byte of the slowest hop, worst hop latency, inside one node) of
+        each ring of a group kind, when all of them run at once."""
         key = ("ring", kind, stage)
         if key not in self._cache:
             rings = [sorted(g) for g in self.groups(kind, stage) if len(g) > 1]
@@ -131,15 +132,22 @@ class Network:
             for ring in rings:
                 ring_links = [next(links) for _ in ring]
                 result.append((len(ring), max(x[0] for x in ring_links),
-                               max(x[1] for x in ring_links)))
+                               max(x[1] for x in ring_links),
+                               len({self.node(r) for r in ring}) == 1))
             self._cache[key] = result
         return self._cache[key]
 
     def allreduce_time(self, kind: str, nbytes: float, stage: int | None = None,
                        buckets: int = 1) -> float:
-        """Concurrent ring all-reduces of nbytes over every group of `kind` (of one stage)."""
-        return max((2 * (n - 1) / n * nbytes * per_byte + buckets * 2 * (n - 1) * latency
-                    for n, per_byte, latency in self._rings(kind, stage)), default=0.0)
+        """Concurrent ring all-reduces of nbytes over every group of `kind` (of one stage); inside
+        a node the measured all-reduce times when the hardware has them."""
+        def one_ring(n: int, per_byte: float, latency: float, in_node: bool) -> float:
+            measured = self.hardware.measured_allreduce_s(n, nbytes / buckets) if in_node \
+                else None
+            if measured is not None:
+                return buckets * measured
+            return 2 * (n - 1) / n * nbytes * per_byte + buckets * 2 * (n - 1) * latency
+        return max((one_ring(*ring) for ring in self._rings(kind, stage)), default=0.0)
 
     def transfer_time(self, src_stage: int, dst_stage: int, nbytes: float) -> float:
         """Every replica sends nbytes from src_stage to dst_stage at once: the slowest transfer."""

@@ -12,6 +12,7 @@ Link model (what the cost model assumes):
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import socket
@@ -61,12 +62,35 @@ class HardwareSpec:
     # processors that run a node's ranks at the same time: None means one per device (GPUs);
     # CPU ranks share the node's cores, so more ranks than cores take turns (detect_hardware)
     compute_slots_per_node: int | None = None
+    # measured all-reduce times inside a node, when detected: ((group size, bytes, seconds), ...),
+    # the mean of back-to-back all-reduces with every group of that size of the node busy at once.
+    # A library's collective is not latency + bytes / bandwidth in between (gloo on this 2-core
+    # machine: 0.3 ms for 4 B, 7 ms for 8 MB, but 2 ms for 128 KB), so the cost model interpolates.
+    allreduce_times: tuple[tuple[int, int, float], ...] = ()
 
     def __hash__(self) -> int:  # peak_flops is a dict; specs key the planner's caches
         return hash((self.name, self.devices_per_node, self.nodes, self.memory_per_device_bytes,
                      self.intra_node_bandwidth, self.inter_node_bandwidth,
                      tuple(sorted(self.peak_flops.items())), self.memory_bandwidth, self.efficiency,
-                     self.compute_slots_per_node))
+                     self.compute_slots_per_node, self.allreduce_times))
+
+    def measured_allreduce_s(self, group_size: int, nbytes: float) -> float | None:
+        """Interpolated (linearly in log bytes) measured all-reduce time of a group of that size
+        inside a node; None when none was measured. Beyond the measured sizes: the end point
+        scaled by bytes (large) or the smallest time (small)."""
+        points = sorted((b, t) for n, b, t in self.allreduce_times if n == group_size)
+        if not points:
+            return None
+        nbytes = max(float(nbytes), 1.0)
+        if nbytes <= points[0][0]:
+            return points[0][1]
+        if nbytes >= points[-1][0]:
+            return points[-1][1] * nbytes / points[-1][0]
+        for (b0, t0), (b1, t1) in zip(points, points[1:]):
+            if b0 <= nbytes <= b1:
+                w = (math.log(nbytes) - math.log(b0)) / (math.log(b1) - math.log(b0))
+                return t0 + w * (t1 - t0)
+        return points[-1][1]
 
     @property
     def compute_slots(self) -> int:
@@ -305,6 +329,42 @@ def probe_links(group=None, repeats: int = 5, large_bytes: int = 8 << 20) -> Lin
                      tuple(len(ranks) for ranks in ranks_of_host.values()))
 
 
+ALLREDUCE_PROBE_BYTES = (4, 16 << 10, 128 << 10, 1 << 20, 8 << 20)
+
+
+def probe_allreduce_times(group=None, sizes=ALLREDUCE_PROBE_BYTES, repeats: int = 20
+                          ) -> tuple[tuple[int, int, float], ...]:
+    """Mean seconds of back-to-back all-reduces per (group size, bytes), for every group size g
+    >= 2 dividing the ranks of a node, with the node's consecutive g-rank groups all busy at once
+    (as tensor-parallel groups are). Collective: every rank calls it; all get the same table.
+    Single-node jobs only (an empty table otherwise: the link model applies)."""
+    group = group or dist.group.WORLD
+    device = _device_for(group)
+    size = dist.get_world_size(group)
+    hosts: list[str] = [""] * size
+    dist.all_gather_object(hosts, socket.gethostname(), group=group)
+    if size < 2 or len(set(hosts)) > 1:
+        return ()
+    ranks = [dist.get_global_rank(group, r) for r in range(size)]
+    table = []
+    for g in (n for n in range(2, size + 1) if size % n == 0):
+        subgroups = [dist.new_group(ranks[i:i + g]) if g < size else group
+                     for i in range(0, size, g)]
+        mine = subgroups[dist.get_rank(group) // g]
+        for nbytes in sizes:
+            tensor = torch.ones(max(nbytes // 4, 1), dtype=torch.float32, device=device)
+            count = max(2, repeats if nbytes <= (1 << 20) else repeats // 4)
+            dist.all_reduce(tensor, group=mine)  # warm-up (connections, buffers)
+            seconds = median_time(lambda: [dist.all_reduce(tensor, group=mine)
+                                           for _ in range(count)], device, 3) / count
+            table.append((g, nbytes, seconds))
+        dist.barrier(group=group)
+        if mine is not group:  # its gloo threads would otherwise live on through training
+            dist.destroy_process_group(mine)
+    times = _agree([t for _, _, t in table], dist.ReduceOp.MAX, group, device)
+    return tuple((g, b, t) for (g, b, _), t in zip(table, times))
+
+
 def _host_memory_bytes() -> int:
     try:
         import psutil
@@ -377,5 +437,6 @@ def detect_hardware(group=None, name: str | None = None, repeats: int = 5) -> Ha
         peak_flops=flops, memory_bandwidth=bandwidth, efficiency=1.0,
         reserved_memory_bytes=reserved, kernel_overhead_s=launch,
         collective_hop_latency_s=hop_latency, compute_slots_per_node=slots,
+        allreduce_times=probe_allreduce_times(group),
         source=f"measured by detect_hardware on {socket.gethostname()} ({dist.get_world_size(group)} "
                f"ranks)")

@@ -134,3 +134,21 @@ def test_ranks_sharing_cores_take_turns():
                                     compute_slots_per_node=1)
     assert shared_core_time(stages, two_nodes, Candidate(1, 2, 2, 1, None, "2bw"), 2) == \
         pytest.approx(2 * 11)
+
+
+def test_measured_allreduce_times_replace_the_ring_formula_inside_a_node():
+    measured = dataclasses.replace(toy_hardware(devices_per_node=4, nodes=1), allreduce_times=(
+        (2, 100, 1.0), (2, 10_000, 3.0), (4, 100, 2.0)))
+    assert measured.measured_allreduce_s(2, 1000) == pytest.approx(2.0)  # halfway in log bytes
+    assert measured.measured_allreduce_s(2, 10) == 1.0  # below the table: the smallest time
+    assert measured.measured_allreduce_s(2, 20_000) == pytest.approx(6.0)  # above: per byte
+    assert measured.measured_allreduce_s(8, 100) is None
+    net = Network(measured, tensor=2, pipeline=1, data=2)
+    assert net.allreduce_time("tensor", 1000) == pytest.approx(2.0)
+    assert net.allreduce_time("data", 1000, stage=0, buckets=10) == pytest.approx(10 * 1.0)
+    assert measured.measured_allreduce_s(4, 1000) == pytest.approx(20.0)  # one point: per byte
+    # a group size without measurements keeps the ring formula
+    only_pairs = dataclasses.replace(measured, allreduce_times=((2, 100, 1.0),))
+    formula = Network(toy_hardware(devices_per_node=4, nodes=1), tensor=4, pipeline=1, data=1)
+    assert Network(only_pairs, tensor=4, pipeline=1, data=1).allreduce_time("tensor", 1000) == \
+        pytest.approx(formula.allreduce_time("tensor", 1000))

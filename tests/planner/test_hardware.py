@@ -2,8 +2,8 @@ import os
 
 import pytest
 
-from megatron_2bw.planner.hardware import (HardwareSpec, detect_hardware, load_hardware,
-                                           parse_quantity, shipped_hardware)
+from megatron_2bw.planner.hardware import (ALLREDUCE_PROBE_BYTES, HardwareSpec, detect_hardware,
+                                           load_hardware, parse_quantity, shipped_hardware)
 from tests.distributed_helpers import run_ranks
 
 GOOD = """
@@ -105,3 +105,6 @@ def test_detect_hardware_over_two_gloo_ranks():
     assert spec.efficiency == 1.0  # measured rates are achieved rates
     assert 0 < spec.kernel_overhead_s < 1e-2
     assert spec.compute_slots_per_node == len(os.sched_getaffinity(0))  # CPU ranks share cores
+    # all-reduce times of the 2-rank group, one per probed size
+    assert [(g, b) for g, b, _ in spec.allreduce_times] == [(2, b) for b in ALLREDUCE_PROBE_BYTES]
+    assert all(t > 0 for _, _, t in spec.allreduce_times)
