@@ -365,6 +365,20 @@ def probe_allreduce_times(group=None, sizes=ALLREDUCE_PROBE_BYTES, repeats: int 
     return tuple((g, b, t) for (g, b, _), t in zip(table, times))
 
 
+def _node_cores(group) -> int:
+    """The cores the ranks of the busiest-constrained node may run on: per host the union of its
+    ranks' CPU affinities (ranks bound with --bind-cores-to-rank each see only their share), the
+    smallest over hosts. Collective."""
+    mine = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
+        list(range(os.cpu_count() or 1))
+    gathered: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, (socket.gethostname(), mine), group=group)
+    per_host: dict[str, set[int]] = {}
+    for host, cores in gathered:
+        per_host.setdefault(host, set()).update(cores)
+    return min(len(cores) for cores in per_host.values())
+
+
 def _host_memory_bytes() -> int:
     try:
         import psutil
@@ -395,7 +409,7 @@ def detect_hardware(group=None, name: str | None = None, repeats: int = 5) -> Ha
 
     Memory: the device's total memory (CUDA; what the context, NCCL and others hold is
     `reserved_memory_bytes`), or the host's RAM divided by the ranks on the host (CPU), whose
-    ranks share the cores this process may run on (`compute_slots_per_node`).
+    ranks share the cores they may run on (`compute_slots_per_node`).
     peak_flops and memory_bandwidth are *achieved* rates of a matmul and a copy (the slowest rank's),
     so efficiency is 1. Link figures come from `probe_links`; without a second rank on a node the
     device's copy bandwidth stands in for the intra-node link, and a single-node job reports the
@@ -414,14 +428,12 @@ def detect_hardware(group=None, name: str | None = None, repeats: int = 5) -> Ha
         slots = None
     else:
         memory, reserved, label = _host_memory_bytes() / ranks_here, 0.0, "cpu"
-        slots = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        slots = _node_cores(group)
     flops, bandwidth, launch = _measure_compute(device)
     measured = _agree([memory, *flops.values(), bandwidth], dist.ReduceOp.MIN, group, device)
     memory, bandwidth = measured[0], measured[-1]
     flops = dict(zip(flops, measured[1:-1]))
     reserved, launch = _agree([max(reserved, 0.0), launch], dist.ReduceOp.MAX, group, device)
-    if slots is not None:
-        slots = int(_agree([float(slots)], dist.ReduceOp.MIN, group, device)[0])
     intra_bw = probe.intra_node_bandwidth or bandwidth
     intra_latency = probe.intra_node_latency_s or 0.0
     hosts = len(probe.ranks_per_node)

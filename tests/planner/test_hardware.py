@@ -2,6 +2,7 @@ import os
 
 import pytest
 
+from megatron_2bw.distributed.launch import bind_cores
 from megatron_2bw.planner.hardware import (ALLREDUCE_PROBE_BYTES, HardwareSpec, detect_hardware,
                                            load_hardware, parse_quantity, shipped_hardware)
 from tests.distributed_helpers import run_ranks
@@ -90,6 +91,17 @@ def test_unknown_file_lists_the_shipped_names():
 
 def _detect(rank, world_size):
     return detect_hardware(repeats=2)
+
+
+def _detect_bound(rank, world_size):
+    bind_cores(rank, world_size)
+    return detect_hardware(repeats=1)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux only")
+def test_ranks_bound_to_their_cores_still_count_the_whole_node():
+    specs = run_ranks(2, _detect_bound)
+    assert specs[0].compute_slots_per_node == len(os.sched_getaffinity(0))
 
 
 def test_detect_hardware_over_two_gloo_ranks():
