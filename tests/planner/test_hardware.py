@@ -4,7 +4,8 @@ import pytest
 
 from megatron_2bw.distributed.launch import bind_cores
 from megatron_2bw.planner.hardware import (ALLREDUCE_PROBE_BYTES, HardwareSpec, detect_hardware,
-                                           load_hardware, parse_quantity, shipped_hardware)
+                                           load_hardware, parse_quantity, probe_allreduce_times,
+                                           shipped_hardware)
 from tests.distributed_helpers import run_ranks
 
 GOOD = """
@@ -120,3 +121,14 @@ def test_detect_hardware_over_two_gloo_ranks():
     # all-reduce times of the 2-rank group, one per probed size
     assert [(g, b) for g, b, _ in spec.allreduce_times] == [(2, b) for b in ALLREDUCE_PROBE_BYTES]
     assert all(t > 0 for _, _, t in spec.allreduce_times)
+
+
+def _allreduce_table(rank, world_size):
+    return probe_allreduce_times(sizes=(4, 1 << 16), repeats=4)
+
+
+def test_allreduce_times_for_every_group_size_of_a_node():
+    tables = run_ranks(4, _allreduce_table)
+    assert all(table == tables[0] for table in tables)  # every rank gets the same table
+    assert [(g, b) for g, b, _ in tables[0]] == [(2, 4), (2, 1 << 16), (4, 4), (4, 1 << 16)]
+    assert all(t > 0 for _, _, t in tables[0])
