@@ -450,8 +450,8 @@ def run_and_report(main) -> None:
             print(f"{name}: error: {error}", file=sys.stderr, flush=True)
         exit_process(2)
     except BaseException as error:  # noqa: BLE001 - every failure must end the job loudly
-        if isinstance(error, SystemExit) and not error.code:
-            raise
+        if isinstance(error, SystemExit) and not error.code:  # --help, a requested exit
+            exit_process(0)
         layout = _FAILURE_CONTEXT.get("layout")
         stage = _FAILURE_CONTEXT.get("stage")
         where = layout.describe() if layout else f"rank {os.environ.get('RANK', '?')}"
