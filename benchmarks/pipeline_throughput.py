@@ -23,7 +23,6 @@ import importlib
 import json
 import os
 import queue as queue_module
-import socket
 import statistics
 import sys
 import time
@@ -42,7 +41,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).res
 from megatron_2bw.config import (Config, ModelConfig, OptimizerConfig, ParallelConfig,  # noqa: E402
                                  TrainingConfig)
 from megatron_2bw.data.mock import MockGPTDataset  # noqa: E402
-from megatron_2bw.distributed.launch import bind_cores, pick_device  # noqa: E402
+from megatron_2bw.distributed.launch import bind_cores, free_port, pick_device  # noqa: E402
 from megatron_2bw.distributed.layout import ParallelLayout  # noqa: E402
 from megatron_2bw.models import build_stage_model  # noqa: E402
 from megatron_2bw.pipeline.partition import layer_ranges  # noqa: E402
@@ -273,11 +272,6 @@ def _rank_entry(rank: int, world: int, port: int, results, name, workload, split
             dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def run_once(name: str, workload: Workload, split, timeout: float = 900.0,
              bind: bool = True) -> list[RankResult]:
@@ -285,7 +279,7 @@ def run_once(name: str, workload: Workload, split, timeout: float = 900.0,
     world = RUNS[name][0]
     context = mp.get_context("fork")  # the children inherit the imports: fast start
     results = context.Queue()
-    port = _free_port()
+    port = free_port()
     processes = [context.Process(target=_rank_entry,
                                  args=(rank, world, port, results, name, workload, split, timeout,
                                        bind))

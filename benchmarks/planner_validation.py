@@ -21,25 +21,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import pickle
-import socket
 import statistics
 import sys
 import tempfile
 import time
-import traceback
 from dataclasses import asdict, dataclass
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 from megatron_2bw.arguments import parse_config  # noqa: E402
 from megatron_2bw.config import Config  # noqa: E402
+from megatron_2bw.distributed.forked import run_forked  # noqa: E402
 from megatron_2bw.distributed.launch import pick_device  # noqa: E402
 from megatron_2bw.distributed.layout import ParallelLayout  # noqa: E402
 from megatron_2bw.planner.cost import RECOMPUTE_OPTIONS  # noqa: E402
@@ -53,54 +49,10 @@ ERROR_TARGET = 0.20  # |measured - predicted| / measured, every configuration
 CHOICE_TARGET = 0.05  # the first choice's measured time over the measured best's, minus one
 
 
-# -- forked gloo ranks ---------------------------------------------------------------------------
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank_entry(rank: int, world: int, port: int, out_dir: str, fn, args, timeout: float):
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    try:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend, rank=rank, world_size=world,
-                                timeout=timedelta(seconds=timeout))
-        result = fn(rank, world, *args)
-        with open(os.path.join(out_dir, f"{rank}.pkl"), "wb") as f:
-            pickle.dump(result, f)
-    except BaseException:  # noqa: BLE001 - reported to the parent
-        with open(os.path.join(out_dir, f"{rank}.err"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
 def on_ranks(world: int, fn, *args, timeout: float = 600.0) -> list:
-    """fn(rank, world, *args) on `world` forked ranks (they inherit the parent's imports: fast
-    start); the per-rank results."""
-    with tempfile.TemporaryDirectory() as out_dir:
-        context = mp.start_processes(_rank_entry, args=(world, _free_port(), out_dir, fn, args,
-                                                        timeout),
-                                     nprocs=world, join=False, start_method="fork")
-        deadline = time.time() + timeout
-        try:
-            while not context.join(timeout=0.5):
-                if time.time() > deadline:
-                    raise TimeoutError(f"{world} ranks did not finish within {timeout:.0f} s")
-        except Exception as error:
-            for process in context.processes:
-                if process.is_alive():
-                    process.kill()
-            errors = [Path(out_dir, name).read_text() for name in sorted(os.listdir(out_dir))
-                      if name.endswith(".err")]
-            raise RuntimeError("\n".join(errors) or str(error)) from None
-        return [pickle.loads(Path(out_dir, f"{rank}.pkl").read_bytes()) for rank in range(world)]
+    """fn(rank, world, *args) on `world` forked ranks, NCCL with CUDA, gloo otherwise."""
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    return run_forked(world, fn, *args, backend=backend, timeout=timeout)
 
 
 # -- what a rank does ----------------------------------------------------------------------------

@@ -38,7 +38,7 @@ def _first_slurm_host(nodelist: str) -> str:
     return prefix + ranges.split(",")[0].split("-")[0]
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -55,7 +55,7 @@ def detect_launch(env=None) -> LaunchInfo:
         return LaunchInfo(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]),
                           int(env.get("SLURM_LOCALID", 0)), addr,
                           int(env.get("MASTER_PORT", 29500)), "slurm")
-    return LaunchInfo(0, 1, 0, "127.0.0.1", _free_port(), "single")
+    return LaunchInfo(0, 1, 0, "127.0.0.1", free_port(), "single")
 
 
 def pick_device(local_rank: int) -> torch.device:

@@ -6,15 +6,14 @@ import json
 
 import torch
 
-from megatron_2bw.arguments import parse_config, validate_for_world
+from megatron_2bw.arguments import parse_config
 from megatron_2bw.checkpoint import load_checkpoint
 from megatron_2bw.checkpoint.reshard import (FullState, load_full_weights, merge_shards,
                                              write_full_state)
 from megatron_2bw.config import Config, DataConfig, ModelConfig
 from megatron_2bw.data.mock import MockGPTDataset
-from megatron_2bw.distributed.layout import ParallelLayout
 from megatron_2bw.models import build_stage_model
-from megatron_2bw.training import build_stage
+from tests.pipeline.harness import stage_on_rank
 
 VOCAB = 101  # padded to 104 (t=1) or 112 (t=2) with --make-vocab-size-divisible-by 8
 
@@ -80,12 +79,7 @@ def eval_tokens(count: int = 4, seq_length: int = 16) -> torch.Tensor:
 def evaluate_checkpoint(rank: int, world: int, flags: list[str], root: str) -> float | None:
     """Build the stage of `flags`' layout, load `root` and return the mean lm loss of 2
     microbatches of fixed tokens (on the rank that holds the loss; None elsewhere)."""
-    config = config_from_flags(flags)
-    layout = ParallelLayout(world, config.parallel.tensor_parallel,
-                            config.parallel.pipeline_parallel, rank)
-    layout.build_groups(1.0)
-    validate_for_world(config, world)
-    stage = build_stage(config, layout, torch.device("cpu"), None)
+    layout, stage = stage_on_rank(rank, world, config_from_flags(flags))
     load_checkpoint(stage, root)
     tokens = eval_tokens()
     metrics = stage.executor.evaluate(2, lambda k: {"tokens": tokens[2 * k:2 * k + 2]})

@@ -6,11 +6,12 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from tests.distributed_helpers import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 SHIMS = Path(__file__).resolve().parent / "shims"
@@ -25,11 +26,6 @@ TINY_GPT = {
     "DIST_TIMEOUT_MINUTES": "2", "TP": "1",
 }
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _environment(**overrides: str) -> dict[str, str]:
@@ -63,7 +59,7 @@ def _iterations(output: str) -> list[tuple[int, int, float]]:
 
 
 def test_multi_node_script_as_two_nodes_on_localhost(tmp_path):
-    env = _environment(NNODES="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+    env = _environment(NNODES="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
                        PP="1")  # 2 nodes x 1 process: data parallel 2 across the "nodes"
     script = str(REPO / "examples" / "pretrain_gpt_multi_node.sh")
     logs = [tmp_path / f"node{rank}.log" for rank in (0, 1)]
@@ -93,7 +89,7 @@ def _slurm_environment(tmp_path: Path, **overrides: str) -> dict[str, str]:
         SLURM_JOB_ID="4242", SLURM_JOB_NAME="gpt-test", SLURM_JOB_NUM_NODES="2",
         SLURM_NNODES="2", SLURM_JOB_NODELIST="127.0.0.1,127.0.0.2", SLURM_SUBMIT_DIR=str(REPO),
         SLURM_CPUS_PER_TASK="1", SCONTROL_LOG=str(tmp_path / "scontrol.log"),
-        CHECKPOINT_DIR=str(tmp_path / "checkpoints"), MASTER_PORT=str(_free_port()),
+        CHECKPOINT_DIR=str(tmp_path / "checkpoints"), MASTER_PORT=str(free_port()),
         SAVE_GRACE_SECONDS="30", PP="2")  # one pipeline stage per "node", 2BW schedule
     env["PATH"] = f"{shim_bin}{os.pathsep}{env['PATH']}"
     env.update(overrides)
@@ -158,7 +154,7 @@ def test_deepspeed_launcher_script_with_a_local_hostfile(tmp_path):
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("localhost slots=2\n")
     env = _environment(HOSTFILE=str(hostfile), LAUNCHER_ARGS="--no_ssh_check",
-                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
                        TP="2", PP="1")  # the launcher's 2 processes: the 2 tensor-parallel halves
     log = tmp_path / "deepspeed.log"
     job = _start(["bash", str(REPO / "examples" / "pretrain_gpt_deepspeed_launcher.sh")], env, log)

@@ -48,16 +48,21 @@ def gpt_feed(config: Config, layout: ParallelLayout, dataset=None):
     return feed
 
 
-def train_on_ranks(rank: int, world: int, config: Config, batches: int, feed_factory=gpt_feed,
-                   before=None):
-    """Run `batches` batches; return this rank's master weights (dp 0 only), step results and
-    coordinates."""
+def stage_on_rank(rank: int, world: int, config: Config, on_step=None):
+    """This rank's layout (groups built) and CPU stage of `config`."""
     validate_for_world(config, world)
     layout = ParallelLayout(world, config.parallel.tensor_parallel,
                             config.parallel.pipeline_parallel, rank)
     layout.build_groups(1.0)
+    return layout, build_stage(config, layout, torch.device("cpu"), None, on_step=on_step)
+
+
+def train_on_ranks(rank: int, world: int, config: Config, batches: int, feed_factory=gpt_feed,
+                   before=None):
+    """Run `batches` batches; return this rank's master weights (dp 0 only), step results and
+    coordinates."""
     results = []
-    stage = build_stage(config, layout, torch.device("cpu"), None, on_step=results.append)
+    layout, stage = stage_on_rank(rank, world, config, on_step=results.append)
     if before is not None:
         before(stage)
     run_segment(stage, 0, batches, feed_factory(config, layout))

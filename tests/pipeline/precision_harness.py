@@ -6,15 +6,12 @@ import contextlib
 import dataclasses
 
 import numpy as np
-import torch
 
-from megatron_2bw.arguments import validate_for_world
 from megatron_2bw.config import Config, PrecisionConfig
-from megatron_2bw.distributed.layout import ParallelLayout
 from megatron_2bw.memory import optimizer_state_tensors, storage_bytes
 from megatron_2bw.planner.memory import estimate_stage_memory
-from megatron_2bw.training import build_stage, run_segment, static_tensors
-from tests.pipeline.harness import gpt_feed, tiny_config
+from megatron_2bw.training import run_segment, static_tensors
+from tests.pipeline.harness import gpt_feed, stage_on_rank, tiny_config
 
 
 def precise_config(precision: str = "fp32", **kwargs) -> Config:
@@ -51,12 +48,8 @@ def train_stage(rank: int, world: int, config: Config, batches: int, before=None
     """Run `batches` batches on this rank (mock or `CountingDataset` samples); return its
     coordinates, the full master weights (every rank), step results and memory figures (with
     `measure`, the peak includes transients: slower)."""
-    validate_for_world(config, world)
-    layout = ParallelLayout(world, config.parallel.tensor_parallel,
-                            config.parallel.pipeline_parallel, rank)
-    layout.build_groups(1.0)
     results = []
-    stage = build_stage(config, layout, torch.device("cpu"), None, on_step=results.append)
+    layout, stage = stage_on_rank(rank, world, config, on_step=results.append)
     stage.memory.set_static(static_tensors(stage))
     static = stage.memory.static_bytes
     if before is not None:
