@@ -43,6 +43,7 @@ from megatron_2bw.config import (Config, ModelConfig, OptimizerConfig, ParallelC
 from megatron_2bw.data.mock import MockGPTDataset  # noqa: E402
 from megatron_2bw.distributed.launch import bind_cores, free_port, pick_device  # noqa: E402
 from megatron_2bw.distributed.layout import ParallelLayout  # noqa: E402
+from megatron_2bw.logging import Timers  # noqa: E402
 from megatron_2bw.models import build_stage_model  # noqa: E402
 from megatron_2bw.pipeline.partition import layer_ranges  # noqa: E402
 from megatron_2bw.tensor_parallel.random import seed_everything  # noqa: E402
@@ -69,6 +70,7 @@ class Workload:
     global_batch: int
     warmup_batches: int
     measured_batches: int
+    time_shares: bool = False  # our runtime's ranks also time each kind of action (--time-shares)
     optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(
         optimizer="adam", lr=1e-4, lr_decay_style="constant", clip_grad=1.0))
     seed: int = 1234
@@ -190,7 +192,10 @@ class MegatronTrainer:
         layout = ParallelLayout(world, 1, world, rank)
         layout.build_groups(config.parallel.timeout_minutes)
         self.first_loss: float | None = None
-        self.stage = build_stage(config, layout, device, None, on_step=self._on_step)
+        # unsynchronised timers: exact on CPU; on CUDA they would time kernel launches
+        self.timers = Timers(1) if workload.time_shares else None
+        self.stage = build_stage(config, layout, device, self.timers, on_step=self._on_step)
+        self._batch: tuple[int, torch.Tensor | None] = (-1, None)
 
     def _on_step(self, result) -> None:
         if result.batch == 0 and "lm loss" in result.metrics:
@@ -199,7 +204,9 @@ class MegatronTrainer:
     def _microbatch(self, k: int) -> dict:
         m, micro = self.workload.microbatches, self.workload.micro_batch
         b, j = divmod(k, m)
-        return {"tokens": self.workload.batch_tokens(b)[j * micro:(j + 1) * micro].to(self.device)}
+        if self._batch[0] != b:  # built once per batch, as the peers' data iterators do
+            self._batch = (b, self.workload.batch_tokens(b).to(self.device))
+        return {"tokens": self._batch[1][j * micro:(j + 1) * micro]}
 
     def run(self, first_batch: int, batches: int) -> None:
         run_segment(self.stage, first_batch, batches, self._microbatch)
@@ -221,6 +228,7 @@ class RankResult:
     seconds: float  # wall time of the measured batches, between barriers
     peak_memory_bytes: int
     first_loss: float | None
+    time_shares: dict[str, float] | None = None  # action kind -> share of `seconds` (ours only)
 
 
 def import_runtime(name: str) -> None:
@@ -240,12 +248,17 @@ def train_one_rank(name: str, workload: Workload, split, rank: int, world: int) 
     memory = PeakMemory(device)
     trainer = build_trainer(name, workload, split, rank, world, device)
     trainer.run(0, workload.warmup_batches)
+    timers = getattr(trainer, "timers", None)
+    if timers is not None:
+        timers.summary(reset=True)
     _barrier(world)
     start = time.perf_counter()
     trainer.run(workload.warmup_batches, workload.measured_batches)
     _barrier(world)
     seconds = time.perf_counter() - start
-    return RankResult(seconds, memory.peak_bytes(), trainer.first_loss)
+    shares = None if timers is None else {name: elapsed / seconds for name, elapsed
+                                          in timers.summary(reset=True).items()}
+    return RankResult(seconds, memory.peak_bytes(), trainer.first_loss, shares)
 
 
 def _barrier(world: int) -> None:
@@ -355,10 +368,20 @@ class RunSummary:
     other_load: list[float] = field(default_factory=list)  # cores other processes used, per repeat
     peak_memory_bytes: list[int] = field(default_factory=list)  # per stage, max over repeats
     first_loss: float | None = None
+    time_shares: list[list[dict[str, float]]] = field(default_factory=list)  # repeat, stage
 
     @property
     def median(self) -> float:
         return statistics.median(self.tokens_per_s)
+
+    def median_time_shares(self) -> list[dict[str, float]]:
+        """Per stage: each action kind's median share of the measured time over the repeats."""
+        if not self.time_shares:
+            return []
+        return [{name: statistics.median(repeat[stage].get(name, 0.0)
+                                         for repeat in self.time_shares)
+                 for name in self.time_shares[0][stage]}
+                for stage in range(len(self.time_shares[0]))]
 
 
 @dataclass
@@ -397,6 +420,8 @@ def benchmark(workload: Workload, names: list[str], split: list[int], repeats: i
                                          for a, r in zip(summary.peak_memory_bytes, ranks)]
             summary.first_loss = next((r.first_loss for r in ranks if r.first_loss is not None),
                                       None)
+            if all(r.time_shares is not None for r in ranks):
+                summary.time_shares.append([r.time_shares for r in ranks])
             if progress is not None:
                 progress.set_postfix_str(f"{name}: {summary.tokens_per_s[-1]:.0f} tokens/s, "
                                          f"others {load:.2f} cores")
@@ -416,6 +441,18 @@ def format_table(summaries: list[RunSummary], baseline: float | None) -> str:
         lines.append(f"{s.name:<12} {s.median:>17.0f} {spread:>11} {ratio:>10} {memory:>18} "
                      f"{loss:>12} {max(s.other_load):>6.2f}  {RUNS[s.name][1]}")
     lines.append("others: the most cores other processes kept busy during any repeat of the run")
+    return "\n".join(lines)
+
+
+def format_time_shares(summaries: list[RunSummary]) -> str:
+    """Where each stage of our runs spent the measured time (median share over the repeats)."""
+    lines = ["time per stage by action (median share of the measured time over the repeats):"]
+    for s in summaries:
+        for stage, shares in enumerate(s.median_time_shares()):
+            parts = ", ".join(f"{name} {share:.1%}" for name, share in
+                              sorted(shares.items(), key=lambda item: -item[1]))
+            rest = 1.0 - sum(shares.values())
+            lines.append(f"  {s.name:<11} stage {stage}: {parts}, other {rest:.1%}")
     return "\n".join(lines)
 
 
@@ -487,6 +524,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="longest wait for an idle machine before a run (0: do not wait)")
     b.add_argument("--retries", type=int, default=2,
                    help="extra attempts of a run disturbed by other processes (default 2)")
+    b.add_argument("--time-shares", action="store_true",
+                   help="also time forward, backward, p2p waits, gradient reduction and optimizer "
+                        "on our runtime's ranks and print each stage's shares (CPU: unsynchronised "
+                        "timers)")
     b.add_argument("--json", help="write the results as JSON to this file")
     b.add_argument("--plot", help="write a PNG bar chart to this file")
     return parser
@@ -538,7 +579,7 @@ def parse_workload(args) -> tuple[Workload, list[str], list[int] | None]:
                         num_attention_heads=args.num_attention_heads, seq_length=args.seq_length,
                         vocab_size=args.vocab_size, hidden_dropout=0.0, attention_dropout=0.0)
     workload = Workload(model, args.micro_batch_size, args.global_batch_size, args.warmup_batches,
-                        args.measured_batches)
+                        args.measured_batches, time_shares=args.time_shares)
     return workload, names, split
 
 
@@ -567,6 +608,8 @@ def main(argv=None) -> list[RunSummary]:
                               bind=not args.no_bind_cores)
     baseline = next((s.median for s in summaries if s.name == "one_process"), None)
     print(format_table(summaries, baseline))
+    if workload.time_shares:
+        print(format_time_shares(summaries))
     if args.json:
         record = {"model": {k: getattr(model, k) for k in ("num_layers", "hidden_size",
                                                            "num_attention_heads", "seq_length",
@@ -580,7 +623,9 @@ def main(argv=None) -> list[RunSummary]:
                             "other_processes_cores": s.other_load,
                             "speedup_vs_one_process": s.median / baseline if baseline else None,
                             "peak_memory_bytes": s.peak_memory_bytes,
-                            "first_batch_loss": s.first_loss} for s in summaries]}
+                            "first_batch_loss": s.first_loss,
+                            **({"time_shares_per_stage": s.median_time_shares()}
+                               if s.time_shares else {})} for s in summaries]}
         Path(args.json).write_text(json.dumps(record, indent=2) + "\n")
     if args.plot:
         plot(summaries, baseline, args.plot,

@@ -51,6 +51,25 @@ def test_every_run_trains_the_same_model_and_reports(tmp_path, capsys):
     assert all(cores >= 0 for run in record["runs"] for cores in run["other_processes_cores"])
 
 
+def test_time_shares_break_down_each_stage_of_our_runs(tmp_path, capsys):
+    json_path = tmp_path / "results.json"
+    bench.main(TINY + ["--runs", "one_process,2bw,torch_1f1b", "--time-shares",
+                       "--json", str(json_path)])
+    runs = {run["name"]: run for run in json.loads(json_path.read_text())["runs"]}
+    assert "time_shares_per_stage" not in runs["torch_1f1b"]  # the peers have no such timers
+    one, pipelined = runs["one_process"]["time_shares_per_stage"], \
+        runs["2bw"]["time_shares_per_stage"]
+    assert len(one) == 1 and len(pipelined) == 2
+    for shares in one + pipelined:
+        assert {"forward", "backward", "optimizer"} <= set(shares)
+        assert 0.0 < sum(shares.values()) <= 1.0 + 1e-6
+        assert shares["forward"] + shares["backward"] > 0.2  # compute: a real share of the time
+    assert all("p2p-wait" in shares for shares in pipelined)
+    assert "p2p-wait" not in one[0]  # one process has no neighbour to wait for
+    out = capsys.readouterr().out
+    assert "2bw         stage 1:" in out and "p2p-wait" in out
+
+
 def test_other_load_counts_a_busy_child_process():
     meter = bench.OtherLoad()
     meter.start()
