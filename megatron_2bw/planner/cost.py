@@ -82,8 +82,6 @@ class StageCost:
     step_s: float  # optimizer + new weight version
     tied_async_s: float = 0.0  # first stage of p > 1: the tied-embedding all-reduce it waits for
     # at its step before adding its part of the grad norm (the other stages' steps wait for that)
-    collective_s: float = 0.0  # one microbatch: the part of forward_s + backward_s spent in
-    # tensor-parallel all-reduces (waiting, not computing)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -192,10 +190,6 @@ class PieceTimes:
     embedding_backward_s: float
     head_forward_s: float
     head_backward_s: float
-    # of the above (forward + backward), the tensor-parallel all-reduces
-    layer_collective_s: float = 0.0
-    embedding_collective_s: float = 0.0
-    head_collective_s: float = 0.0
 
 
 def piece_times(model: ModelConfig, network: Network, costs: ComputeCosts, micro_batch_size: int,
@@ -205,16 +199,13 @@ def piece_times(model: ModelConfig, network: Network, costs: ComputeCosts, micro
     loss_ar = network.allreduce_time("tensor", 4 * micro_batch_size * model.seq_length)  # 3 small
     layer_f = costs.layer_forward_s + 2 * tensor_ar
     layer_b = costs.layer_backward_s + 2 * tensor_ar
-    layer_collective = 4 * tensor_ar
     if recompute == "full":
         layer_b += layer_f
-        layer_collective += 2 * tensor_ar
     elif recompute == "selective":
         layer_b += costs.attention_core_forward_s
     return PieceTimes(layer_f, layer_b, costs.embedding_forward_s + tensor_ar,
                       costs.embedding_backward_s, costs.head_forward_s + 3 * loss_ar,
-                      costs.head_backward_s + tensor_ar, layer_collective, tensor_ar,
-                      3 * loss_ar + tensor_ar)
+                      costs.head_backward_s + tensor_ar)
 
 
 def balanced_layer_split(layers: int, stages: int, layer_s: float, first_extra_s: float,
@@ -281,15 +272,12 @@ def stage_costs(model: ModelConfig, hardware: HardwareSpec, costs: ComputeCosts,
         first, last = s == 0, s == p - 1
         forward = layers * pieces.layer_forward_s
         backward = layers * pieces.layer_backward_s
-        collective = layers * pieces.layer_collective_s
         if first:
             forward += pieces.embedding_forward_s
             backward += pieces.embedding_backward_s
-            collective += pieces.embedding_collective_s
         if last:
             forward += pieces.head_forward_s
             backward += pieces.head_backward_s
-            collective += pieces.head_collective_s
 
         P = stage_parameters(model, t, layers, first, last)
         buckets = max(1, math.ceil(P / parallel.ddp_bucket_size))
@@ -309,7 +297,7 @@ def stage_costs(model: ModelConfig, hardware: HardwareSpec, costs: ComputeCosts,
             reduce_s=data_ar + local / memory_rate,
             reduce_async_s=stats_ar,
             step_s=step / memory_rate + step_comm,
-            tied_async_s=tied_ar if first and not last else 0.0, collective_s=collective))
+            tied_async_s=tied_ar if first and not last else 0.0))
     return result
 
 
@@ -325,11 +313,7 @@ def shared_core_time(stages: list[StageCost], hardware: HardwareSpec, candidate:
                      microbatches: int) -> float:
     """The least time per batch when a node runs more ranks than it has compute slots (CPU
     ranks sharing cores take turns): the node's slots must get through the compute of all its
-    ranks (forwards and backwards without their tensor-parallel all-reduces, step), and the
-    all-reduces come on top: the ranks of a tensor-parallel group take turns on the cores, so each
-    all-reduce waits for the group's last rank to get there, and no compute of the group fills that
-    wait (here, t = 4 on 4 ranks and 2 cores measured the summed compute over 2 plus 80 all-reduces
-    of the probe's time per batch). 0 when every rank has a processor of its own."""
+    ranks (forwards, backwards, step). 0 when every rank has a processor of its own."""
     c = candidate
     world = c.tensor_parallel * c.pipeline_parallel * c.data_parallel
     hardware = hardware.for_world(world)
@@ -337,16 +321,10 @@ def shared_core_time(stages: list[StageCost], hardware: HardwareSpec, candidate:
     if per_node <= hardware.compute_slots:
         return 0.0
     layout = ParallelLayout(world, c.tensor_parallel, c.pipeline_parallel)
-    busy = [microbatches * (st.forward_s + st.backward_s - st.collective_s) + st.step_s
-            for st in stages]
-    waiting = [microbatches * st.collective_s for st in stages]
-
-    def node_time(ranks: range) -> float:
-        stages_here = [layout.coordinates(rank).pp for rank in ranks]
-        return (sum(busy[s] for s in stages_here) / hardware.compute_slots
-                + max(waiting[s] for s in stages_here))
-    return max(node_time(range(start, min(world, start + per_node)))
-               for start in range(0, world, per_node))
+    busy = [microbatches * (st.forward_s + st.backward_s) + st.step_s for st in stages]
+    return max(sum(busy[layout.coordinates(rank).pp]
+                   for rank in range(start, min(world, start + per_node)))
+               for start in range(0, world, per_node)) / hardware.compute_slots
 
 
 def busiest_stage(stages: list[StageCost], microbatches: int) -> int:

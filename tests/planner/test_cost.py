@@ -95,13 +95,6 @@ def test_recomputation_adds_a_forward_and_tensor_parallelism_adds_all_reduces():
     loss_allreduce = 2 * 1 / 2 * 4 * 32 / 100 + 2 * 1.0
     assert two.forward_s - plain.forward_s == pytest.approx(3 * 2 * allreduce + 3 * loss_allreduce)
     assert two.backward_s - plain.backward_s == pytest.approx(3 * 2 * allreduce + allreduce)
-    # the all-reduces are also counted apart: waiting, which cores shared by ranks cannot fill
-    assert plain.collective_s == 0.0
-    assert two.collective_s == pytest.approx(3 * 4 * allreduce + 3 * loss_allreduce + allreduce)
-    first_two = costs_of(tensor=2)[0]  # one layer and the embedding's forward all-reduce
-    assert first_two.collective_s == pytest.approx(4 * allreduce + allreduce)
-    assert costs_of("full", tensor=2)[1].collective_s == \
-        pytest.approx(two.collective_s + 3 * 2 * allreduce)  # the recomputed forward's two
 
 
 def test_balanced_split_moves_layers_off_the_head_stage():
@@ -141,20 +134,6 @@ def test_ranks_sharing_cores_take_turns():
                                     compute_slots_per_node=1)
     assert shared_core_time(stages, two_nodes, Candidate(1, 2, 2, 1, None, "2bw"), 2) == \
         pytest.approx(2 * 11)
-
-
-def test_ranks_sharing_cores_wait_out_their_tensor_parallel_all_reduces():
-    # per microbatch 8 s of forward + backward, 2 s of it in tensor-parallel all-reduces; step 1 s
-    stage = StageCost(3.0, 5.0, 0.0, 0.0, 0.0, 0.0, 1.0, collective_s=2.0)
-    four_ranks = dataclasses.replace(toy_hardware(devices_per_node=4, nodes=1),
-                                     compute_slots_per_node=2)
-    # t = 4, m = 2: each rank computes 2 x (8 - 2) + 1 = 13 s, four ranks on 2 cores, and the
-    # group's 2 x 2 s of all-reduces on top (no compute of the group can fill them)
-    assert shared_core_time([stage], four_ranks, Candidate(4, 1, 1, 1, None, "flush"), 2) == \
-        pytest.approx(4 * 13 / 2 + 2 * 2.0)
-    # one core per rank: the schedule replay (which has the all-reduces in forward/backward) rules
-    assert shared_core_time([stage], toy_hardware(devices_per_node=4, nodes=1),
-                            Candidate(4, 1, 1, 1, None, "flush"), 2) == 0.0
 
 
 def test_measured_allreduce_times_replace_the_ring_formula_inside_a_node():
