@@ -285,7 +285,6 @@ def _rank_entry(rank: int, world: int, port: int, results, name, workload, split
             dist.destroy_process_group()
 
 
-
 def run_once(name: str, workload: Workload, split, timeout: float = 900.0,
              bind: bool = True) -> list[RankResult]:
     """One run on freshly forked processes (one per stage); every rank's result, by rank."""

@@ -19,8 +19,8 @@ import torch.distributed as dist
 from megatron_2bw.arguments import explicit_fields, parse_config, validate_for_world
 from megatron_2bw.config import Config
 from megatron_2bw.distributed.comm import all_reduce
-from megatron_2bw.distributed.launch import (bind_cores, detect_launch, exit_process,
-                                              init_distributed, local_world_size)
+from megatron_2bw.distributed.launch import (exit_process, init_distributed, local_world_size,
+                                              usable_cores)
 from megatron_2bw.distributed.layout import ParallelLayout
 from megatron_2bw.distributed.p2p import PipelineP2P
 from megatron_2bw.logging import (Timers, TrainingLogger, format_log_line,
@@ -277,16 +277,15 @@ def set_cpu_threads(bound: bool) -> None:
     """Threads per rank: its bound cores, or else its share of the node's cores (torch would start
     a thread per core in every rank)."""
     if not torch.cuda.is_available():
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        torch.set_num_threads(cores if bound else max(1, (cores or 1) // local_world_size()))
+        cores = len(usable_cores())
+        torch.set_num_threads(cores if bound else max(1, cores // local_world_size()))
 
 
 def setup(config: Config, typed: set) -> tuple[Config, ParallelLayout, torch.device, object]:
     """Initialise the processes, apply --auto-parallel's plan, check the layout, build the groups."""
-    if config.parallel.bind_cores_to_rank:  # first: the threads started from here on inherit it
-        bind_cores(detect_launch().local_rank, local_world_size())
     info, device = init_distributed(config.parallel.distributed_backend,
-                                    config.parallel.timeout_minutes)
+                                    config.parallel.timeout_minutes,
+                                    config.parallel.bind_cores_to_rank)
     set_cpu_threads(config.parallel.bind_cores_to_rank)
     plan = None
     if config.parallel.auto_parallel:

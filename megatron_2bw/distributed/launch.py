@@ -74,6 +74,13 @@ def local_world_size(env=None) -> int:
     return int(match.group()) if match else 1
 
 
+def usable_cores() -> list[int]:
+    """The cores this process may run on (its CPU affinity; every core where that is unknown)."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
 def bind_cores(local_rank: int, local_world: int) -> list[int]:
     """Bind this process (and the threads it starts from now on) to its share of the cores it may
     use: local rank r of n gets the r-th of n equal slices (round-robin single cores when there are
@@ -82,7 +89,7 @@ def bind_cores(local_rank: int, local_world: int) -> list[int]:
     ranks on 2 cores: 2BW 8% faster here). Returns the cores."""
     if not hasattr(os, "sched_setaffinity"):
         raise RuntimeError("--bind-cores-to-rank needs os.sched_setaffinity (Linux)")
-    cores = sorted(os.sched_getaffinity(0))
+    cores = usable_cores()
     share = max(1, len(cores) // max(local_world, 1))
     start = (local_rank * share) % len(cores)
     mine = cores[start:start + share]
@@ -90,9 +97,13 @@ def bind_cores(local_rank: int, local_world: int) -> list[int]:
     return mine
 
 
-def init_distributed(backend: str | None, timeout_minutes: float) -> tuple[LaunchInfo, torch.device]:
-    """Initialise the default process group; every collective is bounded by the timeout."""
+def init_distributed(backend: str | None, timeout_minutes: float, bind_cores_to_rank: bool = False
+                     ) -> tuple[LaunchInfo, torch.device]:
+    """Initialise the default process group; every collective is bounded by the timeout. With
+    `bind_cores_to_rank` the process is bound first, so the threads it starts inherit the cores."""
     info = detect_launch()
+    if bind_cores_to_rank:
+        bind_cores(info.local_rank, local_world_size())
     device = pick_device(info.local_rank)
     if backend is None:
         backend = "nccl" if device.type == "cuda" else "gloo"

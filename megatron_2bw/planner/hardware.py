@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 import yaml
 
+from megatron_2bw.distributed.launch import usable_cores
+
 SHIPPED_DIR = Path(__file__).with_name("hardware")
 DTYPES = ("float32", "float16", "bfloat16")
 
@@ -276,6 +278,13 @@ def _agree(values: list[float], op, group, device) -> list[float]:
     return tensor.tolist()
 
 
+def _host_names(group) -> list[str]:
+    """Every group rank's host name, by group rank. Collective."""
+    hosts: list[str] = [""] * dist.get_world_size(group)
+    dist.all_gather_object(hosts, socket.gethostname(), group=group)
+    return hosts
+
+
 def _one_way_time(group, a: int, b: int, nbytes: int, device, repeats: int) -> float:
     """Half a round trip of nbytes between group ranks a and b (0 on the other ranks)."""
     me = dist.get_rank(group)
@@ -311,8 +320,7 @@ def probe_links(group=None, repeats: int = 5, large_bytes: int = 8 << 20) -> Lin
     group = group or dist.group.WORLD
     device = _device_for(group)
     size = dist.get_world_size(group)
-    hosts: list[str] = [""] * size
-    dist.all_gather_object(hosts, socket.gethostname(), group=group)
+    hosts = _host_names(group)
     ranks_of_host: dict[str, list[int]] = {}
     for rank, host in enumerate(hosts):
         ranks_of_host.setdefault(host, []).append(rank)
@@ -341,8 +349,7 @@ def probe_allreduce_times(group=None, sizes=ALLREDUCE_PROBE_BYTES, repeats: int 
     group = group or dist.group.WORLD
     device = _device_for(group)
     size = dist.get_world_size(group)
-    hosts: list[str] = [""] * size
-    dist.all_gather_object(hosts, socket.gethostname(), group=group)
+    hosts = _host_names(group)
     if size < 2 or len(set(hosts)) > 1:
         return ()
     ranks = [dist.get_global_rank(group, r) for r in range(size)]
@@ -369,8 +376,7 @@ def _node_cores(group) -> int:
     """The cores the ranks of the busiest-constrained node may run on: per host the union of its
     ranks' CPU affinities (ranks bound with --bind-cores-to-rank each see only their share), the
     smallest over hosts. Collective."""
-    mine = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
-        list(range(os.cpu_count() or 1))
+    mine = usable_cores()
     gathered: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, (socket.gethostname(), mine), group=group)
     per_host: dict[str, set[int]] = {}
