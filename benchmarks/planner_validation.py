@@ -6,7 +6,7 @@ for a small GPT on this machine, next to the runtime's measured time per iterati
 
 For each world size the hardware is detected by the job's own ranks (`detect_hardware`, as
 `--hardware local` does), the model's layer, embedding and head are profiled here in one process
-(`measured_profile`), and `rank_plans_for` costs and replays every configuration of the search
+(`measured_profile_for`), and `rank_plans_for` costs and replays every configuration of the search
 space. Each fitting configuration is then trained by the real runtime (`build_stage` +
 `run_segment`, the code `pretrain_gpt.py` runs) on freshly forked gloo ranks with one thread each;
 its time per iteration is the mean interval between the ends of its batches after the warm-up
@@ -40,9 +40,8 @@ from megatron_2bw.distributed.launch import pick_device  # noqa: E402
 from megatron_2bw.distributed.layout import ParallelLayout  # noqa: E402
 from megatron_2bw.planner.cost import RECOMPUTE_OPTIONS  # noqa: E402
 from megatron_2bw.planner.hardware import HardwareSpec, detect_hardware  # noqa: E402
-from megatron_2bw.planner.profile import measured_profile  # noqa: E402
-from megatron_2bw.planner.search import (Plan, SearchSpace, apply_plan, rank_plans_for,  # noqa: E402
-                                         tensor_parallel_options)
+from megatron_2bw.planner.search import (Plan, SearchSpace, apply_plan,  # noqa: E402
+                                         measured_profile_for, rank_plans_for)
 from megatron_2bw.training import build_stage, run_segment  # noqa: E402
 
 ERROR_TARGET = 0.20  # |measured - predicted| / measured, every configuration
@@ -126,10 +125,8 @@ def predict(config: Config, world: int, space: SearchSpace, profile_cache: str |
             progress: bool) -> tuple[HardwareSpec, list[Plan]]:
     """Detect the hardware with `world` ranks, profile here, and replay every configuration."""
     hardware = on_ranks(world, _detect)[0]
-    profile = measured_profile(config.model, config.precision, hardware,
-                               list(space.micro_batch_sizes), profile_cache, progress=progress,
-                               tensor_parallel_sizes=tensor_parallel_options(config, world,
-                                                                             hardware, space))
+    profile = measured_profile_for(config, world, hardware, space, list(space.micro_batch_sizes),
+                                   profile_cache, progress=progress)
     plans = rank_plans_for(config, world, hardware, profile, space, simulate_top=10 ** 6)
     return hardware, [plan for plan in plans if plan.fits]
 

@@ -26,9 +26,9 @@ from megatron_2bw.arguments import (ConfigError, build_parser, config_from_args,
                                     explicit_fields)
 from megatron_2bw.planner.hardware import (HardwareSpec, detect_hardware, load_hardware,  # noqa: E402
                                            shipped_hardware)
-from megatron_2bw.planner.profile import default_cache_dir, measured_profile  # noqa: E402
+from megatron_2bw.planner.profile import default_cache_dir  # noqa: E402
 from megatron_2bw.planner.search import (Plan, SearchSpace, pinned_search_space,  # noqa: E402
-                                         rank_plans_for, tensor_parallel_options)
+                                         measured_profile_for, rank_plans_for)
 
 PROGRAM = "plan.py"
 LOCAL_MICRO_BATCH_SIZES = (1, 2, 4)  # measured here; other sizes interpolated
@@ -148,10 +148,9 @@ def main(argv=None) -> list[Plan]:
     if args.hardware == "local":
         hardware = local_hardware()
         sizes = [b for b in LOCAL_MICRO_BATCH_SIZES if b <= config.training.global_batch_size]
-        profile = measured_profile(
-            config.model, config.precision, hardware, sizes, args.profile_cache, progress=True,
-            tensor_parallel_sizes=tensor_parallel_options(config, args.world_size, hardware,
-                                                          search_space(args, config)))
+        profile = measured_profile_for(config, args.world_size, hardware,
+                                       search_space(args, config), sizes, args.profile_cache,
+                                       progress=True)
     else:
         hardware = load_hardware(args.hardware)
     plans = rank_plans_for(config, args.world_size, hardware, profile,

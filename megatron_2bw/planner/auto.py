@@ -10,9 +10,8 @@ import torch.distributed as dist
 
 from megatron_2bw.config import Config
 from megatron_2bw.planner.hardware import detect_hardware, load_hardware
-from megatron_2bw.planner.profile import measured_profile
-from megatron_2bw.planner.search import (Plan, apply_plan, pinned_search_space, rank_plans_for,
-                                         tensor_parallel_options)
+from megatron_2bw.planner.search import (Plan, apply_plan, measured_profile_for,
+                                         pinned_search_space, rank_plans_for)
 
 PROFILED_MICRO_BATCH_SIZES = (1, 2, 4, 8)
 
@@ -27,9 +26,8 @@ def plan_job(config: Config, world_size: int, rank: int, typed: set) -> tuple[Co
         space = pinned_search_space(config, typed)
         if local:
             sizes = [b for b in PROFILED_MICRO_BATCH_SIZES if b <= config.training.global_batch_size]
-            profile = measured_profile(
-                config.model, config.precision, hardware, sizes, par.planner_profile_cache,
-                tensor_parallel_sizes=tensor_parallel_options(config, world_size, hardware, space))
+            profile = measured_profile_for(config, world_size, hardware, space, sizes,
+                                           par.planner_profile_cache)
         plans = rank_plans_for(config, world_size, hardware, profile, space, simulate_top=3)
         chosen[0] = plans[0]
     if dist.is_initialized() and world_size > 1:

@@ -26,7 +26,8 @@ from megatron_2bw.planner.cost import (RECOMPUTE_OPTIONS, Candidate, StageCost, 
                                        shared_core_time, stage_costs, time_per_batch_lower_bound)
 from megatron_2bw.planner.hardware import HardwareSpec
 from megatron_2bw.planner.memory import StageMemory, estimate_stage_memory, memory_limit_bytes
-from megatron_2bw.planner.profile import AnalyticProfile, ComputeCosts, Profile
+from megatron_2bw.planner.profile import (AnalyticProfile, ComputeCosts, MeasuredProfile, Profile,
+                                          measured_profile)
 from megatron_2bw.planner.simulator import Compiled, compiled_schedule, simulate
 
 SIMULATED_BATCHES = 3
@@ -114,12 +115,16 @@ def candidates(model: ModelConfig, world_size: int, hardware: HardwareSpec, glob
     return result
 
 
-def tensor_parallel_options(config: Config, world_size: int, hardware: HardwareSpec,
-                            space: SearchSpace | None = None) -> list[int]:
-    """The tensor-parallel sizes the search will consider (what a measured profile must time)."""
-    return sorted({c.tensor_parallel for c in candidates(
+def measured_profile_for(config: Config, world_size: int, hardware: HardwareSpec,
+                         space: SearchSpace | None, micro_batch_sizes: list[int],
+                         cache_dir=None, progress: bool = False) -> MeasuredProfile:
+    """The profile measured here for a search: every tensor-parallel size it will consider (each
+    timed on one rank's shard) at `micro_batch_sizes`."""
+    tensor_sizes = sorted({c.tensor_parallel for c in candidates(
         config.model, world_size, hardware.for_world(world_size),
         config.training.global_batch_size, space)})
+    return measured_profile(config.model, config.precision, hardware, micro_batch_sizes, cache_dir,
+                            progress=progress, tensor_parallel_sizes=tensor_sizes)
 
 
 def recompute_config(granularity: str | None) -> RecomputeConfig:
