@@ -30,7 +30,6 @@ def _bound(local_rank, local_world, out):
     out.put((bind_cores(local_rank, local_world), sorted(os.sched_getaffinity(0))))
 
 
-@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux only")
 def test_each_local_rank_gets_its_own_share_of_the_cores():
     cores = sorted(os.sched_getaffinity(0))
     context = mp.get_context("fork")  # bind a child, not the test process
@@ -43,3 +42,9 @@ def test_each_local_rank_gets_its_own_share_of_the_cores():
         child.join()
     assert [mine for mine, _ in results] == [[c] for c in cores] + [[cores[0]]]
     assert all(mine == affinity for mine, affinity in results)  # the process is bound to them
+
+
+def test_binding_without_affinity_support_names_the_flag(monkeypatch):
+    monkeypatch.delattr(os, "sched_setaffinity")
+    with pytest.raises(RuntimeError, match="--bind-cores-to-rank needs os.sched_setaffinity"):
+        bind_cores(0, 2)

@@ -99,7 +99,6 @@ def _detect_bound(rank, world_size):
     return detect_hardware(repeats=1)
 
 
-@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux only")
 def test_ranks_bound_to_their_cores_still_count_the_whole_node():
     specs = run_ranks(2, _detect_bound)
     assert specs[0].compute_slots_per_node == len(os.sched_getaffinity(0))
