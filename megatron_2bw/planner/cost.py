@@ -82,6 +82,18 @@ class StageCost:
     step_s: float  # optimizer + new weight version
     tied_async_s: float = 0.0  # first stage of p > 1: the tied-embedding all-reduce it waits for
     # at its step before adding its part of the grad norm (the other stages' steps wait for that)
+    # the parts of forward_s, backward_s, reduce_s and step_s a rank spends blocked in collectives:
+    # it needs no processor then, which matters where ranks share one (CoreSharing)
+    forward_comm_s: float = 0.0
+    backward_comm_s: float = 0.0
+    reduce_comm_s: float = 0.0
+    step_comm_s: float = 0.0
+
+    def processor_time(self, microbatches: int) -> float:
+        """Seconds per batch this rank needs a processor for: its computation, not its waits."""
+        return (microbatches * (self.forward_s - self.forward_comm_s + self.backward_s
+                                - self.backward_comm_s)
+                + self.reduce_s - self.reduce_comm_s + self.step_s - self.step_comm_s)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -183,13 +195,19 @@ OPTIMIZER_STEP_BYTES = {"adam": 28, "sgd": 20}  # fp32 bytes read+written per pa
 
 @dataclass(frozen=True)
 class PieceTimes:
-    """One microbatch on one rank, tensor-parallel all-reduces and recomputation included."""
+    """One microbatch on one rank, tensor-parallel all-reduces and recomputation included; the
+    *_comm_s parts are those all-reduces."""
     layer_forward_s: float
     layer_backward_s: float
     embedding_forward_s: float
     embedding_backward_s: float
     head_forward_s: float
     head_backward_s: float
+    layer_forward_comm_s: float = 0.0
+    layer_backward_comm_s: float = 0.0
+    embedding_forward_comm_s: float = 0.0
+    head_forward_comm_s: float = 0.0
+    head_backward_comm_s: float = 0.0
 
 
 def piece_times(model: ModelConfig, network: Network, costs: ComputeCosts, micro_batch_size: int,
@@ -199,13 +217,18 @@ def piece_times(model: ModelConfig, network: Network, costs: ComputeCosts, micro
     loss_ar = network.allreduce_time("tensor", 4 * micro_batch_size * model.seq_length)  # 3 small
     layer_f = costs.layer_forward_s + 2 * tensor_ar
     layer_b = costs.layer_backward_s + 2 * tensor_ar
+    layer_b_comm = 2 * tensor_ar
     if recompute == "full":
         layer_b += layer_f
+        layer_b_comm += 2 * tensor_ar
     elif recompute == "selective":
         layer_b += costs.attention_core_forward_s
     return PieceTimes(layer_f, layer_b, costs.embedding_forward_s + tensor_ar,
                       costs.embedding_backward_s, costs.head_forward_s + 3 * loss_ar,
-                      costs.head_backward_s + tensor_ar)
+                      costs.head_backward_s + tensor_ar,
+                      layer_forward_comm_s=2 * tensor_ar, layer_backward_comm_s=layer_b_comm,
+                      embedding_forward_comm_s=tensor_ar, head_forward_comm_s=3 * loss_ar,
+                      head_backward_comm_s=tensor_ar)
 
 
 def balanced_layer_split(layers: int, stages: int, layer_s: float, first_extra_s: float,
@@ -272,12 +295,17 @@ def stage_costs(model: ModelConfig, hardware: HardwareSpec, costs: ComputeCosts,
         first, last = s == 0, s == p - 1
         forward = layers * pieces.layer_forward_s
         backward = layers * pieces.layer_backward_s
+        forward_comm = layers * pieces.layer_forward_comm_s
+        backward_comm = layers * pieces.layer_backward_comm_s
         if first:
             forward += pieces.embedding_forward_s
             backward += pieces.embedding_backward_s
+            forward_comm += pieces.embedding_forward_comm_s
         if last:
             forward += pieces.head_forward_s
             backward += pieces.head_backward_s
+            forward_comm += pieces.head_forward_comm_s
+            backward_comm += pieces.head_backward_comm_s
 
         P = stage_parameters(model, t, layers, first, last)
         buckets = max(1, math.ceil(P / parallel.ddp_bucket_size))
@@ -297,7 +325,9 @@ def stage_costs(model: ModelConfig, hardware: HardwareSpec, costs: ComputeCosts,
             reduce_s=data_ar + local / memory_rate,
             reduce_async_s=stats_ar,
             step_s=step / memory_rate + step_comm,
-            tied_async_s=tied_ar if first and not last else 0.0))
+            tied_async_s=tied_ar if first and not last else 0.0,
+            forward_comm_s=forward_comm, backward_comm_s=backward_comm, reduce_comm_s=data_ar,
+            step_comm_s=step_comm))
     return result
 
 
@@ -309,22 +339,36 @@ def bottleneck_label(breakdown: dict[str, float], busiest_stage: int) -> str:
             "shared_cores": "ranks sharing cores"}[share]
 
 
-def shared_core_time(stages: list[StageCost], hardware: HardwareSpec, candidate: Candidate,
-                     microbatches: int) -> float:
-    """The least time per batch when a node runs more ranks than it has compute slots (CPU
-    ranks sharing cores take turns): the node's slots must get through the compute of all its
-    ranks (forwards, backwards, step). 0 when every rank has a processor of its own."""
+@dataclass(frozen=True)
+class CoreSharing:
+    """A node running more ranks than it has processors (CPU ranks sharing cores): the ranks of
+    each stage on each node, and a node's processors. The replay (simulator.py) shares a node's
+    processors equally among its ranks computing at that moment; a rank blocked in a transfer or
+    a collective needs none."""
+    ranks: tuple[tuple[int, ...], ...]  # [node][stage]
+    slots: int
+
+    def bound(self, stages: list[StageCost], microbatches: int) -> float:
+        """The least time per batch: each node's processors must get through the processor time
+        of all its ranks."""
+        return max(sum(n * st.processor_time(microbatches) for n, st in zip(node, stages))
+                   for node in self.ranks) / self.slots
+
+
+def core_sharing(hardware: HardwareSpec, candidate: Candidate) -> CoreSharing | None:
+    """How `candidate`'s ranks share the processors of `hardware`'s nodes; None when every rank
+    has one of its own (GPUs: one per device)."""
     c = candidate
     world = c.tensor_parallel * c.pipeline_parallel * c.data_parallel
     hardware = hardware.for_world(world)
     per_node = min(world, hardware.devices_per_node)
     if per_node <= hardware.compute_slots:
-        return 0.0
+        return None
     layout = ParallelLayout(world, c.tensor_parallel, c.pipeline_parallel)
-    busy = [microbatches * (st.forward_s + st.backward_s) + st.step_s for st in stages]
-    return max(sum(busy[layout.coordinates(rank).pp]
-                   for rank in range(start, min(world, start + per_node)))
-               for start in range(0, world, per_node)) / hardware.compute_slots
+    ranks = [[0] * c.pipeline_parallel for _ in range(math.ceil(world / per_node))]
+    for rank in range(world):
+        ranks[rank // per_node][layout.coordinates(rank).pp] += 1
+    return CoreSharing(tuple(map(tuple, ranks)), hardware.compute_slots)
 
 
 def busiest_stage(stages: list[StageCost], microbatches: int) -> int:

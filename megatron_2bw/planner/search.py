@@ -21,9 +21,10 @@ from tqdm import tqdm
 
 from megatron_2bw.config import Config, ModelConfig, ParallelConfig, PrecisionConfig, RecomputeConfig
 from megatron_2bw.pipeline.schedules import SCHEDULES
-from megatron_2bw.planner.cost import (RECOMPUTE_OPTIONS, Candidate, StageCost, balanced_split,
-                                       bottleneck_label, busiest_stage, paper_breakdown,
-                                       shared_core_time, stage_costs, time_per_batch_lower_bound)
+from megatron_2bw.planner.cost import (RECOMPUTE_OPTIONS, Candidate, CoreSharing, StageCost,
+                                       balanced_split, bottleneck_label, busiest_stage,
+                                       core_sharing, paper_breakdown, stage_costs,
+                                       time_per_batch_lower_bound)
 from megatron_2bw.planner.hardware import HardwareSpec
 from megatron_2bw.planner.memory import StageMemory, estimate_stage_memory, memory_limit_bytes
 from megatron_2bw.planner.profile import (AnalyticProfile, ComputeCosts, MeasuredProfile, Profile,
@@ -142,6 +143,7 @@ class _Assessed:
     memory: tuple[StageMemory, ...]
     fits: bool
     durations: list[StageCost]
+    sharing: CoreSharing | None
     lower_bound_s: float
 
 
@@ -175,9 +177,11 @@ class _Planner:
             for s in range(candidate.pipeline_parallel))
         durations = stage_costs(self.model, self.hardware, costs, candidate, self.precision,
                                 self.optimizer, self.parallel)
+        sharing = core_sharing(self.hardware, candidate)
+        bound = time_per_batch_lower_bound(durations, candidate.schedule, m)
         return _Assessed(candidate, m, memory,
-                         max(x.total for x in memory) <= self.memory_limit,
-                         durations, time_per_batch_lower_bound(durations, candidate.schedule, m))
+                         max(x.total for x in memory) <= self.memory_limit, durations, sharing,
+                         max(bound, sharing.bound(durations, m)) if sharing else bound)
 
     def plan(self, item: _Assessed, replay: bool) -> Plan:
         c, m = item.candidate, item.microbatches
@@ -185,19 +189,18 @@ class _Planner:
             shape = (c.schedule, c.pipeline_parallel, m)
             if shape not in self._schedules:
                 self._schedules[shape] = compiled_schedule(*shape, SIMULATED_BATCHES)
-            result = simulate(self._schedules[shape], item.durations)
+            result = simulate(self._schedules[shape], item.durations, sharing=item.sharing)
             seconds, bubble = result.time_per_batch, result.bubble_fraction
             breakdown, bottleneck = result.breakdown, result.bottleneck
         else:
             breakdown = paper_breakdown(item.durations, c.schedule, m)
             seconds = sum(breakdown.values())
+            shared = item.sharing.bound(item.durations, m) if item.sharing else 0.0
+            if shared > seconds:  # the node's processors, not the schedule, set the pace
+                breakdown["shared_cores"] = shared - seconds
+                seconds = shared
             bubble = breakdown["bubble"] / seconds
             bottleneck = bottleneck_label(breakdown, busiest_stage(item.durations, m))
-        shared = shared_core_time(item.durations, self.hardware, c, m)
-        if shared > seconds:  # the node's cores, not the schedule, set the pace
-            breakdown = {**breakdown, "shared_cores": shared - seconds}
-            seconds = shared
-            bottleneck = bottleneck_label({"shared_cores": 1.0}, 0)
         return Plan(candidate=c, microbatches=m, time_per_batch_s=seconds,
                     throughput_samples_per_s=self.global_batch_size / seconds,
                     stage_memory=item.memory, memory_limit_bytes=self.memory_limit,

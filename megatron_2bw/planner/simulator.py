@@ -1,10 +1,16 @@
 """Replay the schedule's action lists (pipeline/schedules.py) with the cost model's durations.
 
-Event-driven: each stage executes its list in order on one clock. Forward, backward, reduce_grads
-(the blocking data-parallel part) and step occupy the stage. A send never blocks its stage: the
-transfer starts when the link to the neighbour is free (transfers on a link queue) and lands after
-the transfer time; a receive waits for it. A step waits until every stage has reduced the batch
-(the grad-norm all-reduce spans the model group) plus the stage's background collectives.
+Each stage executes its list in order. Forward, backward, reduce_grads (the blocking data-parallel
+part) and step occupy the stage. A send never blocks its stage: the transfer starts when the link to
+the neighbour is free (transfers on a link queue) and lands after the transfer time; a receive
+waits for it. A step waits until every stage has reduced the batch (the grad-norm all-reduce spans
+the model group) plus the stage's background collectives.
+
+Two replays of the same rules: with a processor per rank each stage runs ahead on its own clock
+(fast: the planner replays many candidates for large clusters); where ranks share a node's
+processors (cost.CoreSharing, CPU ranks), one clock for all, on which the ranks computing at each
+moment share their node's processors equally and a rank blocked in a collective or transfer
+(the *_comm_s parts of its durations) needs none.
 
 The time per batch is taken in steady state, between the ends of the first and the next-to-last
 batch's reduce: the first batch absorbs the pipeline fill, and under 2BW a batch also runs the
@@ -15,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from megatron_2bw.pipeline import schedules as S
-from megatron_2bw.planner.cost import StageCost, bottleneck_label, busiest_stage
+from megatron_2bw.planner.cost import CoreSharing, StageCost, bottleneck_label, busiest_stage
 
 _CODES = {S.FORWARD: 0, S.BACKWARD: 1, S.SEND_ACT: 2, S.RECV_ACT: 3, S.SEND_GRAD: 4,
           S.RECV_GRAD: 5, S.REDUCE_GRADS: 6, S.STEP: 7, S.RELEASE_VERSION: 8}
@@ -49,9 +55,211 @@ def compiled_schedule(schedule: str, stages: int, microbatches: int, batches: in
     return compile_actions(S.build_schedule(schedule, stages, microbatches, batches))
 
 
+class _Replay:
+    """The state both replays share, and the rules for transfers, receives and steps."""
+
+    def __init__(self, compiled: Compiled, durations: list[StageCost], microbatches: int,
+                 reduces: list[int]):
+        p = len(compiled)
+        self.compiled, self.durations, self.m = compiled, durations, microbatches
+        self.position = [0] * p
+        self.act_arrival: list[dict[int, tuple[float, float]]] = [{} for _ in range(p)]
+        self.grad_arrival: list[dict[int, tuple[float, float]]] = [{} for _ in range(p)]
+        self.link_next = [0.0] * p  # when the link s -> s+1 is free
+        self.link_prev = [0.0] * p  # s -> s-1
+        self.reduce_end: list[dict[int, float]] = [{} for _ in range(p)]
+        self.in_flight, self.peak = [0] * p, [0] * p
+        self.p2p_wait = [dict.fromkeys(reduces, 0.0) for _ in range(p)]
+        self.step_wait = [dict.fromkeys(reduces, 0.0) for _ in range(p)]  # batch's collectives
+        self.stretch = [dict.fromkeys(reduces, 0.0) for _ in range(p)]  # slowed by sharing
+        self.tied_first = p > 1 and durations[0].tied_async_s > 0
+        self.step_arrival: dict[int, float] = {}  # batch -> when the first stage reached its step
+
+    def microbatch(self, s: int, code: int) -> None:
+        """In-flight bookkeeping of a forward (code 0) or backward (1)."""
+        self.in_flight[s] += 1 if code == 0 else -1
+        self.peak[s] = max(self.peak[s], self.in_flight[s])
+
+    def send(self, s: int, code: int, k: int, t: float) -> None:
+        """An activation (code 2) or gradient (4) transfer queued on its link at time t."""
+        cost = self.durations[s]
+        if code == 2:
+            start = max(t, self.link_next[s])
+            self.link_next[s] = start + cost.send_act_s
+            self.act_arrival[s + 1][k] = (start + cost.send_act_s, cost.send_act_s)
+        else:
+            start = max(t, self.link_prev[s])
+            self.link_prev[s] = start + cost.send_grad_s
+            self.grad_arrival[s - 1][k] = (start + cost.send_grad_s, cost.send_grad_s)
+
+    def receive(self, s: int, code: int, k: int, t: float) -> float | None:
+        """When a receive (code 3: activation, 5: gradient) reached at time t completes; None if
+        the transfer has not started. The part of the wait while the data was on the wire counts
+        as p2p time."""
+        arrival = (self.act_arrival if code == 3 else self.grad_arrival)[s].pop(k, None)
+        if arrival is None:
+            return None
+        landed, transfer = arrival
+        if landed > t:
+            self.p2p_wait[s][k // self.m] += min(landed - t, transfer)
+            return landed
+        return t
+
+    def step_ready(self, s: int, batch: int, t: float) -> float | None:
+        """When a step reached at time t can run; None until every stage's reduce is placed."""
+        p, durations = len(self.durations), self.durations
+        if any(batch not in self.reduce_end[x] for x in range(p)):
+            return None
+        cost = durations[s]
+        ready = max(self.reduce_end[x][batch] for x in range(p)) + cost.reduce_async_s
+        if self.tied_first:  # the first stage adds its norm part at its own step, once the
+            if s == 0:  # tied-embedding sum has arrived
+                self.step_arrival.setdefault(batch, t)
+            elif batch not in self.step_arrival:
+                return None
+            first_ready = max(self.reduce_end[0][batch] + durations[0].tied_async_s,
+                              self.step_arrival[batch])
+            ready = max(ready, first_ready + cost.reduce_async_s)
+        if ready > t:
+            self.step_wait[s][batch] += ready - t
+            return ready
+        return t
+
+
+def _replay_own_processors(replay: _Replay) -> None:
+    """Every rank has a processor: each stage runs ahead on its own clock until it must wait."""
+    compiled, durations = replay.compiled, replay.durations
+    p = len(compiled)
+    clock = [0.0] * p
+    progress = True
+    while progress:
+        progress = False
+        for s in range(p):
+            actions_s, cost = compiled[s], durations[s]
+            i, t = replay.position[s], clock[s]
+            while i < len(actions_s):
+                code, k, batch = actions_s[i]
+                if code in (0, 1):
+                    replay.microbatch(s, code)
+                    t += cost.forward_s if code == 0 else cost.backward_s
+                elif code in (2, 4):
+                    replay.send(s, code, k, t)
+                elif code in (3, 5):
+                    done = replay.receive(s, code, k, t)
+                    if done is None:
+                        break
+                    t = done
+                elif code == 6:
+                    t += cost.reduce_s
+                    replay.reduce_end[s][batch] = t
+                elif code == 7:
+                    ready = replay.step_ready(s, batch, t)
+                    if ready is None:
+                        break
+                    t = ready + cost.step_s
+                i += 1
+            if i != replay.position[s]:
+                replay.position[s], clock[s] = i, t
+                progress = True
+
+
+_DONE = 1e-12  # seconds: a segment this close to its end has ended
+
+
+def _replay_sharing_processors(replay: _Replay, sharing: CoreSharing) -> None:
+    """Ranks share their node's processors: one clock; an action is a list of segments, ("cpu",
+    seconds of work at full speed), ("wall", seconds) or ("until", time) spent blocked without a
+    processor, ("reduced", batch) marking the end of a reduce. The ranks computing at a moment
+    share their node's processors equally (all ranks of a stage behave alike)."""
+    compiled, durations, m = replay.compiled, replay.durations, replay.m
+    p = len(compiled)
+    segments: list[list[list]] = [[] for _ in range(p)]
+    batch_of = [0] * p  # the batch of each stage's current action
+    reached: list[float | None] = [None] * p  # when a blocked stage reached its action
+    now = 0.0
+
+    def begin(s: int) -> bool:
+        """Start stage s's next action at `now`; False if it must wait for another stage."""
+        code, k, batch = compiled[s][replay.position[s]]
+        cost, t = durations[s], now if reached[s] is None else reached[s]
+        if code in (0, 1):
+            replay.microbatch(s, code)
+            work, comm = ((cost.forward_s, cost.forward_comm_s) if code == 0
+                          else (cost.backward_s, cost.backward_comm_s))
+            segments[s] = [["cpu", work - comm], ["wall", comm]]
+            batch = k // m
+        elif code in (2, 4):
+            replay.send(s, code, k, t)
+        elif code in (3, 5):
+            done = replay.receive(s, code, k, t)
+            if done is None:
+                reached[s] = t
+                return False
+            segments[s] = [["until", done]]
+        elif code == 6:
+            segments[s] = [["cpu", cost.reduce_s - cost.reduce_comm_s],
+                           ["wall", cost.reduce_comm_s], ["reduced", batch]]
+        elif code == 7:
+            ready = replay.step_ready(s, batch, t)
+            if ready is None:
+                reached[s] = t
+                return False
+            segments[s] = [["until", ready], ["cpu", cost.step_s - cost.step_comm_s],
+                           ["wall", cost.step_comm_s]]
+        reached[s] = None
+        batch_of[s] = batch
+        replay.position[s] += 1
+        return True
+
+    def settle(s: int) -> bool:
+        """Drop the ended segments of stage s at `now`; True if its action ended."""
+        current = segments[s]
+        while current:
+            kind, value = current[0]
+            if kind == "wall":
+                current[0] = ["until", now + value]
+            elif kind == "reduced":
+                replay.reduce_end[s][value] = now
+                current.pop(0)
+            elif (kind == "cpu" and value <= _DONE) or (kind == "until" and value <= now + _DONE):
+                current.pop(0)
+            else:
+                return False
+        return True
+
+    while True:
+        moved = True
+        while moved:  # every stage goes as far as it can at `now`
+            moved = False
+            for s in range(p):
+                ended = bool(segments[s]) and settle(s)
+                while not segments[s] and replay.position[s] < len(compiled[s]) and begin(s):
+                    settle(s)
+                    ended = True
+                moved = moved or ended
+        computing = [s for s in range(p) if segments[s] and segments[s][0][0] == "cpu"]
+        waits = [segments[s][0][1] for s in range(p) if segments[s] and segments[s][0][0] == "until"]
+        if not computing and not waits:
+            return  # finished, or deadlocked (simulate reports it)
+        load = [sum(node[s] for s in computing) for node in sharing.ranks]
+        rate = {s: min(1.0, min(sharing.slots / load[n] for n, node in enumerate(sharing.ranks)
+                                if node[s])) for s in computing}
+        finish = {s: now + segments[s][0][1] / rate[s] for s in computing}
+        next_time = min([*finish.values(), *waits])
+        for s in computing:
+            segment = segments[s][0]
+            segment[1] = 0.0 if finish[s] <= next_time + _DONE else \
+                segment[1] - rate[s] * (next_time - now)
+            replay.stretch[s][batch_of[s]] = replay.stretch[s].get(batch_of[s], 0.0) + \
+                (1.0 - rate[s]) * (next_time - now)
+        now = next_time
+
+
 def simulate(actions: list[list[S.Action]] | Compiled, durations: list[StageCost],
-             activation_bytes: list[float] | None = None) -> SimResult:
-    """Replay every stage's actions with `durations` (one StageCost per stage)."""
+             activation_bytes: list[float] | None = None,
+             sharing: CoreSharing | None = None) -> SimResult:
+    """Replay every stage's actions with `durations` (one StageCost per stage); `sharing`: how the
+    ranks share their nodes' processors, if they do."""
     compiled = actions if actions and actions[0] and isinstance(actions[0][0], tuple) \
         else compile_actions(actions)
     p = len(compiled)
@@ -63,114 +271,43 @@ def simulate(actions: list[list[S.Action]] | Compiled, durations: list[StageCost
         raise ValueError("simulate needs at least 3 batches to measure a steady time per batch")
     m = forwards // len(reduces)
 
-    clock = [0.0] * p
-    position = [0] * p
-    act_arrival: list[dict[int, tuple[float, float]]] = [{} for _ in range(p)]
-    grad_arrival: list[dict[int, tuple[float, float]]] = [{} for _ in range(p)]
-    link_next = [0.0] * p  # when the link s -> s+1 is free
-    link_prev = [0.0] * p  # s -> s-1
-    reduce_end: list[dict[int, float]] = [{} for _ in range(p)]
-    in_flight, peak = [0] * p, [0] * p
-    p2p_wait = [dict.fromkeys(reduces, 0.0) for _ in range(p)]
-    step_wait = [dict.fromkeys(reduces, 0.0) for _ in range(p)]  # for the batch's collectives
-    tied_first = p > 1 and durations[0].tied_async_s > 0
-    step_arrival: dict[int, float] = {}  # batch -> when the first stage reached its step
-
-    def wait(s: int, batch: int, start: float, arrival: tuple[float, float]) -> float:
-        """Advance to an arrival (time, transfer seconds); the part of the wait while the data
-        was on the wire counts as p2p time."""
-        landed, transfer = arrival
-        if landed > start:
-            p2p_wait[s][batch] += min(landed - start, transfer)
-            return landed
-        return start
-
-    progress = True
-    while progress:
-        progress = False
-        for s in range(p):
-            actions_s, cost = compiled[s], durations[s]
-            i, t = position[s], clock[s]
-            while i < len(actions_s):
-                code, k, batch = actions_s[i]
-                if code == 0:
-                    t += cost.forward_s
-                    in_flight[s] += 1
-                    peak[s] = max(peak[s], in_flight[s])
-                elif code == 1:
-                    t += cost.backward_s
-                    in_flight[s] -= 1
-                elif code == 3:
-                    arrival = act_arrival[s].pop(k, None)
-                    if arrival is None:
-                        break
-                    t = wait(s, k // m, t, arrival)
-                elif code == 5:
-                    arrival = grad_arrival[s].pop(k, None)
-                    if arrival is None:
-                        break
-                    t = wait(s, k // m, t, arrival)
-                elif code == 2:
-                    start = max(t, link_next[s])
-                    link_next[s] = start + cost.send_act_s
-                    act_arrival[s + 1][k] = (start + cost.send_act_s, cost.send_act_s)
-                elif code == 4:
-                    start = max(t, link_prev[s])
-                    link_prev[s] = start + cost.send_grad_s
-                    grad_arrival[s - 1][k] = (start + cost.send_grad_s, cost.send_grad_s)
-                elif code == 6:
-                    t += cost.reduce_s
-                    reduce_end[s][batch] = t
-                elif code == 7:
-                    if any(batch not in reduce_end[x] for x in range(p)):
-                        break
-                    ready = max(reduce_end[x][batch] for x in range(p)) + cost.reduce_async_s
-                    if tied_first:  # the first stage adds its norm part at its own step, once
-                        if s == 0:  # the tied-embedding sum has arrived
-                            step_arrival.setdefault(batch, t)
-                        elif batch not in step_arrival:
-                            break
-                        first_ready = max(reduce_end[0][batch] + durations[0].tied_async_s,
-                                          step_arrival[batch])
-                        ready = max(ready, first_ready + cost.reduce_async_s)
-                    if ready > t:
-                        step_wait[s][batch] += ready - t
-                        t = ready
-                    t += cost.step_s
-                i += 1
-            if i != position[s]:
-                position[s], clock[s] = i, t
-                progress = True
-    stuck = [s for s in range(p) if position[s] < len(compiled[s])]
+    replay = _Replay(compiled, durations, m, reduces)
+    if sharing is None:
+        _replay_own_processors(replay)
+    else:
+        _replay_sharing_processors(replay, sharing)
+    stuck = [s for s in range(p) if replay.position[s] < len(compiled[s])]
     if stuck:
         raise S.ScheduleError(f"simulation deadlocked at stages {stuck}")
 
     # Steady batches: not the first (it fills the pipeline) and not the last (2BW runs the next
     # batch's warm-up forwards inside a batch; the last batch has no next one). A short replay can
     # still borrow from the slack a pipeline starts with (a stage slowed by a long step falls
-    # behind only gradually): in steady state no stage takes less than its busy time per batch.
-    ends = [max(reduce_end[s][b] for s in range(p)) for b in reduces]
+    # behind only gradually): in steady state no stage takes less than its busy time per batch,
+    # nor a node less than its ranks' processor time over its processors.
+    ends = [max(replay.reduce_end[s][b] for s in range(p)) for b in reduces]
     intervals = len(reduces) - 2
     busiest = busiest_stage(durations, m)
     cost = durations[busiest]
     busy = m * (cost.forward_s + cost.backward_s) + cost.reduce_s + cost.step_s
-    time_per_batch = max((ends[-2] - ends[0]) / intervals, busy)
+    floor = max(busy, sharing.bound(durations, m) if sharing else 0.0)
+    time_per_batch = max((ends[-2] - ends[0]) / intervals, floor)
     steady = reduces[1:-1]
 
     def per_batch(values: dict[int, float]) -> float:
         return sum(values[b] for b in steady) / intervals
 
-    compute = m * (cost.forward_s + cost.backward_s)
-    data_parallel = cost.reduce_s + cost.step_s + per_batch(step_wait[busiest])
-    p2p = per_batch(p2p_wait[busiest])
-    bubble = max(time_per_batch - compute - data_parallel - p2p, 0.0)
+    breakdown = {"compute": m * (cost.forward_s + cost.backward_s),
+                 "data_parallel": cost.reduce_s + cost.step_s + per_batch(replay.step_wait[busiest]),
+                 "p2p": per_batch(replay.p2p_wait[busiest])}
+    if sharing is not None:
+        breakdown["shared_cores"] = per_batch(replay.stretch[busiest])
+    breakdown["bubble"] = max(time_per_batch - sum(breakdown.values()), 0.0)
     activation_bytes = activation_bytes or [0.0] * p
     return SimResult(
         time_per_batch=time_per_batch,
         bubble_fraction=max(1.0 - busy / time_per_batch, 0.0) if time_per_batch else 0.0,
-        peak_inflight_microbatches=peak,
-        peak_activation_bytes=[n * a for n, a in zip(peak, activation_bytes)],
+        peak_inflight_microbatches=replay.peak,
+        peak_activation_bytes=[n * a for n, a in zip(replay.peak, activation_bytes)],
         busiest_stage=busiest,
-        breakdown={"compute": compute, "data_parallel": data_parallel, "p2p": p2p,
-                   "bubble": bubble})
-
+        breakdown=breakdown)

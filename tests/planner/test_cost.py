@@ -3,8 +3,8 @@ import dataclasses
 import pytest
 
 from megatron_2bw.config import ModelConfig, PrecisionConfig
-from megatron_2bw.planner.cost import (Candidate, Network, StageCost, balanced_layer_split,
-                                       paper_time_per_batch, shared_core_time, stage_costs)
+from megatron_2bw.planner.cost import (Candidate, Network, core_sharing, StageCost, balanced_layer_split,
+                                       paper_time_per_batch, stage_costs)
 from megatron_2bw.planner.hardware import HardwareSpec
 from megatron_2bw.planner.memory import stage_parameters
 from megatron_2bw.planner.profile import ComputeCosts
@@ -118,22 +118,26 @@ def test_paper_closed_form():
 
 
 def test_ranks_sharing_cores_take_turns():
-    # stage busy time per batch: m * (forward + backward) + step = 2 * 3 + 1 = 7 and 2 * 5 + 1 = 11
+    # processor time per batch: m * (forward + backward - collectives) + reduce + step - collectives
+    # = 2 * 3 + 1 = 7 and 2 * (5 - 1) + 1 = 9 (stage 1's backward waits 1 s in collectives)
     stages = [StageCost(1.0, 2.0, 0.0, 0.0, 0.0, 0.0, 1.0),
-              StageCost(2.0, 3.0, 0.0, 0.0, 0.0, 0.0, 1.0)]
+              StageCost(2.0, 3.0, 0.0, 0.0, 0.0, 0.0, 1.0, backward_comm_s=1.0)]
+    assert [st.processor_time(2) for st in stages] == [7.0, 9.0]
     four_ranks = dataclasses.replace(toy_hardware(devices_per_node=4, nodes=1),
                                      compute_slots_per_node=2)
-    # p = 2, d = 2 on one node of 2 cores: the cores run 2 x 7 + 2 x 11 seconds of work
-    assert shared_core_time(stages, four_ranks, Candidate(1, 2, 2, 1, None, "2bw"), 2) == \
-        pytest.approx((2 * 7 + 2 * 11) / 2)
+    # p = 2, d = 2 on one node of 2 cores: ranks 0, 1 run stage 0, ranks 2, 3 stage 1
+    sharing = core_sharing(four_ranks, Candidate(1, 2, 2, 1, None, "2bw"))
+    assert sharing.ranks == ((2, 2),) and sharing.slots == 2
+    assert sharing.bound(stages, 2) == pytest.approx((2 * 7 + 2 * 9) / 2)
     # as many cores as ranks (or GPUs: one per device): no turns to take
-    assert shared_core_time(stages, toy_hardware(devices_per_node=4, nodes=1),
-                            Candidate(1, 2, 2, 1, None, "2bw"), 2) == 0.0
+    assert core_sharing(toy_hardware(devices_per_node=4, nodes=1),
+                        Candidate(1, 2, 2, 1, None, "2bw")) is None
     # two nodes of 2 ranks each on 1 core: the busier node (stage 1's ranks) decides
     two_nodes = dataclasses.replace(toy_hardware(devices_per_node=2, nodes=2),
                                     compute_slots_per_node=1)
-    assert shared_core_time(stages, two_nodes, Candidate(1, 2, 2, 1, None, "2bw"), 2) == \
-        pytest.approx(2 * 11)
+    sharing = core_sharing(two_nodes, Candidate(1, 2, 2, 1, None, "2bw"))
+    assert sharing.ranks == ((2, 0), (0, 2))
+    assert sharing.bound(stages, 2) == pytest.approx(2 * 9)
 
 
 def test_measured_allreduce_times_replace_the_ring_formula_inside_a_node():

@@ -89,7 +89,7 @@ def test_no_candidate_is_an_error():
 
 def test_ranks_sharing_cores_slow_every_configuration_alike():
     """Four CPU ranks on two cores: each plan takes at least the node's summed compute over two
-    cores, and says so; with a core per rank the same plans are faster."""
+    cores and shows the time lost to sharing; with a core per rank the same plans are faster."""
     own_cores = dataclasses.replace(P3, devices_per_node=4, compute_slots_per_node=None)
     shared = dataclasses.replace(own_cores, compute_slots_per_node=2)
     space = SearchSpace(micro_batch_sizes=(4,), recompute=(None,), schedules=("2bw",))
@@ -99,7 +99,6 @@ def test_ranks_sharing_cores_slow_every_configuration_alike():
     for plan in slow:
         alone = fast[plan.candidate.describe()]
         assert plan.time_per_batch_s > alone.time_per_batch_s
-        assert plan.bottleneck == "ranks sharing cores"
         assert plan.breakdown["shared_cores"] > 0
     # four replicas of the whole model: each core runs two of them
     replicas = next(p for p in slow if p.candidate.data_parallel == 4)

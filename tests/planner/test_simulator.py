@@ -3,7 +3,7 @@ import random
 import pytest
 
 from megatron_2bw.pipeline.schedules import build_schedule
-from megatron_2bw.planner.cost import StageCost, time_per_batch_lower_bound
+from megatron_2bw.planner.cost import CoreSharing, StageCost, time_per_batch_lower_bound
 from megatron_2bw.planner.simulator import compiled_schedule, simulate
 
 
@@ -85,17 +85,83 @@ def test_needs_three_batches_and_one_duration_per_stage():
         run("2bw", 2, 2, [stage()])
 
 
+def random_case(rng: random.Random) -> tuple[str, int, int, list[StageCost]]:
+    """A schedule, p, m and stage durations with transfers, reduces, background collectives,
+    steps and blocking-collective parts of every kind."""
+    p = rng.choice([1, 2, 3, 4, 8])
+    m = rng.choice([p, p + 1, 2 * p, 3 * p + 5])
+    schedule = rng.choice(["2bw", "flush", "gpipe"])
+    durations = []
+    for s in range(p):
+        forward, backward = rng.uniform(0.5, 2), rng.uniform(1, 4)
+        reduce, step = rng.choice([0, 0.1, 1]) * rng.uniform(0, 30), \
+            rng.choice([0, 0.1, 1]) * rng.uniform(0, 20)
+        durations.append(StageCost(
+            forward, backward, rng.choice([0, 0.2, 3]) * rng.random() * (s < p - 1),
+            rng.choice([0, 0.2, 3]) * rng.random() * (s > 0), reduce,
+            rng.choice([0, 0.1, 1]) * rng.uniform(0, 40), step,
+            tied_async_s=rng.choice([0, 0.5]) * (s == 0 < p - 1),
+            forward_comm_s=rng.random() * forward / 2, backward_comm_s=rng.random() * backward / 2,
+            reduce_comm_s=rng.random() * reduce, step_comm_s=rng.random() * step))
+    return schedule, p, m, durations
+
+
 def test_lower_bound_never_exceeds_the_replay():
     rng = random.Random(0)
     for _ in range(300):
-        p = rng.choice([1, 2, 3, 4, 8])
-        m = rng.choice([p, p + 1, 2 * p, 3 * p + 5])
-        schedule = rng.choice(["2bw", "flush", "gpipe"])
-        durations = [StageCost(rng.uniform(0.5, 2), rng.uniform(1, 4),
-                               rng.choice([0, 0.2, 3]) * rng.random() * (s < p - 1),
-                               rng.choice([0, 0.2, 3]) * rng.random() * (s > 0),
-                               rng.choice([0, 0.1, 1]) * rng.uniform(0, 30),
-                               rng.choice([0, 0.1, 1]) * rng.uniform(0, 40),
-                               rng.choice([0, 0.1, 1]) * rng.uniform(0, 20)) for s in range(p)]
+        schedule, p, m, durations = random_case(rng)
         replay = run(schedule, p, m, durations).time_per_batch
         assert time_per_batch_lower_bound(durations, schedule, m) <= replay * (1 + 1e-9)
+
+
+def test_with_a_processor_per_rank_both_replays_agree():
+    """The shared-clock replay (ranks sharing processors) reduces to the per-stage clocks when a
+    node has a processor for every rank: same times, waits, in-flight peaks."""
+    rng = random.Random(1)
+    for _ in range(100):
+        schedule, p, m, durations = random_case(rng)
+        actions = compiled_schedule(schedule, p, m, 3)
+        enough = CoreSharing(ranks=((1,) * p,), slots=p)
+        alone, shared = simulate(actions, durations), simulate(actions, durations, sharing=enough)
+        assert shared.time_per_batch == pytest.approx(alone.time_per_batch, rel=1e-9)
+        assert shared.peak_inflight_microbatches == alone.peak_inflight_microbatches
+        assert shared.breakdown.pop("shared_cores") == pytest.approx(0.0, abs=1e-9)
+        for cause, seconds in alone.breakdown.items():
+            assert shared.breakdown[cause] == pytest.approx(seconds, rel=1e-9, abs=1e-9)
+
+
+def test_ranks_sharing_a_processor_take_turns_except_while_blocked():
+    # two replicas of one stage on one processor: each computes at half speed, but both wait in
+    # their collectives (1 s of each forward, the whole 4 s data-parallel all-reduce) at full time
+    two_on_one = CoreSharing(ranks=((2,),), slots=1)
+    durations = [StageCost(2.0, 2.0, 0.0, 0.0, 5.0, 0.0, 1.0, forward_comm_s=1.0,
+                           reduce_comm_s=4.0)]
+    result = simulate(compiled_schedule("flush", 1, 2, 3), durations, sharing=two_on_one)
+    # per microbatch (1 + 2) x 2 + 1 s; per batch 2 x 7 + reduce (1 x 2 + 4) + step 1 x 2
+    assert result.time_per_batch == pytest.approx(2 * 7.0 + 6.0 + 2.0)
+    assert result.breakdown["shared_cores"] == pytest.approx(2 * 3.0 + 1.0 + 1.0)
+    assert two_on_one.bound(durations, 2) == pytest.approx(2 * (2 * 3.0 + 1.0 + 1.0) / 1)
+
+
+def test_a_pipeline_on_fewer_processors_than_stages():
+    # 2BW, two equal stages on one processor: they alternate, never both idle; the node's
+    # processor runs both stages' work, 2 x m x (F + B) per batch
+    one = CoreSharing(ranks=((1, 1),), slots=1)
+    result = simulate(compiled_schedule("2bw", 2, 4, 3), [stage()] * 2, sharing=one)
+    assert result.time_per_batch == pytest.approx(2 * 4 * 3.0)
+    # an uneven pair: the light stage idles while waiting for the heavy one, which then has the
+    # processor to itself; never faster than the bound, never slower than running them in turn
+    uneven = [stage(), stage(forward=3.0, backward=6.0)]
+    result = simulate(compiled_schedule("2bw", 2, 4, 3), uneven, sharing=one)
+    assert one.bound(uneven, 4) <= result.time_per_batch <= 4 * (3.0 + 9.0) + 1e-9
+    for schedule in ("2bw", "flush", "gpipe"):
+        rng = random.Random(2)
+        for _ in range(30):
+            _, p, m, durations = random_case(rng)
+            if schedule in ("2bw", "flush") and m < p:
+                continue
+            sharing = CoreSharing(ranks=((1,) * p,), slots=max(1, p // 2))
+            shared = simulate(compiled_schedule(schedule, p, m, 3), durations, sharing=sharing)
+            alone = simulate(compiled_schedule(schedule, p, m, 3), durations)
+            assert shared.time_per_batch >= alone.time_per_batch * (1 - 1e-9)
+            assert shared.time_per_batch >= sharing.bound(durations, m) * (1 - 1e-9)
