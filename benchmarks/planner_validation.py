@@ -256,8 +256,11 @@ def main(argv=None) -> dict:
               f"{', '.join(args.recompute)}; {args.warmup_batches} warm-up + "
               f"{args.measured_batches} measured batches, {args.repeats} interleaved repeats; "
               f"load average {load_before:.2f} before, {load_after:.2f} after.")
+    # the measured profiles (profile cache files) too: the predictions can then be recomputed
+    # from this report alone, with another cost model
+    profiles = {path.name: json.loads(path.read_text()) for path in Path(cache).glob("*.json")}
     report = {"header": header, "load_average": [load_before, load_after],
-              "hardware": hardware_by_world, "verdicts": verdicts,
+              "hardware": hardware_by_world, "profiles": profiles, "verdicts": verdicts,
               "rows": [{**asdict(row), "median_ms": row.median_ms, "error": row.error}
                        for rows in rows_by_world.values() for row in rows]}
     text = markdown(rows_by_world, verdicts, header)

@@ -43,6 +43,8 @@ def test_every_configuration_is_predicted_measured_and_reported(tmp_path, capsys
     assert sorted(r["rank_predicted"] for r in rows) == list(range(1, 10))
     assert sorted(r["rank_measured"] for r in rows) == list(range(1, 10))
     assert report["verdicts"]["2"]["configurations"] == 9
+    [profile] = report["profiles"].values()  # what the predictions were made from
+    assert profile
     hardware = report["hardware"]["2"]
     assert hardware["devices_per_node"] == 2 and hardware["collective_hop_latency_s"] > 0
     table = md_path.read_text()
