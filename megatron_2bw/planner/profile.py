@@ -37,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -354,12 +355,18 @@ class MeasuredProfile:
                                for k, v in measured.items()})
 
 
+PROFILE_ROUNDS = 5
+
+
 def measured_profile(model: ModelConfig, precision: PrecisionConfig, hardware: HardwareSpec,
                      micro_batch_sizes: list[int], cache_dir: str | os.PathLike | None = None,
                      device: torch.device | None = None, progress: bool = False,
-                     tensor_parallel_sizes: list[int] = (1,)) -> MeasuredProfile:
+                     tensor_parallel_sizes: list[int] = (1,),
+                     rounds: int = PROFILE_ROUNDS) -> MeasuredProfile:
     """Measure what the JSON cache does not hold yet (per tensor-parallel and micro batch size)
-    and return the profile."""
+    and return the profile. Every missing size is measured once per round, the rounds one after
+    the other, and each figure is the median over the rounds: on a shared CPU a piece's time
+    drifts by 20-40% within seconds, and a process's first measurements run slow."""
     path = _cache_path(Path(cache_dir or default_cache_dir()), hardware.name, model, precision)
     cached = json.loads(path.read_text()) if path.exists() else {}
     records = {(int(t), int(b)): r for t, sizes in cached.get("tensor_parallel", {}).items()
@@ -368,8 +375,17 @@ def measured_profile(model: ModelConfig, precision: PrecisionConfig, hardware: H
     missing = [key for key in wanted if key not in records]
     if missing:
         from tqdm import tqdm
-        for t, b in tqdm(missing, desc="profiling", unit="size", disable=not progress):
-            records[(t, b)] = measure_costs(model, precision, b, device, tensor_parallel=t)
+        runs: dict[tuple[int, int], list[dict]] = {key: [] for key in missing}
+        with tqdm(total=rounds * len(missing), desc="profiling", unit="size",
+                  disable=not progress) as bar:
+            for _ in range(rounds):
+                for t, b in missing:
+                    runs[(t, b)].append(measure_costs(model, precision, b, device,
+                                                      tensor_parallel=t))
+                    bar.update()
+        for key, measured in runs.items():
+            records[key] = {name: statistics.median(run[name] for run in measured)
+                            for name in measured[0]}
         path.parent.mkdir(parents=True, exist_ok=True)
         m = model
         by_t: dict[str, dict] = {}

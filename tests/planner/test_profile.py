@@ -77,21 +77,24 @@ def test_measured_profile_is_cached_interpolated_and_scaled(tmp_path, monkeypatc
 
     def counting(model, precision, b, device=None, repeats=3, tensor_parallel=1):
         calls.append((tensor_parallel, b))
-        return real(model, precision, b, device, repeats=1, tensor_parallel=tensor_parallel)
+        record = real(model, precision, b, device, repeats=1, tensor_parallel=tensor_parallel)
+        return {**record, "head_forward_s": float(len(calls))}  # which call measured it
 
     monkeypatch.setattr(profile_module, "measure_costs", counting)
     profile = measured_profile(MODEL, PrecisionConfig(), HARDWARE, [1, 2], tmp_path,
-                               tensor_parallel_sizes=[2])
-    assert calls == [(1, 1), (1, 2), (2, 1), (2, 2)]  # t = 1 always: other t fall back on it
+                               tensor_parallel_sizes=[2], rounds=3)
+    # t = 1 always (other t fall back on it); every size once per round, round after round
+    assert calls == [(1, 1), (1, 2), (2, 1), (2, 2)] * 3
     [cache] = tmp_path.glob("toy__gpt-h64-a4-f256-s32-v1024__float32.json")
     stored = json.loads(cache.read_text())["tensor_parallel"]
     assert set(stored) == {"1", "2"} and set(stored["1"]) == {"1", "2"}
+    assert stored["1"]["2"]["head_forward_s"] == 6.0  # the median of calls 2, 6 and 10
     assert stored["1"]["1"]["layer_activation_bytes"] > 0
     # one rank's shard stashes less than the whole layer (the replicated LayerNorm inputs stay)
     assert 0 < stored["2"]["2"]["layer_activation_bytes"] < stored["1"]["2"]["layer_activation_bytes"]
     again = measured_profile(MODEL, PrecisionConfig(), HARDWARE, [2, 1], tmp_path,
                              tensor_parallel_sizes=[2])
-    assert len(calls) == 4  # nothing measured twice
+    assert len(calls) == 12  # nothing measured again
     assert again.records == profile.records
     assert again.costs(2, 2).layer_forward_s == stored["2"]["2"]["layer_forward_s"]
 
