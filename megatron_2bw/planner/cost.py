@@ -107,9 +107,22 @@ class Network:
         self.layout = ParallelLayout(tensor * pipeline * data, tensor, pipeline)
         self._cache: dict[tuple, object] = {}
         per_node = hardware.devices_per_node
+        self.ranks_per_node = min(tensor * pipeline * data, per_node)
         if tensor > per_node or per_node % tensor:
             raise ValueError(f"tensor-parallel size {tensor} must divide the {per_node} devices of "
                              f"a node (tensor-parallel all-reduces stay inside a node)")
+
+    def wake_s(self, group_size: int) -> float:
+        """Extra wait of a blocking transfer or collective over `group_size` ranks on a node that
+        runs more ranks than processors, when the node has ranks outside the group (they may be
+        computing): a peer that lost its turn to them gets the processor back after half a
+        scheduler slice on average. 0 with a processor per rank, or a group spanning the node
+        (the measured all-reduce times already hold that case)."""
+        hw = self.hardware
+        if hw.scheduler_slice_s is None or self.ranks_per_node <= hw.compute_slots \
+                or group_size >= self.ranks_per_node:
+            return 0.0
+        return hw.scheduler_slice_s / 2
 
     def node(self, rank: int) -> int:
         return rank // self.hardware.devices_per_node
@@ -157,8 +170,9 @@ class Network:
             measured = self.hardware.measured_allreduce_s(n, nbytes / buckets) if in_node \
                 else None
             if measured is not None:
-                return buckets * measured
-            return 2 * (n - 1) / n * nbytes * per_byte + buckets * 2 * (n - 1) * latency
+                return buckets * (measured + self.wake_s(n))
+            return 2 * (n - 1) / n * nbytes * per_byte + buckets * (2 * (n - 1) * latency
+                                                                  + self.wake_s(n))
         return max((one_ring(*ring) for ring in self._rings(kind, stage)), default=0.0)
 
     def transfer_time(self, src_stage: int, dst_stage: int, nbytes: float) -> float:
@@ -171,7 +185,7 @@ class Network:
             links = self._link_times(pairs)
             self._cache[key] = (max(x[0] for x in links), max(x[1] for x in links))
         per_byte, latency = self._cache[key]
-        return latency + nbytes * per_byte
+        return latency + nbytes * per_byte + self.wake_s(2)
 
     def groups(self, kind: str, stage: int | None = None) -> list[list[int]]:
         key = ("groups", kind, stage)

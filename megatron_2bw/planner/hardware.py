@@ -69,12 +69,16 @@ class HardwareSpec:
     # A library's collective is not latency + bytes / bandwidth in between (gloo on this 2-core
     # machine: 0.3 ms for 4 B, 7 ms for 8 MB, but 2 ms for 128 KB), so the cost model interpolates.
     allreduce_times: tuple[tuple[int, int, float], ...] = ()
+    # nodes running more ranks than processors: how long the OS runs a computing rank before
+    # another takes its turn (Linux on this VM: 3.9 ms). A rank woken in a transfer or collective
+    # while other ranks of its node compute waits for its peers' turns (cost.Network.wake_s).
+    scheduler_slice_s: float | None = None
 
     def __hash__(self) -> int:  # peak_flops is a dict; specs key the planner's caches
         return hash((self.name, self.devices_per_node, self.nodes, self.memory_per_device_bytes,
                      self.intra_node_bandwidth, self.inter_node_bandwidth,
                      tuple(sorted(self.peak_flops.items())), self.memory_bandwidth, self.efficiency,
-                     self.compute_slots_per_node, self.allreduce_times))
+                     self.compute_slots_per_node, self.allreduce_times, self.scheduler_slice_s))
 
     def measured_allreduce_s(self, group_size: int, nbytes: float) -> float | None:
         """Interpolated (linearly in log bytes) measured all-reduce time of a group of that size
@@ -128,7 +132,7 @@ _REQUIRED = {"devices_per_node": "count", "memory_per_device": "bytes",
              "peak_flops": "flops", "memory_bandwidth": "bandwidth"}
 _OPTIONAL = {"name": "text", "nodes": "count", "efficiency": "fraction",
              "reserved_memory": "bytes", "kernel_overhead": "seconds", "source": "text",
-             "compute_slots_per_node": "count"}
+             "compute_slots_per_node": "count", "scheduler_slice": "seconds"}
 
 
 def parse_quantity(value, kind: str, where: str) -> float:
@@ -228,7 +232,8 @@ def load_hardware(path_or_name: str | os.PathLike) -> HardwareSpec:
         memory_bandwidth=values["memory_bandwidth"], efficiency=values.get("efficiency", 0.4),
         reserved_memory_bytes=values.get("reserved_memory", 0.0),
         kernel_overhead_s=values.get("kernel_overhead", 0.0), source=values.get("source", where),
-        compute_slots_per_node=values.get("compute_slots_per_node"))
+        compute_slots_per_node=values.get("compute_slots_per_node"),
+        scheduler_slice_s=values.get("scheduler_slice"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -372,6 +377,28 @@ def probe_allreduce_times(group=None, sizes=ALLREDUCE_PROBE_BYTES, repeats: int 
     return tuple((g, b, t) for (g, b, _), t in zip(table, times))
 
 
+def probe_scheduler_slice(group=None, seconds: float = 0.4) -> float | None:
+    """How long the OS lets a computing rank run before another rank sharing its processor takes
+    its turn: every rank spins for `seconds`, and a gap of over 50 us between two clock reads
+    marks a turn lost; the median uninterrupted run, averaged over the ranks. None when no rank
+    lost a turn (a processor per rank). Collective; meaningful where ranks share processors."""
+    group = group or dist.group.WORLD
+    device = _device_for(group)
+    runs: list[float] = []
+    dist.barrier(group=group)
+    start = last = run_start = time.perf_counter()
+    while last - start < seconds:
+        now = time.perf_counter()
+        if now - last > 50e-6:
+            runs.append(last - run_start)
+            run_start = now
+        last = now
+    runs.sort()
+    mine = [runs[len(runs) // 2], 1.0] if runs else [0.0, 0.0]
+    total, preempted = _agree(mine, dist.ReduceOp.SUM, group, device)
+    return total / preempted if preempted else None
+
+
 def _node_cores(group) -> int:
     """The cores the ranks of the busiest-constrained node may run on: per host the union of its
     ranks' CPU affinities (ranks bound with --bind-cores-to-rank each see only their share), the
@@ -436,6 +463,7 @@ def detect_hardware(group=None, name: str | None = None, repeats: int = 5) -> Ha
         memory, reserved, label = _host_memory_bytes() / ranks_here, 0.0, "cpu"
         slots = _node_cores(group)
     flops, bandwidth, launch = _measure_compute(device)
+    slice_s = probe_scheduler_slice(group) if slots is not None and ranks_here > slots else None
     measured = _agree([memory, *flops.values(), bandwidth], dist.ReduceOp.MIN, group, device)
     memory, bandwidth = measured[0], measured[-1]
     flops = dict(zip(flops, measured[1:-1]))
@@ -455,6 +483,6 @@ def detect_hardware(group=None, name: str | None = None, repeats: int = 5) -> Ha
         peak_flops=flops, memory_bandwidth=bandwidth, efficiency=1.0,
         reserved_memory_bytes=reserved, kernel_overhead_s=launch,
         collective_hop_latency_s=hop_latency, compute_slots_per_node=slots,
-        allreduce_times=probe_allreduce_times(group),
+        allreduce_times=probe_allreduce_times(group), scheduler_slice_s=slice_s,
         source=f"measured by detect_hardware on {socket.gethostname()} ({dist.get_world_size(group)} "
                f"ranks)")

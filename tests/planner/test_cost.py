@@ -140,6 +140,22 @@ def test_ranks_sharing_cores_take_turns():
     assert sharing.bound(stages, 2) == pytest.approx(2 * 9)
 
 
+def test_a_blocked_rank_waits_half_a_slice_where_ranks_outside_its_group_share_its_cores():
+    four_on_two = dataclasses.replace(toy_hardware(devices_per_node=4, nodes=1),
+                                      compute_slots_per_node=2, scheduler_slice_s=0.004,
+                                      allreduce_times=((2, 1024, 0.001), (4, 1024, 0.003)))
+    net = Network(four_on_two, 2, 2, 1)  # t = 2, p = 2: two tensor-parallel pairs
+    assert net.wake_s(2) == pytest.approx(0.002) and net.wake_s(4) == 0.0  # 4: the whole node
+    assert net.allreduce_time("tensor", 1024) == pytest.approx(0.001 + 0.002)
+    assert net.allreduce_time("tensor", 1024, buckets=2) == pytest.approx(2 * (0.001 + 0.002))
+    assert net.allreduce_time("model", 1024) == pytest.approx(0.003)  # t x p: the whole node
+    plain = Network(dataclasses.replace(four_on_two, scheduler_slice_s=None), 2, 2, 1)
+    assert net.transfer_time(0, 1, 1e6) == pytest.approx(plain.transfer_time(0, 1, 1e6) + 0.002)
+    # a processor per rank (GPUs), or a slice never measured: no turns to wait for
+    own = dataclasses.replace(four_on_two, compute_slots_per_node=None)
+    assert Network(own, 2, 2, 1).wake_s(2) == 0.0 and plain.wake_s(2) == 0.0
+
+
 def test_measured_allreduce_times_replace_the_ring_formula_inside_a_node():
     measured = dataclasses.replace(toy_hardware(devices_per_node=4, nodes=1), allreduce_times=(
         (2, 100, 1.0), (2, 10_000, 3.0), (4, 100, 2.0)))

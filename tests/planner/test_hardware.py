@@ -5,7 +5,7 @@ import pytest
 from megatron_2bw.distributed.launch import bind_cores
 from megatron_2bw.planner.hardware import (ALLREDUCE_PROBE_BYTES, HardwareSpec, detect_hardware,
                                            load_hardware, parse_quantity, probe_allreduce_times,
-                                           shipped_hardware)
+                                           probe_scheduler_slice, shipped_hardware)
 from tests.distributed_helpers import run_ranks
 
 GOOD = """
@@ -62,8 +62,10 @@ def test_units_and_a_full_file(tmp_path):
     assert spec.usable_memory_bytes == 2 * 2**30 - 256 * 2**20
     assert spec.for_world(10).nodes == 3 and spec.for_world(10).world_size == 12
     assert spec.compute_slots == 4  # one processor per device unless the file says otherwise
-    cpu = load_hardware(write(tmp_path, GOOD + "compute_slots_per_node: 2\n", "cpu.yaml"))
+    cpu = load_hardware(write(tmp_path, GOOD + "compute_slots_per_node: 2\nscheduler_slice: 4 ms\n",
+                              "cpu.yaml"))
     assert (cpu.compute_slots_per_node, cpu.compute_slots) == (2, 2)
+    assert cpu.scheduler_slice_s == pytest.approx(0.004) and spec.scheduler_slice_s is None
 
 
 @pytest.mark.parametrize("edit, message", [
@@ -131,3 +133,20 @@ def test_allreduce_times_for_every_group_size_of_a_node():
     assert all(table == tables[0] for table in tables)  # every rank gets the same table
     assert [(g, b) for g, b, _ in tables[0]] == [(2, 4), (2, 1 << 16), (4, 4), (4, 1 << 16)]
     assert all(t > 0 for _, _, t in tables[0])
+
+
+def _slice_on_one_core(rank, world_size):
+    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # both ranks take turns on one core
+    return probe_scheduler_slice(seconds=0.3)
+
+
+def test_scheduler_slice_of_ranks_sharing_a_core():
+    slices = run_ranks(2, _slice_on_one_core)
+    assert slices[0] == slices[1]  # every rank gets the same answer
+    assert 2e-4 < slices[0] < 0.1  # Linux runs a task for some milliseconds before the next
+
+
+def test_a_detected_cpu_node_with_more_ranks_than_cores_has_a_slice():
+    specs = run_ranks(len(os.sched_getaffinity(0)) + 1, _detect)
+    assert specs[0].compute_slots_per_node < specs[0].devices_per_node
+    assert 2e-4 < specs[0].scheduler_slice_s < 0.1
