@@ -10,8 +10,16 @@ For each world size the hardware is detected by the job's own ranks (`detect_har
 space. Each fitting configuration is then trained by the real runtime (`build_stage` +
 `run_segment`, the code `pretrain_gpt.py` runs) on freshly forked gloo ranks with one thread each;
 its time per iteration is the mean interval between the ends of its batches after the warm-up
-batches (what the "elapsed time per iteration" log line reports, in steady state). Configurations are interleaved (A B C ... A B C)
-and repeated, because this shared machine is noisy; the table gives the medians.
+batches (what the "elapsed time per iteration" log line reports, in steady state).
+Configurations are interleaved (A B C ... A B C) and repeated, because this shared machine is
+noisy; the table gives the medians.
+
+This VM's speed drifts by 20-30% over minutes (two 5-round profiles a minute apart differ that
+much), so inputs measured once at the start describe a different machine than the runs minutes
+later. Before every round the hardware is detected again and the pieces profiled once more; the
+predictions that are checked come from the medians of those samples, taken over the same minutes
+as the measurements (the configurations and their layer splits are those chosen at the start;
+the start-of-run predictions are reported beside them).
 
 Targets (issue 8): every configuration within 20% of its prediction, and the planner's first choice
 the measured best or within 5% of it.
@@ -40,6 +48,8 @@ from megatron_2bw.distributed.launch import pick_device  # noqa: E402
 from megatron_2bw.distributed.layout import ParallelLayout  # noqa: E402
 from megatron_2bw.planner.cost import RECOMPUTE_OPTIONS  # noqa: E402
 from megatron_2bw.planner.hardware import HardwareSpec, detect_hardware  # noqa: E402
+from megatron_2bw.planner.profile import (AnalyticProfile, MeasuredProfile,  # noqa: E402
+                                          measure_costs, median_record)
 from megatron_2bw.planner.search import (Plan, SearchSpace, apply_plan,  # noqa: E402
                                          measured_profile_for, rank_plans_for)
 from megatron_2bw.training import build_stage, run_segment  # noqa: E402
@@ -94,11 +104,12 @@ def _train(rank: int, world: int, config: Config, warmup: int, measured: int) ->
 class Row:
     world_size: int
     config: str
-    predicted_ms: float
+    predicted_ms: float  # from the inputs sampled over the rounds (the start's until then)
     measured_ms: list[float]  # one per repeat
     rank_predicted: int = 0
     rank_measured: int = 0
     plan: dict | None = None
+    predicted_at_start_ms: float = 0.0
 
     @property
     def median_ms(self) -> float:
@@ -131,16 +142,48 @@ def predict(config: Config, world: int, space: SearchSpace, profile_cache: str |
     return hardware, [plan for plan in plans if plan.fits]
 
 
-def measure(rows: list[tuple[Row, Config]], warmup: int, measured: int, repeats: int,
-            progress: bool) -> None:
-    """Interleaved: every configuration once per round, `repeats` rounds."""
+@dataclass
+class Samples:
+    """The inputs of the predictions, sampled once per round."""
+    hardware: dict[int, list[HardwareSpec]]  # per world size
+    profile: dict[tuple[int, int], list[dict]]  # per (t, b): measure_costs records
+
+    def take(self, config: Config) -> None:
+        for world, specs in self.hardware.items():
+            specs.append(on_ranks(world, _detect)[0])
+        for (t, b), records in self.profile.items():
+            records.append(measure_costs(config.model, config.precision, b, tensor_parallel=t))
+
+    def inputs(self, config: Config, world: int) -> tuple[HardwareSpec, MeasuredProfile]:
+        hardware = HardwareSpec.median(self.hardware[world])
+        records = {key: median_record(runs) for key, runs in self.profile.items()}
+        return hardware, MeasuredProfile(records, AnalyticProfile(config.model, config.precision,
+                                                                  hardware))
+
+
+def measure(rows: list[tuple[Row, Config]], samples: Samples, config: Config, warmup: int,
+            measured: int, repeats: int, progress: bool) -> None:
+    """Interleaved: the inputs sampled, then every configuration once, per round."""
     from tqdm import tqdm
     with tqdm(total=repeats * len(rows), desc="training", unit="run", disable=not progress) as bar:
         for _ in range(repeats):
-            for row, config in rows:
-                seconds = on_ranks(row.world_size, _train, config, warmup, measured)
+            samples.take(config)
+            for row, row_config in rows:
+                seconds = on_ranks(row.world_size, _train, row_config, warmup, measured)
                 row.measured_ms.append(1000 * max(seconds))
                 bar.update()
+
+
+def predict_pinned(config: Config, world: int, hardware: HardwareSpec, profile: MeasuredProfile,
+                   plan: dict) -> float:
+    """Milliseconds per iteration predicted for one measured configuration (its layer split as
+    chosen at the start)."""
+    recompute = None if plan["recompute"] == "none" else plan["recompute"]
+    space = SearchSpace(tensor_parallel=(plan["tensor_parallel"],),
+                        micro_batch_sizes=(plan["micro_batch_size"],), recompute=(recompute,),
+                        schedules=(plan["schedule"],), layer_split=tuple(plan["layer_split"]))
+    [pinned] = rank_plans_for(config, world, hardware, profile, space, simulate_top=1)
+    return 1000 * pinned.time_per_batch_s
 
 
 def assign_ranks(rows: list[Row]) -> None:
@@ -170,11 +213,13 @@ def markdown(rows_by_world: dict[int, list[Row]], verdicts: dict[int, dict], hea
         v = verdicts[world]
         lines += [f"### {world} processes", "",
                   "| config | predicted ms/iter | measured ms/iter (median) | min-max | error % "
-                  "| rank predicted | rank measured |", "|---|---:|---:|---:|---:|---:|---:|"]
+                  "| rank predicted | rank measured | predicted at start |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|"]
         for row in sorted(rows, key=lambda r: r.rank_predicted):
             lines.append(f"| {row.config} | {row.predicted_ms:.0f} | {row.median_ms:.0f} | "
                          f"{min(row.measured_ms):.0f}-{max(row.measured_ms):.0f} | "
-                         f"{100 * row.error:+.1f} | {row.rank_predicted} | {row.rank_measured} |")
+                         f"{100 * row.error:+.1f} | {row.rank_predicted} | {row.rank_measured} | "
+                         f"{row.predicted_at_start_ms:.0f} |")
         lines += ["", f"- within 20%: {v['within_20_percent']} of {v['configurations']} "
                       f"(worst {100 * v['worst_error']:+.1f}%, {v['worst_config']}): "
                       f"**{'holds' if v['error_target_holds'] else 'does not hold'}**",
@@ -229,20 +274,28 @@ def main(argv=None) -> dict:
     load_before = os.getloadavg()[0]
 
     rows_by_world: dict[int, list[Row]] = {}
-    hardware_by_world: dict[int, dict] = {}
     pending: list[tuple[Row, Config]] = []
+    samples = Samples({world: [] for world in args.world_sizes}, {})
     for world in args.world_sizes:
         hardware, plans = predict(config, world, space, cache, progress)
-        hardware_by_world[world] = asdict(hardware)
         rows = []
         for plan in plans:
             row = Row(world, plan.candidate.describe(), 1000 * plan.time_per_batch_s, [],
-                      plan=plan.to_json())
+                      plan=plan.to_json(), predicted_at_start_ms=1000 * plan.time_per_batch_s)
             rows.append(row)
             pending.append((row, apply_plan(config, plan)))
+            samples.profile.setdefault((plan.candidate.tensor_parallel,
+                                        plan.candidate.micro_batch_size), [])
         rows_by_world[world] = rows
-    measure(pending, args.warmup_batches, args.measured_batches, args.repeats, progress)
+    measure(pending, samples, config, args.warmup_batches, args.measured_batches, args.repeats,
+            progress)
     load_after = os.getloadavg()[0]
+    hardware_by_world: dict[int, dict] = {}
+    for world, rows in rows_by_world.items():
+        hardware, profile = samples.inputs(config, world)
+        hardware_by_world[world] = asdict(hardware)
+        for row in rows:
+            row.predicted_ms = predict_pinned(config, world, hardware, profile, row.plan)
 
     verdicts = {}
     for world, rows in rows_by_world.items():
@@ -254,13 +307,19 @@ def main(argv=None) -> dict:
               f"{config.training.global_batch_size}; micro batch sizes "
               f"{', '.join(map(str, args.micro_batch_sizes))}; recomputation "
               f"{', '.join(args.recompute)}; {args.warmup_batches} warm-up + "
-              f"{args.measured_batches} measured batches, {args.repeats} interleaved repeats; "
+              f"{args.measured_batches} measured batches, {args.repeats} interleaved repeats (hardware "
+              f"and profile sampled before each); "
               f"load average {load_before:.2f} before, {load_after:.2f} after.")
-    # the measured profiles (profile cache files) too: the predictions can then be recomputed
-    # from this report alone, with another cost model
-    profiles = {path.name: json.loads(path.read_text()) for path in Path(cache).glob("*.json")}
+    # the inputs of both predictions, so they can be recomputed from this report alone (with
+    # another cost model): the medians of the samples and the start's profile cache files
+    sampled_profile: dict[str, dict] = {}
+    for (t, b), records in sorted(samples.profile.items()):
+        sampled_profile.setdefault(str(t), {})[str(b)] = median_record(records)
+    start_profiles = {path.name: json.loads(path.read_text())
+                      for path in Path(cache).glob("*.json")}
     report = {"header": header, "load_average": [load_before, load_after],
-              "hardware": hardware_by_world, "profiles": profiles, "verdicts": verdicts,
+              "hardware": hardware_by_world, "profile": sampled_profile,
+              "profiles_at_start": start_profiles, "verdicts": verdicts,
               "rows": [{**asdict(row), "median_ms": row.median_ms, "error": row.error}
                        for rows in rows_by_world.values() for row in rows]}
     text = markdown(rows_by_world, verdicts, header)

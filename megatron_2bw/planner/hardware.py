@@ -16,6 +16,7 @@ import math
 import os
 import re
 import socket
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -115,6 +116,24 @@ class HardwareSpec:
             raise ValueError(f"hardware {self.name!r} gives no peak_flops for {dtype} (it has "
                              f"{sorted(self.peak_flops)})")
         return self.peak_flops[dtype]
+
+    @staticmethod
+    def median(specs: list["HardwareSpec"]) -> "HardwareSpec":
+        """Several detections of one machine as one: each measured figure the median of the
+        detections (the first detection's name, counts and source)."""
+        first = specs[0]
+
+        def middle(values):
+            values = [v for v in values if v is not None]
+            return statistics.median(values) if values else None
+        measured = {f.name: middle(getattr(s, f.name) for s in specs)
+                    for f in dataclasses.fields(HardwareSpec)
+                    if f.type in ("float", "float | None")}
+        flops = {dtype: middle(s.peak_flops[dtype] for s in specs) for dtype in first.peak_flops}
+        allreduce = tuple((g, b, middle(t for s in specs for g2, b2, t in s.allreduce_times
+                                        if (g2, b2) == (g, b)))
+                          for g, b, _ in first.allreduce_times)
+        return dataclasses.replace(first, **measured, peak_flops=flops, allreduce_times=allreduce)
 
     def for_world(self, world_size: int) -> "HardwareSpec":
         """The same hardware with as many nodes as `world_size` devices need."""

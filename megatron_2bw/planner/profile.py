@@ -358,6 +358,11 @@ class MeasuredProfile:
 PROFILE_ROUNDS = 5
 
 
+def median_record(records: list[dict]) -> dict:
+    """Each figure of several measure_costs records of one size: the median."""
+    return {name: statistics.median(record[name] for record in records) for name in records[0]}
+
+
 def measured_profile(model: ModelConfig, precision: PrecisionConfig, hardware: HardwareSpec,
                      micro_batch_sizes: list[int], cache_dir: str | os.PathLike | None = None,
                      device: torch.device | None = None, progress: bool = False,
@@ -383,9 +388,7 @@ def measured_profile(model: ModelConfig, precision: PrecisionConfig, hardware: H
                     runs[(t, b)].append(measure_costs(model, precision, b, device,
                                                       tensor_parallel=t))
                     bar.update()
-        for key, measured in runs.items():
-            records[key] = {name: statistics.median(run[name] for run in measured)
-                            for name in measured[0]}
+        records.update({key: median_record(measured) for key, measured in runs.items()})
         path.parent.mkdir(parents=True, exist_ok=True)
         m = model
         by_t: dict[str, dict] = {}

@@ -150,3 +150,22 @@ def test_a_detected_cpu_node_with_more_ranks_than_cores_has_a_slice():
     specs = run_ranks(len(os.sched_getaffinity(0)) + 1, _detect)
     assert specs[0].compute_slots_per_node < specs[0].devices_per_node
     assert 2e-4 < specs[0].scheduler_slice_s < 0.1
+
+
+def test_the_median_of_several_detections(tmp_path):
+    import dataclasses
+    base = dataclasses.replace(load_hardware(write(tmp_path, GOOD)), scheduler_slice_s=0.004,
+                               allreduce_times=((2, 4, 1e-3), (2, 1024, 2e-3)))
+    specs = [dataclasses.replace(base, intra_node_bandwidth=base.intra_node_bandwidth * k,
+                                 peak_flops={d: f * k for d, f in base.peak_flops.items()},
+                                 scheduler_slice_s=0.004 * k,
+                                 allreduce_times=tuple((g, b, t * k)
+                                                       for g, b, t in base.allreduce_times))
+             for k in (1.0, 3.0, 2.0)]
+    middle = HardwareSpec.median(specs)
+    assert middle.intra_node_bandwidth == pytest.approx(2 * base.intra_node_bandwidth)
+    assert middle.peak_flops["float32"] == pytest.approx(2 * base.peak_flops["float32"])
+    assert middle.scheduler_slice_s == pytest.approx(0.008)
+    assert middle.allreduce_times == ((2, 4, pytest.approx(2e-3)), (2, 1024, pytest.approx(4e-3)))
+    assert (middle.name, middle.devices_per_node, middle.memory_bandwidth) == \
+        (base.name, base.devices_per_node, base.memory_bandwidth)
