@@ -250,8 +250,7 @@ def _replay_sharing_processors(replay: _Replay, sharing: CoreSharing) -> None:
             segment = segments[s][0]
             segment[1] = 0.0 if finish[s] <= next_time + _DONE else \
                 segment[1] - rate[s] * (next_time - now)
-            replay.stretch[s][batch_of[s]] = replay.stretch[s].get(batch_of[s], 0.0) + \
-                (1.0 - rate[s]) * (next_time - now)
+            replay.stretch[s][batch_of[s]] += (1.0 - rate[s]) * (next_time - now)
         now = next_time
 
 
