@@ -108,6 +108,7 @@ class Network:
         self._cache: dict[tuple, object] = {}
         per_node = hardware.devices_per_node
         self.ranks_per_node = min(tensor * pipeline * data, per_node)
+        self.shares_processors = hardware.shares_processors(tensor * pipeline * data)
         if tensor > per_node or per_node % tensor:
             raise ValueError(f"tensor-parallel size {tensor} must divide the {per_node} devices of "
                              f"a node (tensor-parallel all-reduces stay inside a node)")
@@ -118,11 +119,10 @@ class Network:
         computing): a peer that lost its turn to them gets the processor back after half a
         scheduler slice on average. 0 with a processor per rank, or a group spanning the node
         (the measured all-reduce times already hold that case)."""
-        hw = self.hardware
-        if hw.scheduler_slice_s is None or self.ranks_per_node <= hw.compute_slots \
-                or group_size >= self.ranks_per_node:
+        slice_s = self.hardware.scheduler_slice_s
+        if slice_s is None or not self.shares_processors or group_size >= self.ranks_per_node:
             return 0.0
-        return hw.scheduler_slice_s / 2
+        return slice_s / 2
 
     def node(self, rank: int) -> int:
         return rank // self.hardware.devices_per_node
@@ -375,13 +375,12 @@ def core_sharing(hardware: HardwareSpec, candidate: Candidate) -> CoreSharing | 
     c = candidate
     world = c.tensor_parallel * c.pipeline_parallel * c.data_parallel
     hardware = hardware.for_world(world)
-    per_node = min(world, hardware.devices_per_node)
-    if per_node <= hardware.compute_slots:
+    if not hardware.shares_processors(world):
         return None
     layout = ParallelLayout(world, c.tensor_parallel, c.pipeline_parallel)
-    ranks = [[0] * c.pipeline_parallel for _ in range(math.ceil(world / per_node))]
+    ranks = [[0] * c.pipeline_parallel for _ in range(hardware.nodes)]
     for rank in range(world):
-        ranks[rank // per_node][layout.coordinates(rank).pp] += 1
+        ranks[rank // hardware.devices_per_node][layout.coordinates(rank).pp] += 1
     return CoreSharing(tuple(map(tuple, ranks)), hardware.compute_slots)
 
 

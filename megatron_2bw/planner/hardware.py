@@ -103,6 +103,10 @@ class HardwareSpec:
     def compute_slots(self) -> int:
         return self.compute_slots_per_node or self.devices_per_node
 
+    def shares_processors(self, world_size: int) -> bool:
+        """Whether a node of a `world_size`-rank job runs more ranks than it has processors."""
+        return min(world_size, self.devices_per_node) > self.compute_slots
+
     @property
     def world_size(self) -> int:
         return self.nodes * self.devices_per_node
@@ -128,7 +132,7 @@ class HardwareSpec:
             return statistics.median(values) if values else None
         measured = {f.name: middle(getattr(s, f.name) for s in specs)
                     for f in dataclasses.fields(HardwareSpec)
-                    if f.type in ("float", "float | None")}
+                    if isinstance(getattr(first, f.name), float)}
         flops = {dtype: middle(s.peak_flops[dtype] for s in specs) for dtype in first.peak_flops}
         allreduce = tuple((g, b, middle(t for s in specs for g2, b2, t in s.allreduce_times
                                         if (g2, b2) == (g, b)))
