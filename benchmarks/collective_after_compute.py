@@ -25,12 +25,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 from megatron_2bw.distributed.forked import run_forked  # noqa: E402
-
-
-def _busy(seconds: float) -> None:
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        pass
+from megatron_2bw.planner.hardware import busy_wait  # noqa: E402
 
 
 def _measure(rank: int, world: int, nbytes: int, segments_s: list[float], calls: int,
@@ -44,7 +39,7 @@ def _measure(rank: int, world: int, nbytes: int, segments_s: list[float], calls:
         for segment in segments_s:
             dist.barrier()
             for _ in range(calls):
-                _busy(segment)
+                busy_wait(segment)
                 start = time.perf_counter()
                 dist.all_reduce(tensor)
                 times[segment].append(time.perf_counter() - start)

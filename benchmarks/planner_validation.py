@@ -5,8 +5,9 @@ for a small GPT on this machine, next to the runtime's measured time per iterati
         --json planner_validation.json --markdown planner_validation.md
 
 For each world size the hardware is detected by the job's own ranks (`detect_hardware`, as
-`--hardware local` does), the model's layer, embedding and head are profiled here in one process
-(`measured_profile_for`), and `rank_plans_for` costs and replays every configuration of the search
+`--hardware local` does), the model's layer, embedding and head are profiled here
+(`measured_profile_for`: in as many forked processes at once as the job's ranks will keep the
+node's cores busy), and `rank_plans_for` costs and replays every configuration of the search
 space. Each fitting configuration is then trained by the real runtime (`build_stage` +
 `run_segment`, the code `pretrain_gpt.py` runs) on freshly forked gloo ranks with one thread each;
 its time per iteration is the mean interval between the ends of its batches after the warm-up
@@ -49,7 +50,8 @@ from megatron_2bw.distributed.layout import ParallelLayout  # noqa: E402
 from megatron_2bw.planner.cost import RECOMPUTE_OPTIONS  # noqa: E402
 from megatron_2bw.planner.hardware import HardwareSpec, detect_hardware  # noqa: E402
 from megatron_2bw.planner.profile import (AnalyticProfile, MeasuredProfile,  # noqa: E402
-                                          measure_costs, median_record)
+                                          measure_costs_at_once, median_record,
+                                          profiling_processes)
 from megatron_2bw.planner.search import (Plan, SearchSpace, apply_plan,  # noqa: E402
                                          measured_profile_for, rank_plans_for)
 from megatron_2bw.training import build_stage, run_segment  # noqa: E402
@@ -146,17 +148,23 @@ def predict(config: Config, world: int, space: SearchSpace, profile_cache: str |
 class Samples:
     """The inputs of the predictions, sampled once per round."""
     hardware: dict[int, list[HardwareSpec]]  # per world size
-    profile: dict[tuple[int, int], list[dict]]  # per (t, b): measure_costs records
+    # per number of processes profiling at once (profiling_processes), per (t, b): the records
+    profile: dict[int, dict[tuple[int, int], list[dict]]]
+    processes: dict[int, int]  # per world size
 
     def take(self, config: Config) -> None:
         for world, specs in self.hardware.items():
             specs.append(on_ranks(world, _detect)[0])
-        for (t, b), records in self.profile.items():
-            records.append(measure_costs(config.model, config.precision, b, tensor_parallel=t))
+        for processes, by_size in self.profile.items():
+            measured = measure_costs_at_once(config.model, config.precision, list(by_size),
+                                             processes)
+            for key, record in measured.items():
+                by_size[key].append(record)
 
     def inputs(self, config: Config, world: int) -> tuple[HardwareSpec, MeasuredProfile]:
         hardware = HardwareSpec.median(self.hardware[world])
-        records = {key: median_record(runs) for key, runs in self.profile.items()}
+        records = {key: median_record(runs)
+                   for key, runs in self.profile[self.processes[world]].items()}
         return hardware, MeasuredProfile(records, AnalyticProfile(config.model, config.precision,
                                                                   hardware))
 
@@ -275,17 +283,18 @@ def main(argv=None) -> dict:
 
     rows_by_world: dict[int, list[Row]] = {}
     pending: list[tuple[Row, Config]] = []
-    samples = Samples({world: [] for world in args.world_sizes}, {})
+    samples = Samples({world: [] for world in args.world_sizes}, {}, {})
     for world in args.world_sizes:
         hardware, plans = predict(config, world, space, cache, progress)
+        processes = samples.processes[world] = profiling_processes(hardware, world)
         rows = []
         for plan in plans:
             row = Row(world, plan.candidate.describe(), 1000 * plan.time_per_batch_s, [],
                       plan=plan.to_json(), predicted_at_start_ms=1000 * plan.time_per_batch_s)
             rows.append(row)
             pending.append((row, apply_plan(config, plan)))
-            samples.profile.setdefault((plan.candidate.tensor_parallel,
-                                        plan.candidate.micro_batch_size), [])
+            samples.profile.setdefault(processes, {}).setdefault(
+                (plan.candidate.tensor_parallel, plan.candidate.micro_batch_size), [])
         rows_by_world[world] = rows
     measure(pending, samples, config, args.warmup_batches, args.measured_batches, args.repeats,
             progress)
@@ -312,9 +321,11 @@ def main(argv=None) -> dict:
               f"load average {load_before:.2f} before, {load_after:.2f} after.")
     # the inputs of both predictions, so they can be recomputed from this report alone (with
     # another cost model): the medians of the samples and the start's profile cache files
-    sampled_profile: dict[str, dict] = {}
-    for (t, b), records in sorted(samples.profile.items()):
-        sampled_profile.setdefault(str(t), {})[str(b)] = median_record(records)
+    sampled_profile: dict[str, dict] = {}  # per world size, as the predictions used it
+    for world, processes in samples.processes.items():
+        for (t, b), records in sorted(samples.profile[processes].items()):
+            sampled_profile.setdefault(str(world), {}).setdefault(str(t), {})[str(b)] = \
+                median_record(records)
     start_profiles = {path.name: json.loads(path.read_text())
                       for path in Path(cache).glob("*.json")}
     report = {"header": header, "load_average": [load_before, load_after],

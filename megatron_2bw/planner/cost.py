@@ -163,16 +163,20 @@ class Network:
         return self._cache[key]
 
     def allreduce_time(self, kind: str, nbytes: float, stage: int | None = None,
-                       buckets: int = 1) -> float:
+                       buckets: int = 1, after_compute_s: float = 0.0) -> float:
         """Concurrent ring all-reduces of nbytes over every group of `kind` (of one stage); inside
-        a node the measured all-reduce times when the hardware has them."""
+        a node the measured all-reduce times when the hardware has them, and, for all-reduces
+        that each follow `after_compute_s` of compute, the measured extra of meeting after
+        compute."""
         def one_ring(n: int, per_byte: float, latency: float, in_node: bool) -> float:
             measured = self.hardware.measured_allreduce_s(n, nbytes / buckets) if in_node \
                 else None
+            waits = self.wake_s(n) + (self.hardware.allreduce_after_compute_s(after_compute_s)
+                                      if in_node and after_compute_s > 0 else 0.0)
             if measured is not None:
-                return buckets * (measured + self.wake_s(n))
+                return buckets * (measured + waits)
             return 2 * (n - 1) / n * nbytes * per_byte + buckets * (2 * (n - 1) * latency
-                                                                  + self.wake_s(n))
+                                                                  + waits)
         return max((one_ring(*ring) for ring in self._rings(kind, stage)), default=0.0)
 
     def transfer_time(self, src_stage: int, dst_stage: int, nbytes: float) -> float:
@@ -227,22 +231,30 @@ class PieceTimes:
 def piece_times(model: ModelConfig, network: Network, costs: ComputeCosts, micro_batch_size: int,
                 recompute: str | None, precision: PrecisionConfig) -> PieceTimes:
     activation = micro_batch_size * model.seq_length * model.hidden_size * dtype_bytes(precision)
-    tensor_ar = network.allreduce_time("tensor", activation)
-    loss_ar = network.allreduce_time("tensor", 4 * micro_batch_size * model.seq_length)  # 3 small
-    layer_f = costs.layer_forward_s + 2 * tensor_ar
-    layer_b = costs.layer_backward_s + 2 * tensor_ar
-    layer_b_comm = 2 * tensor_ar
+
+    def tensor_ar(after_compute_s: float, nbytes: float = activation) -> float:
+        return network.allreduce_time("tensor", nbytes, after_compute_s=after_compute_s)
+    # each all-reduce follows the compute since the previous one: a layer meets twice per pass
+    # (after attention, after the MLP), the loss three times (max, target logit, sum)
+    layer_f_ar = tensor_ar(costs.layer_forward_s / 2)
+    layer_b_ar = tensor_ar(costs.layer_backward_s / 2)
+    embedding_ar = tensor_ar(costs.embedding_forward_s)
+    loss_ar = tensor_ar(costs.head_forward_s / 3, 4 * micro_batch_size * model.seq_length)
+    head_b_ar = tensor_ar(costs.head_backward_s)
+    layer_f = costs.layer_forward_s + 2 * layer_f_ar
+    layer_b = costs.layer_backward_s + 2 * layer_b_ar
+    layer_b_comm = 2 * layer_b_ar
     if recompute == "full":
         layer_b += layer_f
-        layer_b_comm += 2 * tensor_ar
+        layer_b_comm += 2 * layer_f_ar
     elif recompute == "selective":
         layer_b += costs.attention_core_forward_s
-    return PieceTimes(layer_f, layer_b, costs.embedding_forward_s + tensor_ar,
+    return PieceTimes(layer_f, layer_b, costs.embedding_forward_s + embedding_ar,
                       costs.embedding_backward_s, costs.head_forward_s + 3 * loss_ar,
-                      costs.head_backward_s + tensor_ar,
-                      layer_forward_comm_s=2 * tensor_ar, layer_backward_comm_s=layer_b_comm,
-                      embedding_forward_comm_s=tensor_ar, head_forward_comm_s=3 * loss_ar,
-                      head_backward_comm_s=tensor_ar)
+                      costs.head_backward_s + head_b_ar,
+                      layer_forward_comm_s=2 * layer_f_ar, layer_backward_comm_s=layer_b_comm,
+                      embedding_forward_comm_s=embedding_ar, head_forward_comm_s=3 * loss_ar,
+                      head_backward_comm_s=head_b_ar)
 
 
 def balanced_layer_split(layers: int, stages: int, layer_s: float, first_extra_s: float,

@@ -74,12 +74,18 @@ class HardwareSpec:
     # another takes its turn (Linux on this VM: 3.9 ms). A rank woken in a transfer or collective
     # while other ranks of its node compute waits for its peers' turns (cost.Network.wake_s).
     scheduler_slice_s: float | None = None
+    # the extra time of a blocking all-reduce that follows compute on every rank of its group,
+    # when measured (detect_hardware on CPU ranks): ((compute segment seconds, extra seconds over
+    # back to back), ...). On this VM 0.1-1.7 ms after 0.5-5 ms of compute: the ranks come out of
+    # compute apart (benchmarks/collective_after_compute.py), which back-to-back times never see.
+    allreduce_after_compute: tuple[tuple[float, float], ...] = ()
 
     def __hash__(self) -> int:  # peak_flops is a dict; specs key the planner's caches
         return hash((self.name, self.devices_per_node, self.nodes, self.memory_per_device_bytes,
                      self.intra_node_bandwidth, self.inter_node_bandwidth,
                      tuple(sorted(self.peak_flops.items())), self.memory_bandwidth, self.efficiency,
-                     self.compute_slots_per_node, self.allreduce_times, self.scheduler_slice_s))
+                     self.compute_slots_per_node, self.allreduce_times, self.scheduler_slice_s,
+                     self.allreduce_after_compute))
 
     def measured_allreduce_s(self, group_size: int, nbytes: float) -> float | None:
         """Interpolated (linearly in log bytes) measured all-reduce time of a group of that size
@@ -98,6 +104,18 @@ class HardwareSpec:
                 w = (math.log(nbytes) - math.log(b0)) / (math.log(b1) - math.log(b0))
                 return t0 + w * (t1 - t0)
         return points[-1][1]
+
+    def allreduce_after_compute_s(self, segment_s: float) -> float:
+        """Extra time of a blocking all-reduce after `segment_s` of compute on every rank of the
+        group: linear in the segment between the measured ones (and from 0 after no compute);
+        beyond the longest measured segment, its figure. 0 when not measured."""
+        points = [(0.0, 0.0), *sorted(self.allreduce_after_compute)]
+        if segment_s >= points[-1][0]:
+            return points[-1][1]
+        for (s0, e0), (s1, e1) in zip(points, points[1:]):
+            if segment_s <= s1:
+                return e0 + (max(segment_s, s0) - s0) / (s1 - s0) * (e1 - e0)
+        return 0.0
 
     @property
     def compute_slots(self) -> int:
@@ -137,7 +155,11 @@ class HardwareSpec:
         allreduce = tuple((g, b, middle(t for s in specs for g2, b2, t in s.allreduce_times
                                         if (g2, b2) == (g, b)))
                           for g, b, _ in first.allreduce_times)
-        return dataclasses.replace(first, **measured, peak_flops=flops, allreduce_times=allreduce)
+        after = tuple((segment, middle(e for s in specs for s2, e in s.allreduce_after_compute
+                                       if s2 == segment))
+                      for segment, _ in first.allreduce_after_compute)
+        return dataclasses.replace(first, **measured, peak_flops=flops, allreduce_times=allreduce,
+                                   allreduce_after_compute=after)
 
     def for_world(self, world_size: int) -> "HardwareSpec":
         """The same hardware with as many nodes as `world_size` devices need."""
@@ -400,6 +422,57 @@ def probe_allreduce_times(group=None, sizes=ALLREDUCE_PROBE_BYTES, repeats: int 
     return tuple((g, b, t) for (g, b, _), t in zip(table, times))
 
 
+AFTER_COMPUTE_SEGMENTS_S = (0.5e-3, 1e-3, 2e-3, 5e-3)
+
+
+def busy_wait(seconds: float) -> None:
+    """Keep this thread's processor busy for `seconds` (compute of a known length)."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def probe_allreduce_after_compute(group=None, segments_s=AFTER_COMPUTE_SEGMENTS_S,
+                                  calls: int = 20, rounds: int = 3, processors: int | None = None
+                                  ) -> tuple[tuple[float, float], ...]:
+    """((segment seconds, extra seconds), ...): how much longer a 4-byte all-reduce takes when
+    every rank computes (busy-waits) for the segment right before it than back to back; the mean
+    over `calls` x `rounds` calls and the ranks (negative differences count as 0). Segments and
+    the back-to-back case are interleaved. One rank per processor takes part (the first
+    `processors` ranks; turns on shared processors are the replay's processor sharing).
+    Collective; single-node jobs only (an empty table otherwise, and with one rank)."""
+    group = group or dist.group.WORLD
+    device = _device_for(group)
+    size = dist.get_world_size(group)
+    if size < 2 or len(set(_host_names(group))) > 1:
+        return ()
+    taking_part = min(size, processors or size)
+    if taking_part < 2:
+        return ()
+    ranks = [dist.get_global_rank(group, r) for r in range(size)]
+    mine = group if taking_part == size else dist.new_group(ranks[:taking_part])
+    sums = [0.0] * (len(segments_s) + 1)
+    if dist.get_rank(group) < taking_part:
+        small = torch.zeros(1, device=device)
+        for _ in range(3):
+            dist.all_reduce(small, group=mine)
+        for _ in range(rounds):
+            for i, segment in enumerate((0.0, *segments_s)):
+                dist.barrier(group=mine)
+                for _ in range(calls):
+                    busy_wait(segment)
+                    start = time.perf_counter()
+                    dist.all_reduce(small, group=mine)
+                    sums[i] += time.perf_counter() - start
+    dist.barrier(group=group)
+    if mine is not group:
+        dist.destroy_process_group(mine)
+    means = [total / (calls * rounds * taking_part)
+             for total in _agree(sums, dist.ReduceOp.SUM, group, device)]
+    return tuple((segment, max(0.0, mean - means[0]))
+                 for segment, mean in zip(segments_s, means[1:]))
+
+
 def probe_scheduler_slice(group=None, seconds: float = 0.4) -> float | None:
     """How long the OS lets a computing rank run before another rank sharing its processor takes
     its turn: every rank spins for `seconds`, and a gap of over 50 us between two clock reads
@@ -507,5 +580,7 @@ def detect_hardware(group=None, name: str | None = None, repeats: int = 5) -> Ha
         reserved_memory_bytes=reserved, kernel_overhead_s=launch,
         collective_hop_latency_s=hop_latency, compute_slots_per_node=slots,
         allreduce_times=probe_allreduce_times(group), scheduler_slice_s=slice_s,
+        allreduce_after_compute=probe_allreduce_after_compute(group, processors=slots)
+        if slots is not None else (),
         source=f"measured by detect_hardware on {socket.gethostname()} ({dist.get_world_size(group)} "
                f"ranks)")

@@ -309,12 +309,13 @@ def default_cache_dir() -> Path:
 
 
 def _cache_path(cache_dir: Path, hardware_name: str, model: ModelConfig,
-                precision: PrecisionConfig) -> Path:
+                precision: PrecisionConfig, processes: int = 1) -> Path:
     m = model
     shape = (f"{m.model_type}-h{m.hidden_size}-a{m.num_attention_heads}-f{m.ffn_hidden_size}"
              f"-s{m.seq_length}-v{m.padded_vocab_size(1)}")
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in hardware_name)
-    return Path(cache_dir) / f"{safe}__{shape}__{precision.working_dtype_name}.json"
+    at_once = f"__x{processes}" if processes > 1 else ""
+    return Path(cache_dir) / f"{safe}__{shape}__{precision.working_dtype_name}{at_once}.json"
 
 
 class MeasuredProfile:
@@ -363,16 +364,73 @@ def median_record(records: list[dict]) -> dict:
     return {name: statistics.median(record[name] for record in records) for name in records[0]}
 
 
+def profiling_processes(hardware: HardwareSpec, world_size: int) -> int:
+    """How many of a node's ranks compute at once in a `world_size`-rank job: its CPU ranks, up
+    to its processors (the cores share caches, memory bandwidth and clock boost, so a piece is
+    profiled with that many copies running at once); 1 with a device per rank."""
+    if hardware.compute_slots_per_node is None:
+        return 1
+    return max(1, min(world_size, hardware.devices_per_node, hardware.compute_slots))
+
+
+def _measure_in_child(connection, model, precision, sizes, device) -> None:
+    try:
+        torch.set_num_threads(1)
+        connection.send({(t, b): measure_costs(model, precision, b, device, tensor_parallel=t)
+                         for t, b in sizes})
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        import traceback
+        connection.send(traceback.format_exc())
+    finally:
+        connection.close()
+        os._exit(0)  # a forked copy: skip the parent's exit handlers
+
+
+def measure_costs_at_once(model: ModelConfig, precision: PrecisionConfig,
+                          sizes: list[tuple[int, int]], processes: int = 1,
+                          device: torch.device | None = None, timeout_s: float = 600.0
+                          ) -> dict[tuple[int, int], dict]:
+    """measure_costs for every (t, b) of `sizes`, in `processes` forked copies of this process
+    running at the same time (as the job's ranks will; CPU only), each figure the median over
+    the copies; with 1, here."""
+    if processes <= 1:
+        return {(t, b): measure_costs(model, precision, b, device, tensor_parallel=t)
+                for t, b in sizes}
+    import multiprocessing
+    context = multiprocessing.get_context("fork")
+    pipes = [context.Pipe(duplex=False) for _ in range(processes)]
+    children = [context.Process(target=_measure_in_child,
+                                args=(sending, model, precision, sizes, device))
+                for _, sending in pipes]
+    for child in children:
+        child.start()
+    results = []
+    for (receiving, sending), child in zip(pipes, children):
+        sending.close()
+        result = receiving.recv() if receiving.poll(timeout_s) else \
+            f"no result within {timeout_s:.0f} s"
+        child.join(timeout=10)
+        if isinstance(result, str):
+            for other in children:
+                if other.is_alive():
+                    other.kill()
+            raise RuntimeError(f"profiling in {processes} processes failed: {result}")
+        results.append(result)
+    return {key: median_record([result[key] for result in results]) for key in sizes}
+
+
 def measured_profile(model: ModelConfig, precision: PrecisionConfig, hardware: HardwareSpec,
                      micro_batch_sizes: list[int], cache_dir: str | os.PathLike | None = None,
                      device: torch.device | None = None, progress: bool = False,
                      tensor_parallel_sizes: list[int] = (1,),
-                     rounds: int = PROFILE_ROUNDS) -> MeasuredProfile:
+                     rounds: int = PROFILE_ROUNDS, processes: int = 1) -> MeasuredProfile:
     """Measure what the JSON cache does not hold yet (per tensor-parallel and micro batch size)
     and return the profile. Every missing size is measured once per round, the rounds one after
     the other, and each figure is the median over the rounds: on a shared CPU a piece's time
-    drifts by 20-40% within seconds, and a process's first measurements run slow."""
-    path = _cache_path(Path(cache_dir or default_cache_dir()), hardware.name, model, precision)
+    drifts by 20-40% within seconds, and a process's first measurements run slow. With
+    `processes` > 1 (`profiling_processes`) each round runs that many copies at once."""
+    path = _cache_path(Path(cache_dir or default_cache_dir()), hardware.name, model, precision,
+                       processes)
     cached = json.loads(path.read_text()) if path.exists() else {}
     records = {(int(t), int(b)): r for t, sizes in cached.get("tensor_parallel", {}).items()
                for b, r in sizes.items()}
@@ -381,13 +439,12 @@ def measured_profile(model: ModelConfig, precision: PrecisionConfig, hardware: H
     if missing:
         from tqdm import tqdm
         runs: dict[tuple[int, int], list[dict]] = {key: [] for key in missing}
-        with tqdm(total=rounds * len(missing), desc="profiling", unit="size",
-                  disable=not progress) as bar:
+        with tqdm(total=rounds, desc="profiling", unit="round", disable=not progress) as bar:
             for _ in range(rounds):
-                for t, b in missing:
-                    runs[(t, b)].append(measure_costs(model, precision, b, device,
-                                                      tensor_parallel=t))
-                    bar.update()
+                measured = measure_costs_at_once(model, precision, missing, processes, device)
+                for key, record in measured.items():
+                    runs[key].append(record)
+                bar.update()
         records.update({key: median_record(measured) for key, measured in runs.items()})
         path.parent.mkdir(parents=True, exist_ok=True)
         m = model

@@ -4,7 +4,7 @@ import pytest
 
 from megatron_2bw.config import ModelConfig, PrecisionConfig
 from megatron_2bw.planner.cost import (Candidate, Network, core_sharing, StageCost, balanced_layer_split,
-                                       paper_time_per_batch, stage_costs)
+                                       paper_time_per_batch, piece_times, stage_costs)
 from megatron_2bw.planner.hardware import HardwareSpec
 from megatron_2bw.planner.memory import stage_parameters
 from megatron_2bw.planner.profile import ComputeCosts
@@ -172,3 +172,33 @@ def test_measured_allreduce_times_replace_the_ring_formula_inside_a_node():
     formula = Network(toy_hardware(devices_per_node=4, nodes=1), tensor=4, pipeline=1, data=1)
     assert Network(only_pairs, tensor=4, pipeline=1, data=1).allreduce_time("tensor", 1000) == \
         pytest.approx(formula.allreduce_time("tensor", 1000))
+
+
+def test_tensor_parallel_allreduces_pay_the_extra_of_meeting_after_compute():
+    model = ModelConfig(num_layers=2, hidden_size=8, num_attention_heads=2, seq_length=4,
+                        vocab_size=16)
+    costs = ComputeCosts(layer_forward_s=0.004, layer_backward_s=0.008,
+                         attention_core_forward_s=0.001, embedding_forward_s=0.001,
+                         embedding_backward_s=0.001, head_forward_s=0.003,
+                         head_backward_s=0.006, layer_activation_bytes=1.0,
+                         selective_layer_activation_bytes=1.0)
+    hardware = dataclasses.replace(
+        toy_hardware(devices_per_node=2, nodes=1), allreduce_times=((2, 4, 1e-3),),
+        allreduce_after_compute=((0.002, 2e-4), (0.004, 6e-4)))
+    precision = PrecisionConfig()
+    ar = 1e-3  # every size: the one measured point, scaled up per byte beyond 4 B
+    activation = 1 * 4 * 8 * 4
+    ar_layer = ar * activation / 4
+    pieces = piece_times(model, Network(hardware, 2, 1, 1), costs, 1, None, precision)
+    # a layer meets after each half of its pass: 2 ms forward, 4 ms backward
+    assert pieces.layer_forward_comm_s == pytest.approx(2 * (ar_layer + 2e-4))
+    assert pieces.layer_backward_comm_s == pytest.approx(2 * (ar_layer + 6e-4))
+    assert pieces.embedding_forward_comm_s == pytest.approx(ar_layer + 1e-4)  # after 1 ms
+    assert pieces.head_forward_comm_s == pytest.approx(3 * (ar * 16 / 4 + 1e-4))  # 1 ms each
+    assert pieces.head_backward_comm_s == pytest.approx(ar_layer + 6e-4)  # 6 ms: the last point
+    # nothing to meet with t = 1; nothing measured, nothing added
+    alone = piece_times(model, Network(hardware, 1, 1, 2), costs, 1, None, precision)
+    assert alone.layer_forward_s == costs.layer_forward_s and alone.layer_forward_comm_s == 0.0
+    plain = dataclasses.replace(hardware, allreduce_after_compute=())
+    assert piece_times(model, Network(plain, 2, 1, 1), costs, 1, None, precision) \
+        .layer_forward_comm_s == pytest.approx(2 * ar_layer)

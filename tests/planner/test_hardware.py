@@ -3,9 +3,11 @@ import os
 import pytest
 
 from megatron_2bw.distributed.launch import bind_cores
-from megatron_2bw.planner.hardware import (ALLREDUCE_PROBE_BYTES, HardwareSpec, detect_hardware,
-                                           load_hardware, parse_quantity, probe_allreduce_times,
-                                           probe_scheduler_slice, shipped_hardware)
+from megatron_2bw.planner.hardware import (AFTER_COMPUTE_SEGMENTS_S, ALLREDUCE_PROBE_BYTES,
+                                           HardwareSpec, detect_hardware, load_hardware,
+                                           parse_quantity, probe_allreduce_after_compute,
+                                           probe_allreduce_times, probe_scheduler_slice,
+                                           shipped_hardware)
 from tests.distributed_helpers import run_ranks
 
 GOOD = """
@@ -122,6 +124,35 @@ def test_detect_hardware_over_two_gloo_ranks():
     # all-reduce times of the 2-rank group, one per probed size
     assert [(g, b) for g, b, _ in spec.allreduce_times] == [(2, b) for b in ALLREDUCE_PROBE_BYTES]
     assert all(t > 0 for _, _, t in spec.allreduce_times)
+    # the extra of an all-reduce after compute, one per probed segment
+    assert [s for s, _ in spec.allreduce_after_compute] == list(AFTER_COMPUTE_SEGMENTS_S)
+    assert all(extra >= 0 for _, extra in spec.allreduce_after_compute)
+
+
+def _after_compute(rank, world_size, processors):
+    return probe_allreduce_after_compute(segments_s=(2e-4, 3e-3), calls=3, rounds=1,
+                                         processors=processors)
+
+
+def test_allreduce_after_compute_with_one_rank_per_processor():
+    tables = run_ranks(3, _after_compute, 2)  # ranks 0 and 1 take part, rank 2 waits
+    assert all(table == tables[0] for table in tables)  # every rank gets the same table
+    assert [s for s, _ in tables[0]] == [2e-4, 3e-3]
+    # the busy-wait itself is not counted (a 4-byte gloo all-reduce takes well under 3 ms here)
+    assert all(0 <= extra < 3e-3 for _, extra in tables[0])
+    assert run_ranks(2, _after_compute, 1) == [(), ()]  # one processor: nobody to meet
+
+
+def test_extra_after_compute_is_interpolated_in_the_segment(tmp_path):
+    import dataclasses
+    spec = dataclasses.replace(load_hardware(write(tmp_path, GOOD)),
+                               allreduce_after_compute=((0.004, 1e-3), (0.001, 4e-4)))
+    assert spec.allreduce_after_compute_s(0.0) == 0.0
+    assert spec.allreduce_after_compute_s(0.0005) == pytest.approx(2e-4)  # from 0 after none
+    assert spec.allreduce_after_compute_s(0.001) == pytest.approx(4e-4)
+    assert spec.allreduce_after_compute_s(0.0025) == pytest.approx(7e-4)
+    assert spec.allreduce_after_compute_s(0.01) == pytest.approx(1e-3)  # beyond: the last
+    assert load_hardware(write(tmp_path, GOOD)).allreduce_after_compute_s(0.002) == 0.0
 
 
 def _allreduce_table(rank, world_size):
@@ -155,17 +186,20 @@ def test_a_detected_cpu_node_with_more_ranks_than_cores_has_a_slice():
 def test_the_median_of_several_detections(tmp_path):
     import dataclasses
     base = dataclasses.replace(load_hardware(write(tmp_path, GOOD)), scheduler_slice_s=0.004,
-                               allreduce_times=((2, 4, 1e-3), (2, 1024, 2e-3)))
+                               allreduce_times=((2, 4, 1e-3), (2, 1024, 2e-3)),
+                               allreduce_after_compute=((1e-3, 2e-4),))
     specs = [dataclasses.replace(base, intra_node_bandwidth=base.intra_node_bandwidth * k,
                                  peak_flops={d: f * k for d, f in base.peak_flops.items()},
                                  scheduler_slice_s=0.004 * k,
                                  allreduce_times=tuple((g, b, t * k)
-                                                       for g, b, t in base.allreduce_times))
+                                                       for g, b, t in base.allreduce_times),
+                                 allreduce_after_compute=((1e-3, 2e-4 * k),))
              for k in (1.0, 3.0, 2.0)]
     middle = HardwareSpec.median(specs)
     assert middle.intra_node_bandwidth == pytest.approx(2 * base.intra_node_bandwidth)
     assert middle.peak_flops["float32"] == pytest.approx(2 * base.peak_flops["float32"])
     assert middle.scheduler_slice_s == pytest.approx(0.008)
     assert middle.allreduce_times == ((2, 4, pytest.approx(2e-3)), (2, 1024, pytest.approx(4e-3)))
+    assert middle.allreduce_after_compute == ((1e-3, pytest.approx(4e-4)),)
     assert (middle.name, middle.devices_per_node, middle.memory_bandwidth) == \
         (base.name, base.devices_per_node, base.memory_bandwidth)

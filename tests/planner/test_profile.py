@@ -8,7 +8,8 @@ from megatron_2bw.config import ModelConfig, PrecisionConfig
 from megatron_2bw.planner import profile as profile_module
 from megatron_2bw.planner.hardware import HardwareSpec
 from megatron_2bw.planner.memory import layer_activation_bytes, layer_parameters
-from megatron_2bw.planner.profile import (AnalyticProfile, MeasuredProfile, measured_profile,
+from megatron_2bw.planner.profile import (AnalyticProfile, MeasuredProfile, measure_costs_at_once,
+                                          measured_profile, profiling_processes,
                                           saved_activation_bytes)
 
 MODEL = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32,
@@ -105,3 +106,48 @@ def test_measured_profile_is_cached_interpolated_and_scaled(tmp_path, monkeypatc
     analytic = AnalyticProfile(MODEL, PrecisionConfig(), HARDWARE)
     ratio = analytic.costs(2, 1).layer_forward_s / analytic.costs(1, 1).layer_forward_s
     assert fake.costs(2, 1).layer_forward_s == pytest.approx(ratio)  # t = 2 not measured: scaled
+
+
+def test_as_many_processes_profile_at_once_as_the_job_keeps_cores_busy():
+    assert profiling_processes(HARDWARE, 8) == 1  # a device per rank: nothing shared
+    cpu = dataclasses.replace(HARDWARE, devices_per_node=4, compute_slots_per_node=2)
+    assert profiling_processes(cpu, 4) == 2  # 4 ranks, 2 cores: 2 compute at once
+    assert profiling_processes(cpu, 1) == 1
+    assert profiling_processes(dataclasses.replace(cpu, compute_slots_per_node=8), 16) == 4
+
+
+def test_profiling_at_once_runs_in_forked_copies_and_takes_the_median(monkeypatch):
+    import os
+    parent = os.getpid()
+
+    def which_process(model, precision, b, device=None, repeats=7, tensor_parallel=1):
+        return {"layer_forward_s": float(os.getpid()), "head_forward_s": float(b)}
+
+    monkeypatch.setattr(profile_module, "measure_costs", which_process)
+    here = measure_costs_at_once(MODEL, PrecisionConfig(), [(1, 2)], processes=1)
+    assert here == {(1, 2): {"layer_forward_s": float(parent), "head_forward_s": 2.0}}
+    at_once = measure_costs_at_once(MODEL, PrecisionConfig(), [(1, 2), (2, 4)], processes=3)
+    assert set(at_once) == {(1, 2), (2, 4)}
+    assert at_once[(2, 4)]["head_forward_s"] == 4.0
+    # the median of three other processes' ids: the middle child's, not this process's
+    assert at_once[(1, 2)]["layer_forward_s"] not in (float(parent), 0.0)
+
+    def failing(*args, **kwargs):
+        raise ValueError("no memory for this micro batch")
+
+    monkeypatch.setattr(profile_module, "measure_costs", failing)
+    with pytest.raises(RuntimeError, match="(?s)profiling in 2 processes failed.*no memory"):
+        measure_costs_at_once(MODEL, PrecisionConfig(), [(1, 2)], processes=2)
+
+
+def test_a_profile_measured_at_once_is_cached_apart(tmp_path, monkeypatch):
+    monkeypatch.setattr(profile_module, "measure_costs",
+                        lambda model, precision, b, device=None, repeats=7, tensor_parallel=1:
+                        dict.fromkeys(("layer_forward_s", "layer_backward_s",
+                                       "attention_core_forward_s", "embedding_forward_s",
+                                       "embedding_backward_s", "head_forward_s",
+                                       "head_backward_s", "layer_activation_bytes",
+                                       "selective_layer_activation_bytes"), 1.0))
+    measured_profile(MODEL, PrecisionConfig(), HARDWARE, [1], tmp_path, rounds=1, processes=2)
+    assert [p.name for p in tmp_path.glob("*.json")] == \
+        ["toy__gpt-h64-a4-f256-s32-v1024__float32__x2.json"]
