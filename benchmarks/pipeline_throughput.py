@@ -41,7 +41,8 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).res
 from megatron_2bw.config import (Config, ModelConfig, OptimizerConfig, ParallelConfig,  # noqa: E402
                                  TrainingConfig)
 from megatron_2bw.data.mock import MockGPTDataset  # noqa: E402
-from megatron_2bw.distributed.launch import bind_cores, free_port, pick_device  # noqa: E402
+from megatron_2bw.distributed.launch import (bind_cores, free_port, pick_device,  # noqa: E402
+                                             settle_host_allocator)
 from megatron_2bw.distributed.layout import ParallelLayout  # noqa: E402
 from megatron_2bw.logging import Timers  # noqa: E402
 from megatron_2bw.models import build_stage_model  # noqa: E402
@@ -587,6 +588,8 @@ def main(argv=None) -> list[RunSummary]:
     args = build_parser().parse_args(argv)
     workload, names, split = parse_workload(args)
     torch.set_num_threads(1)  # the one-process baseline, and the cost profile, use one thread too
+    if not torch.cuda.is_available():  # as a launched CPU rank; every run's forked ranks inherit it
+        settle_host_allocator()
     costs = measure_stage_costs(workload)
     split = split or costs.best_split(workload.model.num_layers)
     model = workload.model

@@ -46,6 +46,7 @@ import torch
 
 from megatron_2bw.config import ModelConfig, PrecisionConfig
 from megatron_2bw.distributed.comm import ShardShapeGroup
+from megatron_2bw.distributed.launch import settle_host_allocator
 from megatron_2bw.planner.hardware import HardwareSpec, median_time
 from megatron_2bw.planner.memory import (MASK_BYTES, dtype_bytes, grad_buffer_bytes,
                                          layer_activation_bytes, layer_parameters)
@@ -376,6 +377,7 @@ def profiling_processes(hardware: HardwareSpec, world_size: int) -> int:
 def _measure_in_child(connection, model, precision, sizes, device) -> None:
     try:
         torch.set_num_threads(1)
+        settle_host_allocator()  # as the training ranks do
         connection.send({(t, b): measure_costs(model, precision, b, device, tensor_parallel=t)
                          for t, b in sizes})
     except BaseException:  # noqa: BLE001 - reported to the parent
@@ -394,6 +396,8 @@ def measure_costs_at_once(model: ModelConfig, precision: PrecisionConfig,
     running at the same time (as the job's ranks will; CPU only), each figure the median over
     the copies; with 1, here."""
     if processes <= 1:
+        if (device or torch.device("cuda" if torch.cuda.is_available() else "cpu")).type == "cpu":
+            settle_host_allocator()  # as the training ranks do
         return {(t, b): measure_costs(model, precision, b, device, tensor_parallel=t)
                 for t, b in sizes}
     import multiprocessing
