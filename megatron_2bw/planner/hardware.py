@@ -76,7 +76,7 @@ class HardwareSpec:
     scheduler_slice_s: float | None = None
     # the extra time of a blocking all-reduce that follows compute on every rank of its group,
     # when measured (detect_hardware on CPU ranks): ((compute segment seconds, extra seconds over
-    # back to back), ...). On this VM 0.1-1.7 ms after 0.5-5 ms of compute: the ranks come out of
+    # back to back), ...). On this VM 0-1.9 ms after 0.5-5 ms of compute: the ranks come out of
     # compute apart (benchmarks/collective_after_compute.py), which back-to-back times never see.
     allreduce_after_compute: tuple[tuple[float, float], ...] = ()
 
