@@ -376,6 +376,8 @@ def profiling_processes(hardware: HardwareSpec, world_size: int) -> int:
 
 def _measure_in_child(connection, model, precision, sizes, device) -> None:
     try:
+        if hasattr(os, "sched_setaffinity"):  # a rank bound to its core forks copies for all
+            os.sched_setaffinity(0, range(os.cpu_count() or 1))  # (the kernel keeps the cpuset)
         torch.set_num_threads(1)
         settle_host_allocator()  # as the training ranks do
         connection.send({(t, b): measure_costs(model, precision, b, device, tensor_parallel=t)

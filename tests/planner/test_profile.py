@@ -1,5 +1,6 @@
 import dataclasses
 import json
+import os
 
 import pytest
 import torch
@@ -117,7 +118,6 @@ def test_as_many_processes_profile_at_once_as_the_job_keeps_cores_busy():
 
 
 def test_profiling_at_once_runs_in_forked_copies_and_takes_the_median(monkeypatch):
-    import os
     parent = os.getpid()
 
     def which_process(model, precision, b, device=None, repeats=7, tensor_parallel=1):
@@ -151,3 +151,17 @@ def test_a_profile_measured_at_once_is_cached_apart(tmp_path, monkeypatch):
     measured_profile(MODEL, PrecisionConfig(), HARDWARE, [1], tmp_path, rounds=1, processes=2)
     assert [p.name for p in tmp_path.glob("*.json")] == \
         ["toy__gpt-h64-a4-f256-s32-v1024__float32__x2.json"]
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="CPU affinity is Linux's")
+def test_copies_forked_by_a_rank_bound_to_one_core_spread_over_the_node(monkeypatch):
+    monkeypatch.setattr(profile_module, "measure_costs",
+                        lambda model, precision, b, device=None, repeats=7, tensor_parallel=1:
+                        {"cores": float(len(os.sched_getaffinity(0)))})
+    mine = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(mine)})  # as --bind-cores-to-rank leaves rank 0
+    try:
+        measured = measure_costs_at_once(MODEL, PrecisionConfig(), [(1, 2)], processes=2)
+    finally:
+        os.sched_setaffinity(0, mine)
+    assert measured[(1, 2)]["cores"] == float(len(mine))
