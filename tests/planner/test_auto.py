@@ -1,0 +1,39 @@
+"""--auto-parallel's start-up planning on 2 gloo ranks: detected hardware, a measured profile
+(rank 0 profiles in as many forked copies as the job keeps cores busy) and one plan for all."""
+import os
+
+from megatron_2bw.arguments import explicit_fields, parse_config
+from megatron_2bw.planner.auto import describe_plan, plan_job
+from tests.distributed_helpers import run_ranks
+
+ARGV = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2",
+        "--seq-length", "16", "--max-position-embeddings", "16", "--vocab-size", "64",
+        "--global-batch-size", "8", "--train-iters", "10", "--lr", "1e-3", "--mock-data",
+        "--auto-parallel", "--planner-hardware", "local"]
+
+
+def _plan(rank, world_size, argv):
+    config, args = parse_config(argv, "gpt", require_data=False)
+    planned, plan = plan_job(config, world_size, rank, explicit_fields(args))
+    par = planned.parallel
+    return (par.tensor_parallel, par.pipeline_parallel, planned.training.micro_batch_size,
+            par.pipeline_schedule, describe_plan(plan))
+
+
+def test_every_rank_applies_the_same_plan(tmp_path):
+    argv = ARGV + ["--planner-profile-cache", str(tmp_path)]
+    plans = run_ranks(2, _plan, argv, timeout=300)
+    assert plans[0] == plans[1]
+    t, p, micro, schedule, described = plans[0]
+    assert 2 % (t * p) == 0 and 8 % micro == 0 and schedule in ("2bw", "flush", "gpipe")
+    assert "predicted" in described
+    # rank 0 profiled on this machine and cached it; the name says how many copies ran at once
+    [cache] = tmp_path.glob("*.json")
+    copies = min(2, len(os.sched_getaffinity(0)))
+    assert cache.name.endswith(f"__x{copies}.json" if copies > 1 else "float32.json")
+
+
+def test_a_typed_dimension_stays_pinned(tmp_path):
+    argv = ARGV + ["--planner-profile-cache", str(tmp_path), "--tensor-model-parallel-size", "2"]
+    plans = run_ranks(2, _plan, argv, timeout=300)
+    assert plans[0][0] == 2 and plans[0][1] == 1  # t typed: 2; p follows from t x p x d = 2
