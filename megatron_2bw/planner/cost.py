@@ -172,7 +172,7 @@ class Network:
             measured = self.hardware.measured_allreduce_s(n, nbytes / buckets) if in_node \
                 else None
             waits = self.wake_s(n) + (self.hardware.allreduce_after_compute_s(after_compute_s)
-                                      if in_node and after_compute_s > 0 else 0.0)
+                                      if in_node else 0.0)
             if measured is not None:
                 return buckets * (measured + waits)
             return 2 * (n - 1) / n * nbytes * per_byte + buckets * (2 * (n - 1) * latency

@@ -112,10 +112,9 @@ class HardwareSpec:
         points = [(0.0, 0.0), *sorted(self.allreduce_after_compute)]
         if segment_s >= points[-1][0]:
             return points[-1][1]
-        for (s0, e0), (s1, e1) in zip(points, points[1:]):
-            if segment_s <= s1:
-                return e0 + (max(segment_s, s0) - s0) / (s1 - s0) * (e1 - e0)
-        return 0.0
+        (s0, e0), (s1, e1) = next(pair for pair in zip(points, points[1:])
+                                   if segment_s <= pair[1][0])
+        return e0 + (segment_s - s0) / (s1 - s0) * (e1 - e0)
 
     @property
     def compute_slots(self) -> int:

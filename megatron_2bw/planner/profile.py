@@ -398,7 +398,7 @@ def measure_costs_at_once(model: ModelConfig, precision: PrecisionConfig,
     running at the same time (as the job's ranks will; CPU only), each figure the median over
     the copies; with 1, here."""
     if processes <= 1:
-        if (device or torch.device("cuda" if torch.cuda.is_available() else "cpu")).type == "cpu":
+        if not torch.cuda.is_available():
             settle_host_allocator()  # as the training ranks do
         return {(t, b): measure_costs(model, precision, b, device, tensor_parallel=t)
                 for t, b in sizes}

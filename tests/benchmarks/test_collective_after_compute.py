@@ -1,24 +1,12 @@
 """Smoke test of the collective-after-compute measurement on 2 gloo ranks (the figures are the
 machine's; checked: every size and segment is measured and the back-to-back row is the baseline)."""
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "collective_after_compute.py"
+from tests.benchmarks import load_benchmark
 
-
-def _load():
-    spec = importlib.util.spec_from_file_location("collective_after_compute", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load()
+bench = load_benchmark("collective_after_compute")
 
 
 def test_every_size_and_segment_is_measured_against_back_to_back(tmp_path):

@@ -1,15 +1,14 @@
 """Smoke test of the throughput benchmark's machinery on a tiny GPT (the numbers are not checked:
 only that every run trains the same model on the same data and the outputs are well formed)."""
-import importlib.util
 import json
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "pipeline_throughput.py"
+from tests.benchmarks import load_benchmark
+
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length",
         "16", "--vocab-size", "128", "--micro-batch-size", "2", "--global-batch-size", "4",
@@ -17,15 +16,7 @@ TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"
         "--idle-timeout", "0", "--retries", "0"]  # a busy test machine is fine for a smoke test
 
 
-def _load_benchmark():
-    spec = importlib.util.spec_from_file_location("pipeline_throughput", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # ranks' results are unpickled by module name
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load_benchmark()
+bench = load_benchmark("pipeline_throughput")
 
 
 def test_every_run_trains_the_same_model_and_reports(tmp_path, capsys):

@@ -1,26 +1,16 @@
 """Smoke test of the planner-validation benchmark's machinery on a tiny GPT (the timings are not
 checked: only that every configuration the planner considers is predicted, trained and reported)."""
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "planner_validation.py"
+from tests.benchmarks import load_benchmark
+
 TINY = ["--world-sizes", "2", "--num-layers", "2", "--hidden-size", "32",
         "--num-attention-heads", "2", "--seq-length", "16", "--vocab-size", "64",
         "--global-batch-size", "4", "--micro-batch-sizes", "2", "--warmup-batches", "1",
         "--measured-batches", "1", "--repeats", "1", "--no-progress"]
 
 
-def _load_benchmark():
-    spec = importlib.util.spec_from_file_location("planner_validation", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load_benchmark()
+bench = load_benchmark("planner_validation")
 
 
 def test_every_configuration_is_predicted_measured_and_reported(tmp_path, capsys):
