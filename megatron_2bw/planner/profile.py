@@ -396,7 +396,7 @@ def measure_costs_at_once(model: ModelConfig, precision: PrecisionConfig,
                           ) -> dict[tuple[int, int], dict]:
     """measure_costs for every (t, b) of `sizes`, in `processes` forked copies of this process
     running at the same time (as the job's ranks will; CPU only), each figure the median over
-    the copies; with 1, here."""
+    the copies; with 1, here (a CPU process settling its allocator first, as training ranks do)."""
     if processes <= 1:
         if not torch.cuda.is_available():
             settle_host_allocator()  # as the training ranks do

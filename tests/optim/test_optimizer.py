@@ -49,6 +49,8 @@ def test_without_apex_torch_layers_serve_silently():
         from megatron_2bw.optim import optimizer
     assert transformer._apex_layer_norm is None and optimizer._ApexFusedAdam is None
     norm = transformer.LayerNorm(8, 1e-5)
+    for parameter in norm.parameters():  # created empty (the model's init fills them): define
+        torch.nn.init.normal_(parameter)  # them, or reused memory may hold NaNs
     x = torch.randn(2, 8)
     assert torch.equal(norm(x), F.layer_norm(x, (8,), norm.weight, norm.bias, 1e-5))
     params = [torch.nn.Parameter(torch.ones(2, 2))]
