@@ -309,14 +309,33 @@ def default_cache_dir() -> Path:
                                Path.home() / ".cache" / "megatron_2bw" / "planner"))
 
 
+def _profile_identity(model: ModelConfig) -> dict:
+    """Everything of the model that changes a piece's time or bytes (dropout doubles a CPU layer's
+    forward here): a cached profile serves only a model with the same identity."""
+    m = model
+    identity = {"type": m.model_type, "hidden_size": m.hidden_size,
+                "num_attention_heads": m.num_attention_heads, "ffn_hidden_size": m.ffn_hidden_size,
+                "seq_length": m.seq_length, "max_position_embeddings": m.max_position_embeddings,
+                "padded_vocab_size": m.padded_vocab_size(1), "hidden_dropout": m.hidden_dropout,
+                "attention_dropout": m.attention_dropout}
+    if m.model_type == "bert":
+        identity.update(bert_binary_head=m.bert_binary_head, num_tokentypes=m.num_tokentypes)
+    return identity
+
+
 def _cache_path(cache_dir: Path, hardware_name: str, model: ModelConfig,
                 precision: PrecisionConfig, processes: int = 1) -> Path:
     m = model
-    shape = (f"{m.model_type}-h{m.hidden_size}-a{m.num_attention_heads}-f{m.ffn_hidden_size}"
-             f"-s{m.seq_length}-v{m.padded_vocab_size(1)}")
+    name = (f"{m.model_type}-h{m.hidden_size}-a{m.num_attention_heads}-f{m.ffn_hidden_size}"
+            f"-s{m.seq_length}-v{m.padded_vocab_size(1)}")
+    if m.max_position_embeddings != m.seq_length:
+        name += f"-pos{m.max_position_embeddings}"
+    name += f"-dropout{m.hidden_dropout:g}-{m.attention_dropout:g}"
+    if m.model_type == "bert":
+        name += f"-types{m.num_tokentypes}" + ("-binary" if m.bert_binary_head else "")
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in hardware_name)
     at_once = f"__x{processes}" if processes > 1 else ""
-    return Path(cache_dir) / f"{safe}__{shape}__{precision.working_dtype_name}{at_once}.json"
+    return Path(cache_dir) / f"{safe}__{name}__{precision.working_dtype_name}{at_once}.json"
 
 
 class MeasuredProfile:
@@ -437,7 +456,12 @@ def measured_profile(model: ModelConfig, precision: PrecisionConfig, hardware: H
     `processes` > 1 (`profiling_processes`) each round runs that many copies at once."""
     path = _cache_path(Path(cache_dir or default_cache_dir()), hardware.name, model, precision,
                        processes)
-    cached = json.loads(path.read_text()) if path.exists() else {}
+    try:
+        cached = json.loads(path.read_text()) if path.exists() else {}
+    except ValueError:  # not JSON (written by hand or cut short): measure again
+        cached = {}
+    if cached.get("model") != _profile_identity(model) or cached.get("torch") != torch.__version__:
+        cached = {}  # measured for another model or torch: measure again and replace the file
     records = {(int(t), int(b)): r for t, sizes in cached.get("tensor_parallel", {}).items()
                for b, r in sizes.items()}
     wanted = sorted({(t, b) for t in {1, *tensor_parallel_sizes} for b in micro_batch_sizes})
@@ -453,15 +477,14 @@ def measured_profile(model: ModelConfig, precision: PrecisionConfig, hardware: H
                 bar.update()
         records.update({key: median_record(measured) for key, measured in runs.items()})
         path.parent.mkdir(parents=True, exist_ok=True)
-        m = model
         by_t: dict[str, dict] = {}
         for (t, b), record in sorted(records.items()):
             by_t.setdefault(str(t), {})[str(b)] = record
-        path.write_text(json.dumps({
+        # whole or not at all: ranks of other jobs may read the cache meanwhile
+        partial = path.with_name(f"{path.name}.tmp{os.getpid()}")
+        partial.write_text(json.dumps({
             "hardware": hardware.name, "dtype": precision.working_dtype_name,
-            "model": {"type": m.model_type, "hidden_size": m.hidden_size,
-                      "num_attention_heads": m.num_attention_heads,
-                      "ffn_hidden_size": m.ffn_hidden_size, "seq_length": m.seq_length,
-                      "padded_vocab_size": m.padded_vocab_size(1)},
-            "torch": torch.__version__, "tensor_parallel": by_t}, indent=1))
+            "model": _profile_identity(model), "torch": torch.__version__,
+            "tensor_parallel": by_t}, indent=1))
+        os.replace(partial, path)
     return MeasuredProfile(records, AnalyticProfile(model, precision, hardware))

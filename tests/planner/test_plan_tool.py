@@ -11,7 +11,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 
 import plan  # noqa: E402
 
-TINY = ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4",
+TINY = ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4", "--hidden-dropout", "0.1",
         "--seq-length", "64", "--vocab-size", "1000", "--global-batch-size", "32"]
 
 
@@ -79,6 +79,6 @@ def test_local_hardware_measures_this_machine(tmp_path):
     result = run_tool(*TINY, "--world-size", "2", "--hardware", "local", "--profile-cache",
                       str(tmp_path), "--json", str(tmp_path / "plan.json"))
     assert result.returncode == 0, result.stderr
-    assert list(tmp_path.glob("*__gpt-h128-a4-f512-s64-v1024__float32.json"))
+    assert list(tmp_path.glob("*__gpt-h128-a4-f512-s64-v1024-dropout0.1-0.1__float32.json"))
     rows = json.loads((tmp_path / "plan.json").read_text())["configs"]
     assert rows[0]["fits"] and rows[0]["tensor_parallel"] == 1  # one device per node here

@@ -87,7 +87,7 @@ def test_measured_profile_is_cached_interpolated_and_scaled(tmp_path, monkeypatc
                                tensor_parallel_sizes=[2], rounds=3)
     # t = 1 always (other t fall back on it); every size once per round, round after round
     assert calls == [(1, 1), (1, 2), (2, 1), (2, 2)] * 3
-    [cache] = tmp_path.glob("toy__gpt-h64-a4-f256-s32-v1024__float32.json")
+    [cache] = tmp_path.glob("toy__gpt-h64-a4-f256-s32-v1024-dropout0.1-0.1__float32.json")
     stored = json.loads(cache.read_text())["tensor_parallel"]
     assert set(stored) == {"1", "2"} and set(stored["1"]) == {"1", "2"}
     assert stored["1"]["2"]["head_forward_s"] == 6.0  # the median of calls 2, 6 and 10
@@ -150,7 +150,37 @@ def test_a_profile_measured_at_once_is_cached_apart(tmp_path, monkeypatch):
                                        "selective_layer_activation_bytes"), 1.0))
     measured_profile(MODEL, PrecisionConfig(), HARDWARE, [1], tmp_path, rounds=1, processes=2)
     assert [p.name for p in tmp_path.glob("*.json")] == \
-        ["toy__gpt-h64-a4-f256-s32-v1024__float32__x2.json"]
+        ["toy__gpt-h64-a4-f256-s32-v1024-dropout0.1-0.1__float32__x2.json"]
+
+
+def test_a_cached_profile_serves_only_the_same_model_and_torch(tmp_path, monkeypatch):
+    calls = []
+
+    def constant(model, precision, b, device=None, repeats=7, tensor_parallel=1):
+        calls.append(model.hidden_dropout)
+        return {"layer_forward_s": 1.0}
+
+    monkeypatch.setattr(profile_module, "measure_costs", constant)
+    measured_profile(MODEL, PrecisionConfig(), HARDWARE, [1], tmp_path, rounds=1)
+    measured_profile(MODEL, PrecisionConfig(), HARDWARE, [1], tmp_path, rounds=1)
+    assert calls == [0.1]  # the second time from the cache
+    # without dropout a CPU layer runs about twice as fast: its own file, measured again
+    no_dropout = dataclasses.replace(MODEL, hidden_dropout=0.0, attention_dropout=0.0)
+    measured_profile(no_dropout, PrecisionConfig(), HARDWARE, [1], tmp_path, rounds=1)
+    assert calls == [0.1, 0.0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "toy__gpt-h64-a4-f256-s32-v1024-dropout0-0__float32.json",
+        "toy__gpt-h64-a4-f256-s32-v1024-dropout0.1-0.1__float32.json"]  # no temporary left
+    cache = tmp_path / "toy__gpt-h64-a4-f256-s32-v1024-dropout0.1-0.1__float32.json"
+    stored = json.loads(cache.read_text())
+    assert stored["model"]["hidden_dropout"] == 0.1 and stored["torch"] == torch.__version__
+    # measured by another torch, or not JSON at all: measured again and replaced
+    cache.write_text(json.dumps({**stored, "torch": "1.13.0"}))
+    measured_profile(MODEL, PrecisionConfig(), HARDWARE, [1], tmp_path, rounds=1)
+    assert calls == [0.1, 0.0, 0.1] and json.loads(cache.read_text())["torch"] == torch.__version__
+    cache.write_text('{"tensor_parallel": {"1": {"1": {"layer_forw')
+    profile = measured_profile(MODEL, PrecisionConfig(), HARDWARE, [1], tmp_path, rounds=1)
+    assert calls == [0.1, 0.0, 0.1, 0.1] and profile.records[1][1] == {"layer_forward_s": 1.0}
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="CPU affinity is Linux's")
