@@ -84,6 +84,7 @@ class MemoryTracker:
         self.static_bytes = 0
         self._static_storages: set[int] = set()
         self.live: dict[int, int] = {}  # microbatch -> activation bytes it keeps
+        self._bytes_by_signature: dict[object, int] = {}
         self.peak_activation_bytes = 0
         self.peak_measured_bytes = 0  # inside measure(): everything beyond the static state
 
@@ -93,8 +94,17 @@ class MemoryTracker:
         self._static_storages = {t.untyped_storage().data_ptr() for t in tensors}
 
     @contextmanager
-    def track(self, microbatch: int):
-        """Count the activations that the forward of `microbatch` keeps for its backward."""
+    def track(self, microbatch: int, signature=None):
+        """Count the activations that the forward of `microbatch` keeps for its backward.
+
+        Microbatches with the same `signature` (the shapes and dtypes that go in) keep the same
+        bytes, so only the first of each is counted: counting every one slowed the forward and
+        backward of a small GPT's pipeline stage on CPU by about 4% (micro batch 2)."""
+        known = self._bytes_by_signature.get(signature) if signature is not None else None
+        if known is not None:
+            yield
+            self._keep(microbatch, known)
+            return
         seen: set[int] = set()
         count = [0]
 
@@ -126,7 +136,12 @@ class MemoryTracker:
         for t in output if isinstance(output, tuple) else [output]:
             if torch.is_tensor(t):
                 add(t)
-        self.live[microbatch] = self.live.get(microbatch, 0) + count[0]
+        if signature is not None:
+            self._bytes_by_signature[signature] = count[0]
+        self._keep(microbatch, count[0])
+
+    def _keep(self, microbatch: int, nbytes: int) -> None:
+        self.live[microbatch] = self.live.get(microbatch, 0) + nbytes
         self.peak_activation_bytes = max(self.peak_activation_bytes, sum(self.live.values()))
 
     def release(self, microbatch: int) -> None:

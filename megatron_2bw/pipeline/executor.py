@@ -113,8 +113,9 @@ class StageExecutor:
         timer = self._timer("forward")
         timer.start()
         self.versions.install(a.version)
-        with self._track(a.microbatch):
-            out = self.module(self._inputs.get(a.microbatch), batch)
+        inputs = self._inputs.get(a.microbatch)
+        with self._track(a.microbatch, inputs, batch):
+            out = self.module(inputs, batch)
         if self.last:
             loss, metrics = out
             self._outputs[a.microbatch] = loss
@@ -141,8 +142,13 @@ class StageExecutor:
             self.memory.release(k)
         timer.stop()
 
-    def _track(self, microbatch: int):
-        return self.memory.track(microbatch) if self.memory is not None else nullcontext()
+    def _track(self, microbatch: int, inputs: torch.Tensor | None, batch: dict):
+        if self.memory is None:
+            return nullcontext()
+        signature = (None if inputs is None else (tuple(inputs.shape), inputs.dtype),
+                     tuple((key, tuple(value.shape), value.dtype)
+                           for key, value in sorted(batch.items()) if torch.is_tensor(value)))
+        return self.memory.track(microbatch, signature)
 
     # -- evaluation ------------------------------------------------------------------------
     @torch.no_grad()

@@ -49,6 +49,27 @@ def test_tracker_counts_saved_activations_outputs_and_transients():
     out.sum().backward()
 
 
+def test_microbatches_of_one_signature_are_counted_once(monkeypatch):
+    tracker = MemoryTracker(torch.device("cpu"))
+    stage = TinyStage()
+    tracker.set_static([stage.weight])
+    with tracker.track(0, signature=("x", (4, 16))):
+        stage(torch.ones(4, 16, requires_grad=True))
+    assert tracker.live[0] == 3 * 4 * 16 * 4
+    hooks = []
+    monkeypatch.setattr(torch.autograd.graph, "saved_tensors_hooks",
+                        lambda *args: hooks.append(args))
+    # same signature: the first count, no hooks (a larger input shows nothing was counted)
+    with tracker.track(1, signature=("x", (4, 16))):
+        stage(torch.ones(8, 16, requires_grad=True))
+    assert tracker.live[1] == 3 * 4 * 16 * 4 and hooks == []
+    assert tracker.peak_activation_bytes == 6 * 4 * 16 * 4
+    monkeypatch.undo()
+    with tracker.track(2, signature=("x", (8, 16))):  # a new signature is counted
+        stage(torch.ones(8, 16, requires_grad=True))
+    assert tracker.live[2] == 3 * 8 * 16 * 4
+
+
 def stage_memory(precision: str, schedule: str) -> list[dict]:
     config = precise_config(precision, p=2, schedule=schedule, optimizer="sgd", lr=0.01,
                             global_batch=8, micro=2)
