@@ -53,8 +53,10 @@ def test_time_shares_break_down_each_stage_of_our_runs(tmp_path, capsys):
     assert len(one) == 1 and len(pipelined) == 2
     for shares in one + pipelined:
         assert {"forward", "backward", "optimizer"} <= set(shares)
-        assert 0.0 < sum(shares.values()) <= 1.0 + 1e-6
-        assert shares["forward"] + shares["backward"] > 0.2  # compute: a real share of the time
+        # the timed actions cover most of the measured time (this model computes for about a
+        # millisecond per microbatch, so a stage may spend most of it waiting for the other)
+        assert 0.5 < sum(shares.values()) <= 1.0 + 1e-6
+        assert shares["forward"] > 0 and shares["backward"] > 0
     assert all("p2p-wait" in shares for shares in pipelined)
     assert "p2p-wait" not in one[0]  # one process has no neighbour to wait for
     out = capsys.readouterr().out
