@@ -28,10 +28,9 @@ from megatron_2bw.planner.hardware import (HardwareSpec, detect_hardware, load_h
                                            shipped_hardware)
 from megatron_2bw.planner.profile import default_cache_dir  # noqa: E402
 from megatron_2bw.planner.search import (Plan, SearchSpace, pinned_search_space,  # noqa: E402
-                                         measured_profile_for, rank_plans_for)
+                                         measured_search, rank_plans_for)
 
 PROGRAM = "plan.py"
-LOCAL_MICRO_BATCH_SIZES = (1, 2, 4)  # measured here; other sizes interpolated
 
 
 def add_plan_args(parser) -> None:
@@ -144,17 +143,15 @@ def main(argv=None) -> list[Plan]:
     for flag, value in (("--json", args.json), ("--plot", args.plot)):
         if value and not Path(value).resolve().parent.is_dir():
             raise ConfigError(f"{flag} {value}: the directory does not exist")
-    profile = None
+    profile, space = None, search_space(args, config)
     if args.hardware == "local":
         hardware = local_hardware()
-        sizes = [b for b in LOCAL_MICRO_BATCH_SIZES if b <= config.training.global_batch_size]
-        profile = measured_profile_for(config, args.world_size, hardware,
-                                       search_space(args, config), sizes, args.profile_cache,
-                                       progress=True)
+        profile, space = measured_search(config, args.world_size, hardware, space,
+                                         args.profile_cache, progress=True)
     else:
         hardware = load_hardware(args.hardware)
-    plans = rank_plans_for(config, args.world_size, hardware, profile,
-                           search_space(args, config), simulate_top=args.top, progress=True)
+    plans = rank_plans_for(config, args.world_size, hardware, profile, space,
+                           simulate_top=args.top, progress=True)
     title = (f"{config.model.model_type} L{config.model.num_layers} h{config.model.hidden_size}, "
              f"batch {config.training.global_batch_size}, {args.world_size} x {hardware.name}")
     print(title)

@@ -10,10 +10,8 @@ import torch.distributed as dist
 
 from megatron_2bw.config import Config
 from megatron_2bw.planner.hardware import detect_hardware, load_hardware
-from megatron_2bw.planner.search import (Plan, apply_plan, measured_profile_for,
-                                         pinned_search_space, rank_plans_for)
-
-PROFILED_MICRO_BATCH_SIZES = (1, 2, 4, 8)
+from megatron_2bw.planner.search import (Plan, apply_plan, measured_search, pinned_search_space,
+                                         rank_plans_for)
 
 
 def plan_job(config: Config, world_size: int, rank: int, typed: set) -> tuple[Config, Plan]:
@@ -25,9 +23,8 @@ def plan_job(config: Config, world_size: int, rank: int, typed: set) -> tuple[Co
         profile = None
         space = pinned_search_space(config, typed)
         if local:
-            sizes = [b for b in PROFILED_MICRO_BATCH_SIZES if b <= config.training.global_batch_size]
-            profile = measured_profile_for(config, world_size, hardware, space, sizes,
-                                           par.planner_profile_cache)
+            profile, space = measured_search(config, world_size, hardware, space,
+                                             par.planner_profile_cache)
         plans = rank_plans_for(config, world_size, hardware, profile, space, simulate_top=3)
         chosen[0] = plans[0]
     if dist.is_initialized() and world_size > 1:

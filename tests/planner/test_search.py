@@ -103,3 +103,25 @@ def test_ranks_sharing_cores_slow_every_configuration_alike():
     # four replicas of the whole model: each core runs two of them
     replicas = next(p for p in slow if p.candidate.data_parallel == 4)
     assert replicas.time_per_batch_s > 1.8 * fast[replicas.candidate.describe()].time_per_batch_s
+
+
+def test_a_measured_search_keeps_to_the_micro_batch_sizes_it_profiled(monkeypatch):
+    from megatron_2bw.planner import search
+    profiled = []
+    monkeypatch.setattr(search, "measured_profile_for",
+                        lambda config, world, hardware, space, sizes, cache, progress=False:
+                        profiled.append(list(sizes)) or "profile")
+    config = Config(model=MODEL, training=TrainingConfig(global_batch_size=32))
+    profile, space = search.measured_search(config, 2, P3, SearchSpace())
+    # micro batch 16 would fit the batch, but is not measured: the search does not consider it
+    assert profile == "profile" and profiled == [[1, 2, 4, 8]]
+    assert space.micro_batch_sizes == (1, 2, 4, 8)
+    assert {c.micro_batch_size for c in candidates(MODEL, 2, P3.for_world(2), 32, space)} <= \
+        {1, 2, 4, 8}
+    small = Config(model=MODEL, training=TrainingConfig(global_batch_size=2))
+    assert search.measured_search(small, 2, P3, SearchSpace())[1].micro_batch_sizes == (1, 2)
+    # a size the user typed is measured, whatever its size
+    pinned = search.measured_search(config, 2, P3, SearchSpace(micro_batch_sizes=(16,)))[1]
+    assert profiled[-1] == [16] and pinned.micro_batch_sizes == (16,)
+    with pytest.raises(ValueError, match="--global-batch-size"):
+        search.measured_search(Config(model=MODEL), 2, P3, SearchSpace())
