@@ -203,3 +203,21 @@ def test_the_median_of_several_detections(tmp_path):
     assert middle.allreduce_after_compute == ((1e-3, pytest.approx(4e-4)),)
     assert (middle.name, middle.devices_per_node, middle.memory_bandwidth) == \
         (base.name, base.devices_per_node, base.memory_bandwidth)
+
+
+def test_the_link_probe_times_a_warmed_up_pair(monkeypatch):
+    """A pair's first round trips run slow (gloo here: 1.9 ms against 0.1 ms once warm), so they
+    are not timed: only round trips after the warm-up enter the median."""
+    import torch
+    import torch.distributed as dist
+    from megatron_2bw.planner import hardware
+    sends = []
+    slow = hardware.PAIR_WARMUP_ROUND_TRIPS  # the first round trips take 50 ms each
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(dist, "get_global_rank", lambda group, rank: rank)
+    monkeypatch.setattr(dist, "send", lambda tensor, peer, group=None: sends.append(peer))
+    monkeypatch.setattr(dist, "recv", lambda tensor, peer, group=None:
+                        __import__("time").sleep(0.05 if len(sends) <= slow else 0.0))
+    seconds = hardware._one_way_time(None, 0, 1, 4, torch.device("cpu"), repeats=5)
+    assert len(sends) == slow + 1 + 5  # warm-up, median_time's own warm-up run, 5 timed
+    assert seconds < 0.01  # a slow round trip timed would make it 0.025
