@@ -588,8 +588,7 @@ def main(argv=None) -> list[RunSummary]:
     args = build_parser().parse_args(argv)
     workload, names, split = parse_workload(args)
     torch.set_num_threads(1)  # the one-process baseline, and the cost profile, use one thread too
-    if not torch.cuda.is_available():  # as a launched CPU rank; every run's forked ranks inherit it
-        settle_host_allocator()
+    settle_host_allocator()  # as a launched rank; every run's forked ranks inherit it
     costs = measure_stage_costs(workload)
     split = split or costs.best_split(workload.model.num_layers)
     model = workload.model

@@ -23,8 +23,7 @@ from megatron_2bw.distributed.launch import free_port, settle_host_allocator
 def _rank_entry(rank: int, world: int, port: int, out_dir: str, fn, args, backend: str,
                 timeout: float):
     torch.set_num_threads(1)
-    if not torch.cuda.is_available():
-        settle_host_allocator()  # as init_distributed does for a launched CPU rank
+    settle_host_allocator()  # as init_distributed does for a launched rank
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     try:

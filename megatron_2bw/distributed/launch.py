@@ -115,8 +115,11 @@ def settle_host_allocator() -> bool:
     happened to allocate first. Measured here: the same GPT head took 13-15 ms in a fresh process
     and 7-9 ms after a larger size had run (33-42k against 4k page faults), so a profile and the
     training it predicts could disagree by 20%; settled, 6-10 ms with no faults once warm.
-    Returns whether the settings took (False off glibc, or when GLIBC_TUNABLES or MALLOC_*_
-    variables already tune malloc: those are left alone)."""
+    Returns whether the settings took (False with CUDA, whose processes keep glibc's defaults;
+    off glibc; or when GLIBC_TUNABLES or MALLOC_*_ variables already tune malloc: those are left
+    alone)."""
+    if torch.cuda.is_available():
+        return False
     if "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", "") or any(
             name.startswith("MALLOC_") and name.endswith("_") for name in os.environ):
         return False
@@ -137,8 +140,7 @@ def init_distributed(backend: str | None, timeout_minutes: float, bind_cores_to_
     if bind_cores_to_rank:
         bind_cores(info.local_rank, local_world_size())
     device = pick_device(info.local_rank)
-    if device.type == "cpu":
-        settle_host_allocator()
+    settle_host_allocator()
     if backend is None:
         backend = "nccl" if device.type == "cuda" else "gloo"
     if not dist.is_initialized():

@@ -417,8 +417,7 @@ def measure_costs_at_once(model: ModelConfig, precision: PrecisionConfig,
     running at the same time (as the job's ranks will; CPU only), each figure the median over
     the copies; with 1, here (a CPU process settling its allocator first, as training ranks do)."""
     if processes <= 1:
-        if not torch.cuda.is_available():
-            settle_host_allocator()  # as the training ranks do
+        settle_host_allocator()  # as the training ranks do
         return {(t, b): measure_costs(model, precision, b, device, tensor_parallel=t)
                 for t, b in sizes}
     import multiprocessing
