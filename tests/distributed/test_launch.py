@@ -80,7 +80,19 @@ def _where_tensors_live(mode: str, env_update: dict | None = None) -> list[str]:
     return out.stdout.split()
 
 
-@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="glibc malloc is Linux's")
+def _glibc_with_mallinfo2() -> bool:
+    import ctypes
+    try:
+        return hasattr(ctypes.CDLL("libc.so.6"), "mallinfo2")
+    except OSError:
+        return False
+
+
+needs_glibc = pytest.mark.skipif(not _glibc_with_mallinfo2(),
+                                 reason="the check reads glibc's mallinfo2 (glibc 2.33+)")
+
+
+@needs_glibc
 def test_a_settled_allocator_keeps_tensors_up_to_32_mib_on_the_heap():
     # glibc's default in a fresh process maps 8 and 24 MiB blocks one by one (each page faulted
     # in and zeroed on every allocation); settled, both come from the reusable heap
@@ -88,6 +100,7 @@ def test_a_settled_allocator_keeps_tensors_up_to_32_mib_on_the_heap():
     assert _where_tensors_live("settled") == ["True", "False", "False", "True"]
 
 
+@needs_glibc
 def test_a_user_malloc_setting_is_left_alone():
     took, *_ = _where_tensors_live("settled", {"MALLOC_TRIM_THRESHOLD_": "1000000"})
     assert took == "False"

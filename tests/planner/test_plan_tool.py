@@ -11,8 +11,9 @@ sys.path.insert(0, str(ROOT / "tools"))
 
 import plan  # noqa: E402
 
-TINY = ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4", "--hidden-dropout", "0.1",
-        "--seq-length", "64", "--vocab-size", "1000", "--global-batch-size", "32"]
+TINY = ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4",
+        "--hidden-dropout", "0.1", "--seq-length", "64", "--vocab-size", "1000",
+        "--global-batch-size", "32"]
 
 
 def test_ranked_table_json_and_plot(tmp_path, capsys):
