@@ -72,17 +72,21 @@ def _detect(rank: int, world: int) -> HardwareSpec:
     return detect_hardware()
 
 
-def _train(rank: int, world: int, config: Config, warmup: int, measured: int) -> float:
+def _train(rank: int, world: int, config: Config, warmup: int, measured: int,
+           post_ahead: bool | None = None) -> float:
     """Seconds per iteration on this rank: the mean interval between the ends of its batches (its
     gradient reduction, right after a batch's last backward in every schedule) after `warmup`
     batches, all batches in one undrained segment (as pretrain runs between evaluations). Not the
     optimizer steps: 2BW defers a batch's step into the next batch, and its last two steps both
-    fall into the final drain."""
+    fall into the final drain. `post_ahead` overrides whether pipeline receives are posted ahead
+    (benchmarks/p2p_receive_ahead.py)."""
     par = config.parallel
     layout = ParallelLayout(world, par.tensor_parallel, par.pipeline_parallel, rank)
     layout.build_groups(par.timeout_minutes)
     device = pick_device(rank)
     stage = build_stage(config, layout, device, None)
+    if post_ahead is not None and stage.executor.p2p is not None:
+        stage.executor.p2p.post_ahead = post_ahead
     batch_ends: list[float] = []
     reduce = stage.updater.reduce
 

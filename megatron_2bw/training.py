@@ -33,7 +33,7 @@ from megatron_2bw.optim.optimizer import build_torch_optimizer
 from megatron_2bw.planner.memory import estimate_stage_memory
 from megatron_2bw.pipeline.executor import StageExecutor
 from megatron_2bw.pipeline.partition import layer_ranges
-from megatron_2bw.pipeline.schedules import stage_actions
+from megatron_2bw.pipeline.schedules import stage_actions, stage_receives
 from megatron_2bw.pipeline.update import GradientUpdater, StepResult
 from megatron_2bw.pipeline.weights import WeightVersions
 from megatron_2bw.tensor_parallel.random import seed_everything
@@ -155,7 +155,8 @@ def run_segment(stage: Stage, first_batch: int, batches: int, feed: MicrobatchFe
     par = stage.config.parallel
     actions = stage_actions(par.pipeline_schedule, par.pipeline_parallel, stage.microbatches,
                             batches, stage.layout.stage, first_batch)
-    stage.executor.run(actions, feed)
+    stage.executor.run(actions, feed, stage_receives(par.pipeline_parallel, stage.microbatches,
+                                                     batches, stage.layout.stage))
 
 
 def segment_ends(config: Config, start: int) -> list[int]:

@@ -4,6 +4,14 @@ Shapes are known ahead (micro batch x sequence x hidden, in the working precisio
 per-message handshake. Consecutive transfers are posted together (batch_isend_irecv); sends are never
 waited for on the spot (only before the end of a segment), receives are waited for with the
 distributed timeout, so a stalled peer ends in an error naming the transfer instead of a hang.
+
+Under gloo a send is a rendezvous: its data leaves once the receiver has posted the matching
+receive. Posted later, the data is pushed by the sender's background thread, which competes for
+the core with the sender's computing main thread, so it may arrive milliseconds late (a 2-stage
+1F1B here alternated between 0.4 and 2-3 ms per exchange). So under gloo each receive is posted
+one ahead, as soon as the previous one of its kind has arrived, when the executor has said how
+many the segment holds (`expect`). Not under NCCL: a pending receive would hold the
+communicator's stream, and the sends queued behind it would never start.
 """
 from __future__ import annotations
 
@@ -12,6 +20,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+KINDS = ("act", "grad")
+
 
 class P2PTimeout(RuntimeError):
     pass
@@ -19,30 +29,65 @@ class P2PTimeout(RuntimeError):
 
 class PipelineP2P:
     def __init__(self, prev_rank: int | None, next_rank: int | None, group, shape: tuple,
-                 dtype: torch.dtype, device: torch.device, timeout_minutes: float):
+                 dtype: torch.dtype, device: torch.device, timeout_minutes: float,
+                 post_ahead: bool | None = None):
         self.prev_rank, self.next_rank, self.group = prev_rank, next_rank, group
         self.shape, self.dtype, self.device = shape, dtype, device
         self.timeout = timedelta(minutes=timeout_minutes)
+        self.post_ahead = (dist.get_backend(group) == "gloo") if post_ahead is None else post_ahead
         self._sends: list = []
+        self._expected = dict.fromkeys(KINDS, 0)  # receives of the segment not yet posted
+        self._ahead: dict[str, tuple] = {}  # kind -> (work, buffer) of the receive posted ahead
+
+    def _source(self, kind: str) -> int:
+        return self.prev_rank if kind == "act" else self.next_rank
+
+    def expect(self, receives: dict[str, int]) -> None:
+        """The number of receives of each kind ("act", "grad") the coming segment makes; under
+        gloo the first of each is posted now, and each next one when its predecessor arrives."""
+        if self._ahead or any(self._expected.values()):
+            raise RuntimeError(f"receives of the previous segment still pending: {self._expected}")
+        self._expected = {kind: receives.get(kind, 0) for kind in KINDS}
+        for kind in KINDS:
+            self._post_ahead(kind)
+
+    def _post_ahead(self, kind: str) -> None:
+        if self.post_ahead and self._expected[kind] > 0:
+            self._expected[kind] -= 1
+            buffer = self._buffer()
+            self._ahead[kind] = (dist.irecv(buffer, self._source(kind), self.group), buffer)
+
+    def _buffer(self) -> torch.Tensor:
+        return torch.empty(self.shape, dtype=self.dtype, device=self.device)
 
     def exchange(self, sends: list[tuple[str, torch.Tensor]], recvs: list[str]) -> list[torch.Tensor]:
         """Post the sends ("act" to the next stage, "grad" to the previous one) and receives ("act"
         from the previous stage, "grad" from the next one); return the received tensors."""
-        ops, buffers = [], []
-        for kind, tensor in sends:
-            peer = self.next_rank if kind == "act" else self.prev_rank
-            ops.append(dist.P2POp(dist.isend, tensor.contiguous(), peer, self.group))
+        ops = [dist.P2POp(dist.isend, tensor.contiguous(),
+                          self.next_rank if kind == "act" else self.prev_rank, self.group)
+               for kind, tensor in sends]
+        posted: list[tuple] = []  # per receive: (work or the index of its op, buffer)
         for kind in recvs:
-            peer = self.prev_rank if kind == "act" else self.next_rank
-            buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-            buffers.append(buffer)
-            ops.append(dist.P2POp(dist.irecv, buffer, peer, self.group))
-        works = dist.batch_isend_irecv(ops) if len(ops) > 1 else [ops[0].op(
-            ops[0].tensor, ops[0].peer, ops[0].group)]
+            if kind in self._ahead:
+                posted.append(self._ahead.pop(kind))
+                continue
+            self._expected[kind] = max(0, self._expected[kind] - 1)
+            buffer = self._buffer()
+            posted.append((len(ops), buffer))
+            ops.append(dist.P2POp(dist.irecv, buffer, self._source(kind), self.group))
+        works = []
+        if ops:
+            works = dist.batch_isend_irecv(ops) if len(ops) > 1 else [ops[0].op(
+                ops[0].tensor, ops[0].peer, ops[0].group)]
         self._sends.extend(zip(works[:len(sends)], [t for _, t in sends]))
-        for work, kind in zip(works[len(sends):], recvs):
+        buffers = []
+        for (work, buffer), kind in zip(posted, recvs):
+            if isinstance(work, int):
+                work = works[work]
             if not work.wait(self.timeout):
                 raise P2PTimeout(f"receive of {kind} timed out")
+            buffers.append(buffer)
+            self._post_ahead(kind)
         self._sends = [(w, t) for w, t in self._sends if not w.is_completed()]
         return buffers
 

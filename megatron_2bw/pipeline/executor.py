@@ -42,9 +42,13 @@ class StageExecutor:
         return ", ".join(str(a) for a in self.history) or "(none)"
 
     # -- the loop --------------------------------------------------------------------------
-    def run(self, actions: Iterable[S.Action], next_microbatch: Callable[[int], dict]) -> None:
-        """Execute actions in order; consecutive transfers are posted together."""
+    def run(self, actions: Iterable[S.Action], next_microbatch: Callable[[int], dict],
+            receives: dict[str, int] | None = None) -> None:
+        """Execute actions in order; consecutive transfers are posted together. `receives`
+        (schedules.stage_receives of the segment) lets the transfers post receives ahead."""
         self.module.train()
+        if self.p2p is not None and receives is not None:
+            self.p2p.expect(receives)
         for action in actions:
             try:
                 if action.kind in S.COMM_KINDS:
@@ -158,6 +162,8 @@ class StageExecutor:
         self.module.eval()
         self.versions.install(self.versions.newest)
         totals: dict[str, float] = {}
+        if self.p2p is not None:
+            self.p2p.expect({"act": 0 if self.first else microbatches})
         for a in S.forward_only_actions(self.stages, microbatches, self.stage):
             if a.kind == S.RECV_ACT:
                 self._inputs[a.microbatch] = self.p2p.exchange([], ["act"])[0]

@@ -145,6 +145,13 @@ def stage_actions(schedule: str, stages: int, microbatches: int, batches: int, s
                     yield from backward(k)
 
 
+def stage_receives(stages: int, microbatches: int, batches: int, stage: int) -> dict[str, int]:
+    """How many activations ("act") and gradients ("grad") the stage receives over `batches`
+    batches, in every schedule: one of each per microbatch, except at the pipeline's ends."""
+    count = microbatches * batches
+    return {"act": count if stage > 0 else 0, "grad": count if stage < stages - 1 else 0}
+
+
 def build_schedule(schedule: str, stages: int, microbatches: int, batches: int,
                    first_batch: int = 0) -> list[list[Action]]:
     return [list(stage_actions(schedule, stages, microbatches, batches, s, first_batch))

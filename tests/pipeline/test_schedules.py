@@ -16,6 +16,10 @@ SHAPES = [(1, 1, 3, 0), (2, 2, 4, 0), (4, 4, 3, 0), (4, 6, 3, 5), (3, 5, 2, 1), 
 def test_generated_schedules_are_valid(schedule, stages, microbatches, batches, first):
     actions = S.build_schedule(schedule, stages, microbatches, batches, first)
     S.validate(actions, schedule, microbatches, first)
+    for stage, stage_list in enumerate(actions):  # what the transfers post ahead
+        kinds = [a.kind for a in stage_list]
+        assert S.stage_receives(stages, microbatches, batches, stage) == \
+            {"act": kinds.count(S.RECV_ACT), "grad": kinds.count(S.RECV_GRAD)}
 
 
 def test_2bw_warmup_is_once_and_steady_state_alternates():

@@ -1,0 +1,58 @@
+"""Pipeline transfers: receives posted ahead under gloo, so a send leaves while its receiver
+computes."""
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_2bw.distributed.forked import run_forked
+from megatron_2bw.distributed.p2p import PipelineP2P
+
+SHAPE = (2, 8, 4)
+RECEIVER_BUSY_S = 1.5  # the receiver "computes" this long before its first exchange
+
+
+def _pair(rank: int, post_ahead: bool) -> PipelineP2P:
+    return PipelineP2P(None if rank == 0 else 0, 1 if rank == 0 else None, dist.group.WORLD,
+                       SHAPE, torch.float32, torch.device("cpu"), 1.0, post_ahead)
+
+
+def _first_send_seconds(rank: int, world: int, post_ahead: bool):
+    """Rank 0 sends three activations; rank 1, told to expect them, is busy before receiving.
+    Rank 0 returns how long its first send took to complete, rank 1 what it received."""
+    p2p = _pair(rank, post_ahead)
+    if rank == 1:
+        p2p.expect({"act": 3})
+    dist.barrier()
+    if rank == 0:
+        start = time.perf_counter()
+        p2p.exchange([("act", torch.full(SHAPE, 1.0))], [])
+        p2p.wait_sends()
+        seconds = time.perf_counter() - start
+        for value in (2.0, 3.0):
+            p2p.exchange([("act", torch.full(SHAPE, value))], [])
+        p2p.wait_sends()
+        return seconds
+    time.sleep(RECEIVER_BUSY_S)
+    received = [p2p.exchange([], ["act"])[0] for _ in range(2)]
+    with pytest.raises(RuntimeError, match="still pending"):  # a segment leaves none behind
+        p2p.expect({"act": 1})
+    received.append(p2p.exchange([], ["act"])[0])
+    return [t.unique().tolist() for t in received]
+
+
+@pytest.mark.parametrize("post_ahead", [True, False])
+def test_a_receive_posted_ahead_lets_the_send_leave_while_the_receiver_computes(post_ahead):
+    first_send_s, received = run_forked(2, _first_send_seconds, post_ahead, timeout=60)
+    assert received == [[1.0], [2.0], [3.0]]  # in order, whichever way they were posted
+    if post_ahead:
+        assert first_send_s < RECEIVER_BUSY_S / 2
+    else:  # gloo's rendezvous: the data waits for the receive (why receives go ahead)
+        assert first_send_s > RECEIVER_BUSY_S / 2
+
+
+def test_receives_are_posted_ahead_under_gloo_only():
+    def backend_choice(rank, world):
+        return _pair(rank, None).post_ahead
+    assert run_forked(2, backend_choice, timeout=60) == [True, True]
