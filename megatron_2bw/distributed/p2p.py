@@ -66,24 +66,24 @@ class PipelineP2P:
         ops = [dist.P2POp(dist.isend, tensor.contiguous(),
                           self.next_rank if kind == "act" else self.prev_rank, self.group)
                for kind, tensor in sends]
-        posted: list[tuple] = []  # per receive: (work or the index of its op, buffer)
+        posted: list[tuple] = []  # per receive: (its work, None if posted below; buffer)
         for kind in recvs:
             if kind in self._ahead:
                 posted.append(self._ahead.pop(kind))
                 continue
             self._expected[kind] = max(0, self._expected[kind] - 1)
             buffer = self._buffer()
-            posted.append((len(ops), buffer))
+            posted.append((None, buffer))
             ops.append(dist.P2POp(dist.irecv, buffer, self._source(kind), self.group))
         works = []
         if ops:
             works = dist.batch_isend_irecv(ops) if len(ops) > 1 else [ops[0].op(
                 ops[0].tensor, ops[0].peer, ops[0].group)]
         self._sends.extend(zip(works[:len(sends)], [t for _, t in sends]))
+        posted_now = iter(works[len(sends):])
         buffers = []
         for (work, buffer), kind in zip(posted, recvs):
-            if isinstance(work, int):
-                work = works[work]
+            work = next(posted_now) if work is None else work
             if not work.wait(self.timeout):
                 raise P2PTimeout(f"receive of {kind} timed out")
             buffers.append(buffer)

@@ -56,3 +56,29 @@ def test_receives_are_posted_ahead_under_gloo_only():
     def backend_choice(rank, world):
         return _pair(rank, None).post_ahead
     assert run_forked(2, backend_choice, timeout=60) == [True, True]
+
+
+def _one_f_one_b_exchanges(rank: int, world: int, post_ahead: bool):
+    """Stage 0 sends activation k and receives gradient k-1 in one exchange; stage 1 the
+    reverse, as in 1F1B's steady state."""
+    p2p = _pair(rank, post_ahead)
+    p2p.expect({"grad": 3} if rank == 0 else {"act": 3})
+    got = []
+    if rank == 0:
+        p2p.exchange([("act", torch.full(SHAPE, 0.0))], [])
+        for k in range(1, 3):
+            got += p2p.exchange([("act", torch.full(SHAPE, float(k)))], ["grad"])
+        got += p2p.exchange([], ["grad"])
+    else:
+        for k in range(3):
+            [act] = p2p.exchange([("grad", torch.full(SHAPE, 9.0 + k))] if k else [], ["act"])
+            got.append(act)
+        p2p.exchange([("grad", torch.full(SHAPE, 12.0))], [])
+    p2p.wait_sends()
+    return [t.unique().tolist() for t in got]
+
+
+@pytest.mark.parametrize("post_ahead", [True, False])
+def test_sends_and_receives_in_one_exchange_pair_up_in_order(post_ahead):
+    grads, acts = run_forked(2, _one_f_one_b_exchanges, post_ahead, timeout=60)
+    assert acts == [[0.0], [1.0], [2.0]] and grads == [[10.0], [11.0], [12.0]]
