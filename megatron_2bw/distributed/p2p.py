@@ -42,6 +42,9 @@ class PipelineP2P:
     def _source(self, kind: str) -> int:
         return self.prev_rank if kind == "act" else self.next_rank
 
+    def _destination(self, kind: str) -> int:
+        return self.next_rank if kind == "act" else self.prev_rank
+
     def expect(self, receives: dict[str, int]) -> None:
         """The number of receives of each kind ("act", "grad") the coming segment makes; under
         gloo the first of each is posted now, and each next one when its predecessor arrives."""
@@ -63,8 +66,7 @@ class PipelineP2P:
     def exchange(self, sends: list[tuple[str, torch.Tensor]], recvs: list[str]) -> list[torch.Tensor]:
         """Post the sends ("act" to the next stage, "grad" to the previous one) and receives ("act"
         from the previous stage, "grad" from the next one); return the received tensors."""
-        ops = [dist.P2POp(dist.isend, tensor.contiguous(),
-                          self.next_rank if kind == "act" else self.prev_rank, self.group)
+        ops = [dist.P2POp(dist.isend, tensor.contiguous(), self._destination(kind), self.group)
                for kind, tensor in sends]
         posted: list[tuple] = []  # per receive: (its work, None if posted below; buffer)
         for kind in recvs:
