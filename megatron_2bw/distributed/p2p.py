@@ -2,8 +2,14 @@
 
 Shapes are known ahead (micro batch x sequence x hidden, in the working precision), so there is no
 per-message handshake. Consecutive transfers are posted together (batch_isend_irecv); sends are never
-waited for on the spot (only before the end of a segment), receives are waited for with the
-distributed timeout, so a stalled peer ends in an error naming the transfer instead of a hang.
+waited for on the spot, receives are waited for with the distributed timeout, so a stalled peer ends
+in an error naming the transfer instead of a hang.
+
+A send's tensor must stay alive until the send completes, and gloo reports a send complete only
+once it has been waited for (`is_completed()` stays False after the data has left). So an exchange
+that sends first waits for the sends before the previous sending exchange: their receivers have
+long posted the receives (they get there needing nothing this stage has not sent yet), and a
+segment of any length holds the tensors of at most two sending exchanges, not of every send.
 
 Under gloo a send is a rendezvous: its data leaves once the receiver has posted the matching
 receive. Posted later, the data is pushed by the sender's background thread, which competes for
@@ -35,7 +41,7 @@ class PipelineP2P:
         self.shape, self.dtype, self.device = shape, dtype, device
         self.timeout = timedelta(minutes=timeout_minutes)
         self.post_ahead = (dist.get_backend(group) == "gloo") if post_ahead is None else post_ahead
-        self._sends: list = []
+        self._sends: list[list] = []  # per sending exchange, oldest first: (work, tensor) of its sends
         self._expected = dict.fromkeys(KINDS, 0)  # receives of the segment not yet posted
         self._ahead: dict[str, tuple] = {}  # kind -> (work, buffer) of the receive posted ahead
 
@@ -66,6 +72,8 @@ class PipelineP2P:
     def exchange(self, sends: list[tuple[str, torch.Tensor]], recvs: list[str]) -> list[torch.Tensor]:
         """Post the sends ("act" to the next stage, "grad" to the previous one) and receives ("act"
         from the previous stage, "grad" from the next one); return the received tensors."""
+        if sends:
+            self._retire_sends(keep=1)
         ops = [dist.P2POp(dist.isend, tensor.contiguous(), self._destination(kind), self.group)
                for kind, tensor in sends]
         posted: list[tuple] = []  # per receive: (its work, None if posted below; buffer)
@@ -81,7 +89,8 @@ class PipelineP2P:
         if ops:
             works = dist.batch_isend_irecv(ops) if len(ops) > 1 else [ops[0].op(
                 ops[0].tensor, ops[0].peer, ops[0].group)]
-        self._sends.extend(zip(works[:len(sends)], [t for _, t in sends]))
+        if sends:
+            self._sends.append(list(zip(works[:len(sends)], [t for _, t in sends])))
         posted_now = iter(works[len(sends):])
         buffers = []
         for (work, buffer), kind in zip(posted, recvs):
@@ -90,10 +99,17 @@ class PipelineP2P:
                 raise P2PTimeout(f"receive of {kind} timed out")
             buffers.append(buffer)
             self._post_ahead(kind)
-        self._sends = [(w, t) for w, t in self._sends if not w.is_completed()]
         return buffers
 
+    def _retire_sends(self, keep: int) -> None:
+        """Wait for the sends of all but the last `keep` exchanges and drop their tensors."""
+        while len(self._sends) > keep:
+            for work, _ in self._sends.pop(0):
+                if not work.wait(self.timeout):
+                    raise P2PTimeout("a send was not received in time")
+
+    def pending_sends(self) -> int:
+        return sum(map(len, self._sends))
+
     def wait_sends(self) -> None:
-        for work, _ in self._sends:
-            work.wait(self.timeout)
-        self._sends.clear()
+        self._retire_sends(keep=0)

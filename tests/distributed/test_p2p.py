@@ -82,3 +82,28 @@ def _one_f_one_b_exchanges(rank: int, world: int, post_ahead: bool):
 def test_sends_and_receives_in_one_exchange_pair_up_in_order(post_ahead):
     grads, acts = run_forked(2, _one_f_one_b_exchanges, post_ahead, timeout=60)
     assert acts == [[0.0], [1.0], [2.0]] and grads == [[10.0], [11.0], [12.0]]
+
+
+def _long_segment(rank: int, world: int, post_ahead: bool, sends: int):
+    """Rank 0 sends `sends` activations, one per exchange; it returns the most sends it held
+    pending at once, rank 1 the values it received."""
+    p2p = _pair(rank, post_ahead)
+    if rank == 1:
+        p2p.expect({"act": sends})
+        return [p2p.exchange([], ["act"])[0].unique().item() for _ in range(sends)]
+    most = 0
+    for k in range(sends):
+        p2p.exchange([("act", torch.full(SHAPE, float(k)))], [])
+        most = max(most, p2p.pending_sends())
+    p2p.wait_sends()
+    assert p2p.pending_sends() == 0
+    return most
+
+
+@pytest.mark.parametrize("post_ahead", [True, False])
+def test_a_long_segment_holds_the_tensors_of_two_sends_at_most(post_ahead):
+    """gloo reports a send complete only once waited for: without waiting for older sends, a
+    segment between two evaluations would keep every activation it ever sent."""
+    most, received = run_forked(2, _long_segment, post_ahead, 30, timeout=60)
+    assert received == [float(k) for k in range(30)]
+    assert most <= 2
