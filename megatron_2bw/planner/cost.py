@@ -15,7 +15,9 @@ Communication (hardware.py's link model):
   hardware's measured all-reduce times of that group size when it has them (detect_hardware).
 Per microbatch, a stage's forward and backward include its tensor-parallel all-reduces (2 per layer
 each way, Megatron's f/g, plus the embedding's and the head's), which block compute. Recomputation
-adds a forward ("full": the layer with its all-reduces; "selective": the attention core).
+adds a forward ("full": the layer with its all-reduces; "selective": the attention core). On CPU
+ranks each pass also costs the processor time of its pipeline messages (a receive from one
+neighbour, a send to the other: `HardwareSpec.p2p_processor_s`, measured by detect_hardware).
 Per batch (pipeline/update.py): `reduce` blocks for the data-parallel all-reduce of the stage's
 gradient buffer and the move into the fp32 master gradients; the tied-embedding all-reduce between
 the first and last stage and the grad-norm all-reduce over the model group run in the background
@@ -332,6 +334,10 @@ def stage_costs(model: ModelConfig, hardware: HardwareSpec, costs: ComputeCosts,
             backward += pieces.head_backward_s
             forward_comm += pieces.head_forward_comm_s
             backward_comm += pieces.head_backward_comm_s
+        # each pass receives from one neighbour and sends to the other (none beyond the ends)
+        messages = int(not first) + int(not last)
+        forward += messages * hardware.p2p_processor_s
+        backward += messages * hardware.p2p_processor_s
 
         P = stage_parameters(model, t, layers, first, last)
         buckets = max(1, math.ceil(P / parallel.ddp_bucket_size))

@@ -79,13 +79,19 @@ class HardwareSpec:
     # back to back), ...). On this VM 0-1.9 ms after 0.5-5 ms of compute: the ranks come out of
     # compute apart (benchmarks/collective_after_compute.py), which back-to-back times never see.
     allreduce_after_compute: tuple[tuple[float, float], ...] = ()
+    # processor time a CPU rank spends per pipeline message it sends or receives, beyond the
+    # transfer itself: gloo's loop thread, the wake-up, and compute slowed by the switch (its
+    # caches refilled); 0 where that is not measured (devices compute while the host waits). On
+    # this VM about 0.3-0.8 ms with a core per rank and 1 ms with 4 ranks on 2 cores, against
+    # 10-30 ms of compute per microbatch in the planner validation's pipelines.
+    p2p_processor_s: float = 0.0
 
     def __hash__(self) -> int:  # peak_flops is a dict; specs key the planner's caches
         return hash((self.name, self.devices_per_node, self.nodes, self.memory_per_device_bytes,
                      self.intra_node_bandwidth, self.inter_node_bandwidth,
                      tuple(sorted(self.peak_flops.items())), self.memory_bandwidth, self.efficiency,
                      self.compute_slots_per_node, self.allreduce_times, self.scheduler_slice_s,
-                     self.allreduce_after_compute))
+                     self.allreduce_after_compute, self.p2p_processor_s))
 
     def measured_allreduce_s(self, group_size: int, nbytes: float) -> float | None:
         """Interpolated (linearly in log bytes) measured all-reduce time of a group of that size
@@ -176,7 +182,8 @@ _REQUIRED = {"devices_per_node": "count", "memory_per_device": "bytes",
              "peak_flops": "flops", "memory_bandwidth": "bandwidth"}
 _OPTIONAL = {"name": "text", "nodes": "count", "efficiency": "fraction",
              "reserved_memory": "bytes", "kernel_overhead": "seconds", "source": "text",
-             "compute_slots_per_node": "count", "scheduler_slice": "seconds"}
+             "compute_slots_per_node": "count", "scheduler_slice": "seconds",
+             "p2p_processor_time": "seconds"}
 
 
 def parse_quantity(value, kind: str, where: str) -> float:
@@ -277,7 +284,8 @@ def load_hardware(path_or_name: str | os.PathLike) -> HardwareSpec:
         reserved_memory_bytes=values.get("reserved_memory", 0.0),
         kernel_overhead_s=values.get("kernel_overhead", 0.0), source=values.get("source", where),
         compute_slots_per_node=values.get("compute_slots_per_node"),
-        scheduler_slice_s=values.get("scheduler_slice"))
+        scheduler_slice_s=values.get("scheduler_slice"),
+        p2p_processor_s=values.get("p2p_processor_time", 0.0))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -501,6 +509,80 @@ def probe_scheduler_slice(group=None, seconds: float = 0.4) -> float | None:
     return total / preempted if preempted else None
 
 
+def _compute_segment(width: int = 512, rows: int = 64):
+    """A few milliseconds of one-thread CPU work on a working set of about 2 MB (a two-layer MLP's
+    forward and backward): what a rank does between two pipeline messages."""
+    generator = torch.Generator().manual_seed(0)
+    weights = [(torch.randn(width, width, generator=generator) * 0.01).requires_grad_()
+               for _ in range(2)]
+    inputs = torch.randn(rows, width, generator=generator)
+
+    def compute() -> None:
+        hidden = torch.nn.functional.gelu(inputs @ weights[0])
+        (hidden @ weights[1]).sum().backward()
+    return compute
+
+
+def probe_p2p_processor_time(group=None, message_bytes: int = 128 << 10, rounds: int = 30,
+                             repeats: int = 5) -> float:
+    """Processor seconds (all of a rank's threads) per pipeline message sent or received, beyond
+    the computation around it: ranks in pairs (0-1, 2-3, ...), every rank at once, alternate a
+    compute segment with one send and one receive (the receive posted ahead, as the runtime does
+    under gloo), against the same segments without messages; blocks of both interleaved, the
+    median over blocks and ranks. Collective; CPU ranks of one node (0 otherwise, and for an odd
+    rank without a partner)."""
+    group = group or dist.group.WORLD
+    device = _device_for(group)
+    size = dist.get_world_size(group)
+    if device.type != "cpu" or size < 2 or len(set(_host_names(group))) > 1:
+        return 0.0
+    me = dist.get_rank(group)
+    partner = me ^ 1 if (me ^ 1) < size else None
+    compute = _compute_segment()
+    outgoing = torch.zeros(max(message_bytes // 4, 1))
+    pending: list = []
+
+    def post_receive() -> None:
+        pending.append(dist.irecv(torch.empty_like(outgoing),
+                                  dist.get_global_rank(group, partner), group=group))
+
+    def exchange_round() -> None:
+        compute()
+        send = dist.isend(outgoing, dist.get_global_rank(group, partner), group=group)
+        pending.pop(0).wait()
+        post_receive()
+        send.wait()
+
+    extras = []
+    if partner is not None:
+        post_receive()
+        for _ in range(3):
+            exchange_round()
+    for _ in range(repeats):
+        blocks = []
+        for body in (compute, exchange_round if partner is not None else compute):
+            dist.barrier(group=group)
+            start = time.process_time()
+            for _ in range(rounds):
+                body()
+            blocks.append((time.process_time() - start) / rounds)
+        extras.append((blocks[1] - blocks[0]) / 2)  # two messages per exchange round
+    if partner is not None:  # the receive posted last: the partner's final send
+        send = dist.isend(outgoing, dist.get_global_rank(group, partner), group=group)
+        pending.pop(0).wait()
+        send.wait()
+    everyone = torch.zeros(size * repeats, dtype=torch.float64)
+    if partner is not None:
+        everyone[me * repeats:(me + 1) * repeats] = torch.tensor(extras, dtype=torch.float64)
+    counted = torch.zeros(size, dtype=torch.float64)
+    counted[me] = float(partner is not None)
+    dist.all_reduce(everyone, group=group)
+    dist.all_reduce(counted, group=group)
+    values = [v for r in range(size) if counted[r] for v in everyone[r * repeats:(r + 1) *
+                                                                      repeats].tolist()]
+    return max(0.0, statistics.median(values)) if values else 0.0
+
+
 def _node_cores(group) -> int:
     """The cores the ranks of the busiest-constrained node may run on: per host the union of its
     ranks' CPU affinities (ranks bound with --bind-cores-to-rank each see only their share), the
@@ -588,5 +670,6 @@ def detect_hardware(group=None, name: str | None = None, repeats: int = 5) -> Ha
         allreduce_times=probe_allreduce_times(group), scheduler_slice_s=slice_s,
         allreduce_after_compute=probe_allreduce_after_compute(group, processors=slots)
         if slots is not None else (),
+        p2p_processor_s=probe_p2p_processor_time(group) if slots is not None else 0.0,
         source=f"measured by detect_hardware on {socket.gethostname()} ({dist.get_world_size(group)} "
                f"ranks)")

@@ -97,6 +97,24 @@ def test_recomputation_adds_a_forward_and_tensor_parallelism_adds_all_reduces():
     assert two.backward_s - plain.backward_s == pytest.approx(3 * 2 * allreduce + allreduce)
 
 
+def test_every_pipeline_message_costs_its_processor_time():
+    hw = dataclasses.replace(toy_hardware(devices_per_node=8, nodes=1), p2p_processor_s=0.01)
+    candidate = Candidate(1, 4, 1, 1, None, "2bw", layer_split=(1, 1, 1, 1))
+    charged = stage_costs(MODEL, hw, COSTS, candidate, PrecisionConfig(), "adam")
+    plain = stage_costs(MODEL, dataclasses.replace(hw, p2p_processor_s=0.0), COSTS, candidate,
+                        PrecisionConfig(), "adam")
+    # the ends receive or send once per pass, the middle stages both
+    for stage, messages in zip(range(4), (1, 2, 2, 1)):
+        for field in ("forward_s", "backward_s"):
+            extra = getattr(charged[stage], field) - getattr(plain[stage], field)
+            assert extra == pytest.approx(0.01 * messages)
+        assert charged[stage].forward_comm_s == plain[stage].forward_comm_s  # needs a processor
+    one_stage = Candidate(1, 1, 1, 1, None, "flush")
+    assert stage_costs(MODEL, hw, COSTS, one_stage, PrecisionConfig(), "adam") == \
+        stage_costs(MODEL, dataclasses.replace(hw, p2p_processor_s=0.0), COSTS, one_stage,
+                    PrecisionConfig(), "adam")
+
+
 def test_balanced_split_moves_layers_off_the_head_stage():
     # 8 layers of 1 s, the head costs 2 s: the even split's last stage takes 4 s
     assert balanced_layer_split(8, 4, 1.0, 0.0, 2.0) == (2, 2, 3, 1)

@@ -6,8 +6,8 @@ from megatron_2bw.distributed.launch import bind_cores
 from megatron_2bw.planner.hardware import (AFTER_COMPUTE_SEGMENTS_S, ALLREDUCE_PROBE_BYTES,
                                            HardwareSpec, detect_hardware, load_hardware,
                                            parse_quantity, probe_allreduce_after_compute,
-                                           probe_allreduce_times, probe_scheduler_slice,
-                                           shipped_hardware)
+                                           probe_allreduce_times, probe_p2p_processor_time,
+                                           probe_scheduler_slice, shipped_hardware)
 from tests.distributed_helpers import run_ranks
 
 GOOD = """
@@ -64,10 +64,11 @@ def test_units_and_a_full_file(tmp_path):
     assert spec.usable_memory_bytes == 2 * 2**30 - 256 * 2**20
     assert spec.for_world(10).nodes == 3 and spec.for_world(10).world_size == 12
     assert spec.compute_slots == 4  # one processor per device unless the file says otherwise
-    cpu = load_hardware(write(tmp_path, GOOD + "compute_slots_per_node: 2\nscheduler_slice: 4 ms\n",
-                              "cpu.yaml"))
+    cpu = load_hardware(write(tmp_path, GOOD + "compute_slots_per_node: 2\nscheduler_slice: 4 ms\n"
+                              "p2p_processor_time: 0.5 ms\n", "cpu.yaml"))
     assert (cpu.compute_slots_per_node, cpu.compute_slots) == (2, 2)
     assert cpu.scheduler_slice_s == pytest.approx(0.004) and spec.scheduler_slice_s is None
+    assert cpu.p2p_processor_s == pytest.approx(5e-4) and spec.p2p_processor_s == 0.0
 
 
 @pytest.mark.parametrize("edit, message", [
@@ -127,6 +128,19 @@ def test_detect_hardware_over_two_gloo_ranks():
     # the extra of an all-reduce after compute, one per probed segment
     assert [s for s, _ in spec.allreduce_after_compute] == list(AFTER_COMPUTE_SEGMENTS_S)
     assert all(extra >= 0 for _, extra in spec.allreduce_after_compute)
+    assert 0 <= spec.p2p_processor_s < 0.05  # per message; measured here 0.3-1 ms
+
+
+def _p2p_processor(rank, world_size):
+    return probe_p2p_processor_time(rounds=4, repeats=3)
+
+
+@pytest.mark.parametrize("world", [2, 3])  # with 3, the last rank has no partner and computes
+def test_the_processor_time_of_pipeline_messages(world):
+    values = run_ranks(world, _p2p_processor)
+    assert all(value == values[0] for value in values)  # every rank gets the same answer
+    assert 0 <= values[0] < 0.05
+    assert run_ranks(1, _p2p_processor) == [0.0]  # nobody to exchange with
 
 
 def _after_compute(rank, world_size, processors):
@@ -187,10 +201,10 @@ def test_the_median_of_several_detections(tmp_path):
     import dataclasses
     base = dataclasses.replace(load_hardware(write(tmp_path, GOOD)), scheduler_slice_s=0.004,
                                allreduce_times=((2, 4, 1e-3), (2, 1024, 2e-3)),
-                               allreduce_after_compute=((1e-3, 2e-4),))
+                               allreduce_after_compute=((1e-3, 2e-4),), p2p_processor_s=1e-3)
     specs = [dataclasses.replace(base, intra_node_bandwidth=base.intra_node_bandwidth * k,
                                  peak_flops={d: f * k for d, f in base.peak_flops.items()},
-                                 scheduler_slice_s=0.004 * k,
+                                 scheduler_slice_s=0.004 * k, p2p_processor_s=1e-3 * k,
                                  allreduce_times=tuple((g, b, t * k)
                                                        for g, b, t in base.allreduce_times),
                                  allreduce_after_compute=((1e-3, 2e-4 * k),))
@@ -199,6 +213,7 @@ def test_the_median_of_several_detections(tmp_path):
     assert middle.intra_node_bandwidth == pytest.approx(2 * base.intra_node_bandwidth)
     assert middle.peak_flops["float32"] == pytest.approx(2 * base.peak_flops["float32"])
     assert middle.scheduler_slice_s == pytest.approx(0.008)
+    assert middle.p2p_processor_s == pytest.approx(2e-3)
     assert middle.allreduce_times == ((2, 4, pytest.approx(2e-3)), (2, 1024, pytest.approx(4e-3)))
     assert middle.allreduce_after_compute == ((1e-3, pytest.approx(4e-4)),)
     assert (middle.name, middle.devices_per_node, middle.memory_bandwidth) == \
