@@ -82,7 +82,7 @@ class HardwareSpec:
     # processor time a CPU rank spends per pipeline message it sends or receives, beyond the
     # transfer itself: gloo's loop thread, the wake-up, and compute slowed by the switch (its
     # caches refilled); 0 where that is not measured (devices compute while the host waits). On
-    # this VM about 0.3-0.8 ms with a core per rank and 1 ms with 4 ranks on 2 cores, against
+    # this VM 0.75-0.85 ms with a core per rank and 0.9-1 ms with 4 ranks on 2 cores, against
     # 10-30 ms of compute per microbatch in the planner validation's pipelines.
     p2p_processor_s: float = 0.0
 
@@ -571,16 +571,9 @@ def probe_p2p_processor_time(group=None, message_bytes: int = 128 << 10, rounds:
         send = dist.isend(outgoing, dist.get_global_rank(group, partner), group=group)
         pending.pop(0).wait()
         send.wait()
-    everyone = torch.zeros(size * repeats, dtype=torch.float64)
-    if partner is not None:
-        everyone[me * repeats:(me + 1) * repeats] = torch.tensor(extras, dtype=torch.float64)
-    counted = torch.zeros(size, dtype=torch.float64)
-    counted[me] = float(partner is not None)
-    dist.all_reduce(everyone, group=group)
-    dist.all_reduce(counted, group=group)
-    values = [v for r in range(size) if counted[r] for v in everyone[r * repeats:(r + 1) *
-                                                                      repeats].tolist()]
-    return max(0.0, statistics.median(values)) if values else 0.0
+    gathered: list = [None] * size
+    dist.all_gather_object(gathered, extras if partner is not None else [], group=group)
+    return max(0.0, statistics.median(value for extras in gathered for value in extras))
 
 
 def _node_cores(group) -> int:
