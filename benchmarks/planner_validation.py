@@ -50,7 +50,7 @@ from megatron_2bw.distributed.layout import ParallelLayout  # noqa: E402
 from megatron_2bw.planner.cost import RECOMPUTE_OPTIONS  # noqa: E402
 from megatron_2bw.planner.hardware import HardwareSpec, detect_hardware  # noqa: E402
 from megatron_2bw.planner.profile import (AnalyticProfile, MeasuredProfile,  # noqa: E402
-                                          measure_costs_at_once, median_record,
+                                          measure_costs_per_copy, median_record,
                                           profiling_processes)
 from megatron_2bw.planner.search import (Plan, SearchSpace, apply_plan,  # noqa: E402
                                          measured_profile_for, rank_plans_for)
@@ -152,23 +152,28 @@ def predict(config: Config, world: int, space: SearchSpace, profile_cache: str |
 class Samples:
     """The inputs of the predictions, sampled once per round."""
     hardware: dict[int, list[HardwareSpec]]  # per world size
-    # per number of processes profiling at once (profiling_processes), per (t, b): the records
-    profile: dict[int, dict[tuple[int, int], list[dict]]]
+    # per number of processes profiling at once (profiling_processes), per (t, b), per round:
+    # every copy's record (the prediction uses the median over copies, then over rounds)
+    profile: dict[int, dict[tuple[int, int], list[list[dict]]]]
     processes: dict[int, int]  # per world size
 
     def take(self, config: Config) -> None:
         for world, specs in self.hardware.items():
             specs.append(on_ranks(world, _detect)[0])
         for processes, by_size in self.profile.items():
-            measured = measure_costs_at_once(config.model, config.precision, list(by_size),
-                                             processes)
-            for key, record in measured.items():
-                by_size[key].append(record)
+            measured = measure_costs_per_copy(config.model, config.precision, list(by_size),
+                                              processes)
+            for key, copies in measured.items():
+                by_size[key].append(copies)
+
+    def rounds(self, world: int) -> dict[tuple[int, int], list[dict]]:
+        """Per (t, b), each round's record: the median over the copies."""
+        return {key: [median_record(copies) for copies in runs]
+                for key, runs in self.profile[self.processes[world]].items()}
 
     def inputs(self, config: Config, world: int) -> tuple[HardwareSpec, MeasuredProfile]:
         hardware = HardwareSpec.median(self.hardware[world])
-        records = {key: median_record(runs)
-                   for key, runs in self.profile[self.processes[world]].items()}
+        records = {key: median_record(runs) for key, runs in self.rounds(world).items()}
         return hardware, MeasuredProfile(records, AnalyticProfile(config.model, config.precision,
                                                                   hardware))
 
@@ -327,14 +332,18 @@ def main(argv=None) -> dict:
     # the inputs of both predictions, so they can be recomputed from this report alone (with
     # another cost model): the medians of the samples and the start's profile cache files
     sampled_profile: dict[str, dict] = {}  # per world size, as the predictions used it
+    profile_copies: dict[str, dict] = {}  # per world size, (t, b), round: every copy's record
     for world, processes in samples.processes.items():
-        for (t, b), records in sorted(samples.profile[processes].items()):
+        for (t, b), records in sorted(samples.rounds(world).items()):
             sampled_profile.setdefault(str(world), {}).setdefault(str(t), {})[str(b)] = \
                 median_record(records)
+            profile_copies.setdefault(str(world), {}).setdefault(str(t), {})[str(b)] = \
+                samples.profile[processes][(t, b)]
     start_profiles = {path.name: json.loads(path.read_text())
                       for path in Path(cache).glob("*.json")}
     report = {"header": header, "load_average": [load_before, load_after],
               "hardware": hardware_by_world, "profile": sampled_profile,
+              "profile_copies": profile_copies,
               "profiles_at_start": start_profiles, "verdicts": verdicts,
               "rows": [{**asdict(row), "median_ms": row.median_ms, "error": row.error}
                        for rows in rows_by_world.values() for row in rows]}

@@ -416,9 +416,19 @@ def measure_costs_at_once(model: ModelConfig, precision: PrecisionConfig,
     """measure_costs for every (t, b) of `sizes`, in `processes` forked copies of this process
     running at the same time (as the job's ranks will; CPU only), each figure the median over
     the copies; with 1, here (a CPU process settling its allocator first, as training ranks do)."""
+    copies = measure_costs_per_copy(model, precision, sizes, processes, device, timeout_s)
+    return {key: median_record(records) for key, records in copies.items()}
+
+
+def measure_costs_per_copy(model: ModelConfig, precision: PrecisionConfig,
+                           sizes: list[tuple[int, int]], processes: int = 1,
+                           device: torch.device | None = None, timeout_s: float = 600.0
+                           ) -> dict[tuple[int, int], list[dict]]:
+    """measure_costs_at_once before the median: every copy's record (how far copies running at
+    the same time differ is how far ranks do)."""
     if processes <= 1:
         settle_host_allocator()  # as the training ranks do
-        return {(t, b): measure_costs(model, precision, b, device, tensor_parallel=t)
+        return {(t, b): [measure_costs(model, precision, b, device, tensor_parallel=t)]
                 for t, b in sizes}
     import multiprocessing
     context = multiprocessing.get_context("fork")
@@ -440,7 +450,7 @@ def measure_costs_at_once(model: ModelConfig, precision: PrecisionConfig,
                     other.kill()
             raise RuntimeError(f"profiling in {processes} processes failed: {result}")
         results.append(result)
-    return {key: median_record([result[key] for result in results]) for key in sizes}
+    return {key: [result[key] for result in results] for key in sizes}
 
 
 def measured_profile(model: ModelConfig, precision: PrecisionConfig, hardware: HardwareSpec,

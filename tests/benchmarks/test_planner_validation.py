@@ -37,6 +37,11 @@ def test_every_configuration_is_predicted_measured_and_reported(tmp_path, capsys
     profile = report["profile"]["2"]  # world 2's, as its predictions used it
     assert set(profile) == {"1", "2"} and set(profile["1"]) == {"2"}
     assert profile["1"]["2"]["layer_forward_s"] > 0
+    # and every copy of every round, from which the medians came (2 processes profile at once)
+    [copies] = report["profile_copies"]["2"]["1"]["2"]  # one round
+    assert len(copies) == 2 and all(copy["layer_forward_s"] > 0 for copy in copies)
+    assert profile["1"]["2"]["layer_forward_s"] == \
+        sum(copy["layer_forward_s"] for copy in copies) / 2  # the median of two
     [start_profile] = report["profiles_at_start"].values()
     assert start_profile["tensor_parallel"]["1"]["2"]["layer_forward_s"] > 0
     assert all(row["predicted_at_start_ms"] > 0 for row in rows)

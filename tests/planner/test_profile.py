@@ -10,8 +10,8 @@ from megatron_2bw.planner import profile as profile_module
 from megatron_2bw.planner.hardware import HardwareSpec
 from megatron_2bw.planner.memory import layer_activation_bytes, layer_parameters
 from megatron_2bw.planner.profile import (AnalyticProfile, MeasuredProfile, measure_costs_at_once,
-                                          measured_profile, profiling_processes,
-                                          saved_activation_bytes)
+                                          measure_costs_per_copy, measured_profile,
+                                          profiling_processes, saved_activation_bytes)
 
 MODEL = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32,
                     vocab_size=1000)
@@ -131,6 +131,9 @@ def test_profiling_at_once_runs_in_forked_copies_and_takes_the_median(monkeypatc
     assert at_once[(2, 4)]["head_forward_s"] == 4.0
     # the median of three other processes' ids: the middle child's, not this process's
     assert at_once[(1, 2)]["layer_forward_s"] not in (float(parent), 0.0)
+    copies = measure_costs_per_copy(MODEL, PrecisionConfig(), [(1, 2)], processes=3)[(1, 2)]
+    assert len({copy["layer_forward_s"] for copy in copies}) == 3  # three processes
+    assert float(parent) not in {copy["layer_forward_s"] for copy in copies}
 
     def failing(*args, **kwargs):
         raise ValueError("no memory for this micro batch")
