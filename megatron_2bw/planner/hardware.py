@@ -538,17 +538,17 @@ def probe_p2p_processor_time(group=None, message_bytes: int = 128 << 10, rounds:
         return 0.0
     me = dist.get_rank(group)
     partner = me ^ 1 if (me ^ 1) < size else None
+    peer = dist.get_global_rank(group, partner) if partner is not None else None
     compute = _compute_segment()
     outgoing = torch.zeros(max(message_bytes // 4, 1))
     pending: list = []
 
     def post_receive() -> None:
-        pending.append(dist.irecv(torch.empty_like(outgoing),
-                                  dist.get_global_rank(group, partner), group=group))
+        pending.append(dist.irecv(torch.empty_like(outgoing), peer, group=group))
 
     def exchange_round() -> None:
         compute()
-        send = dist.isend(outgoing, dist.get_global_rank(group, partner), group=group)
+        send = dist.isend(outgoing, peer, group=group)
         pending.pop(0).wait()
         post_receive()
         send.wait()
@@ -568,7 +568,7 @@ def probe_p2p_processor_time(group=None, message_bytes: int = 128 << 10, rounds:
             blocks.append((time.process_time() - start) / rounds)
         extras.append((blocks[1] - blocks[0]) / 2)  # two messages per exchange round
     if partner is not None:  # the receive posted last: the partner's final send
-        send = dist.isend(outgoing, dist.get_global_rank(group, partner), group=group)
+        send = dist.isend(outgoing, peer, group=group)
         pending.pop(0).wait()
         send.wait()
     gathered: list = [None] * size
