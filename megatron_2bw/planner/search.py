@@ -82,11 +82,22 @@ def _divisors(n: int) -> list[int]:
     return [x for x in range(1, n + 1) if n % x == 0]
 
 
+def schedules_for(pipeline_parallel: int, schedules: tuple[str, ...]) -> tuple[str, ...]:
+    """With one stage there is no pipeline: GPipe and 2BW do Flush's work in Flush's time, GPipe
+    holding all m microbatches' activations and 2BW a second weight version and a 1-stale gradient.
+    So p = 1 is planned with Flush alone (the runtime's default there) unless the search was pinned
+    to other schedules."""
+    if pipeline_parallel == 1 and "flush" in schedules:
+        return ("flush",)
+    return schedules
+
+
 def candidates(model: ModelConfig, world_size: int, hardware: HardwareSpec, global_batch_size: int,
                space: SearchSpace | None = None) -> list[Candidate]:
     """Every valid configuration: t inside a node and dividing heads, hidden and ffn sizes; p at
     most the layers; d = world / (t p) dividing the global batch; micro batch sizes dividing the
-    per-replica batch; 2BW and Flush need at least p microbatches per batch."""
+    per-replica batch; 2BW and Flush need at least p microbatches per batch; one schedule at p = 1
+    (`schedules_for`)."""
     space = space or SearchSpace()
     per_node = hardware.devices_per_node
     result = []
@@ -107,7 +118,7 @@ def candidates(model: ModelConfig, world_size: int, hardware: HardwareSpec, glob
                 if space.micro_batch_sizes is not None and b not in space.micro_batch_sizes:
                     continue
                 m = global_batch_size // (b * d)
-                for schedule in space.schedules:
+                for schedule in schedules_for(p, space.schedules):
                     if schedule in ("2bw", "flush") and m < p:
                         continue
                     for recompute in space.recompute:

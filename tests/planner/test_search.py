@@ -22,11 +22,15 @@ def test_candidates_respect_every_constraint():
         assert 32 % (c.micro_batch_size * c.data_parallel) == 0
         if c.schedule != "gpipe":
             assert c.microbatches(32) >= c.pipeline_parallel
-    assert {c.schedule for c in pool} == {"2bw", "flush", "gpipe"}
+    assert {c.schedule for c in pool if c.pipeline_parallel > 1} == {"2bw", "flush", "gpipe"}
+    assert {c.schedule for c in pool if c.pipeline_parallel == 1} == {"flush"}
     assert {c.recompute for c in pool} == {None, "selective", "full"}
     pinned = candidates(MODEL, 16, P3, 32, SearchSpace(tensor_parallel=(2,), micro_batch_sizes=(1,),
                                                        schedules=("flush",), recompute=(None,)))
     assert {(c.tensor_parallel, c.micro_batch_size, c.schedule) for c in pinned} == {(2, 1, "flush")}
+    one_stage = candidates(MODEL, 16, P3, 32,
+                           SearchSpace(pipeline_parallel=(1,), schedules=("2bw",)))
+    assert {c.schedule for c in one_stage} == {"2bw"}  # a pinned schedule is kept
     split = candidates(MODEL, 16, P3, 32, SearchSpace(layer_split=(1, 3)))
     assert {(c.pipeline_parallel, c.layer_split) for c in split} == {(2, (1, 3))}
 
