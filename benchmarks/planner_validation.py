@@ -342,7 +342,10 @@ def main(argv=None) -> dict:
     start_profiles = {path.name: json.loads(path.read_text())
                       for path in Path(cache).glob("*.json")}
     report = {"header": header, "load_average": [load_before, load_after],
-              "hardware": hardware_by_world, "profile": sampled_profile,
+              "hardware": hardware_by_world,
+              "hardware_rounds": {str(world): [asdict(spec) for spec in specs]
+                                  for world, specs in samples.hardware.items()},
+              "profile": sampled_profile,
               "profile_copies": profile_copies,
               "profiles_at_start": start_profiles, "verdicts": verdicts,
               "rows": [{**asdict(row), "median_ms": row.median_ms, "error": row.error}
