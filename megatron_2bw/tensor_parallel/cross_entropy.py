@@ -32,7 +32,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         target_logit = target_logit.masked_fill(outside, 0.0)
         all_reduce(target_logit, group)
 
-        exp = shifted.exp()
+        exp = shifted.exp_()  # in place: one logits-sized buffer fewer (shifted is used up)
         sum_exp = exp.sum(dim=-1)
         all_reduce(sum_exp, group)
         loss = sum_exp.log() - target_logit
