@@ -15,13 +15,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import os
 import statistics
+import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+
+from megatron_2bw.distributed.forked import run_forked  # noqa: E402
+from megatron_2bw.distributed.launch import bind_cores, usable_cores  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -48,36 +55,23 @@ class Kernel:
         return f"{self.kind} {self.side} ({self.working_set_bytes / 2 ** 20:.2f} MiB)"
 
 
-def _repeat(core: int, kernel: Kernel, count: int, start, results) -> None:
-    os.sched_setaffinity(0, {core})
-    torch.set_num_threads(1)
+def _repeat(rank: int, world: int, kernel: Kernel, count: int) -> float:
+    bind_cores(rank, len(usable_cores()))  # rank r alone on core r
     a, b = torch.randn(kernel.side, kernel.side), torch.randn(kernel.side, kernel.side)
     out = torch.empty(kernel.side, kernel.side)
     op = torch.mm if kernel.kind == "matmul" else torch.add
     for _ in range(max(count // 10, 1)):  # warm caches and the allocator
         op(a, b, out=out)
-    start.wait()
+    dist.barrier()
     began = time.perf_counter()
     for _ in range(count):
         op(a, b, out=out)
-    results.put(time.perf_counter() - began)
+    return time.perf_counter() - began
 
 
 def run_on_cores(cores: int, kernel: Kernel, count: int) -> list[float]:
     """Seconds each of `cores` processes (each bound to its own core) took for `count` kernels."""
-    context = multiprocessing.get_context("fork")
-    start, results = context.Barrier(cores), context.Queue()
-    workers = [context.Process(target=_repeat, args=(core, kernel, count, start, results))
-               for core in sorted(os.sched_getaffinity(0))[:cores]]
-    for worker in workers:
-        worker.start()
-    seconds = [results.get(timeout=600) for _ in workers]
-    for worker in workers:
-        worker.join()
-        if worker.exitcode:
-            raise RuntimeError(f"a {kernel.kind} process on {cores} cores exited with "
-                               f"{worker.exitcode}")
-    return seconds
+    return run_forked(cores, _repeat, kernel, count, timeout=600.0)
 
 
 def repeats_for(kernel: Kernel, seconds: float) -> int:
@@ -142,7 +136,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if not hasattr(os, "sched_setaffinity"):
         parser.error("binding a process to a core needs os.sched_setaffinity (Linux)")
-    available = len(os.sched_getaffinity(0))
+    available = len(usable_cores())
     args.cores = args.cores or available
     if not 2 <= args.cores <= available:
         parser.error(f"--cores must be between 2 and the {available} cores this process may use, "
