@@ -1,17 +1,24 @@
 """What a stage does at a batch boundary: `reduce` after its last backward of a batch, `step` when the
 schedule says the next version is due.
 
-reduce(b): average the flat gradient buffer over the stage's data-parallel replicas (all-reduce,
-  bucketed; with the distributed optimizer a reduce-scatter, so each rank keeps its shard), move it
-  into the fp32 master gradients (the buffer is free again for batch b+1), start the all-reduce of the
-  tied word-embedding gradient over the first+last stage, and start one all-reduce over the whole
-  model-parallel group of the sum of squared gradients (non-finite if any rank overflowed). Nothing
-  here waits on another stage: the first stage, which counts the tied embeddings in the norm and so
-  needs their summed gradient, starts its part of the norm at step(b) instead.
-step(b): wait for those two, then decide for every stage alike: skip (fp16 overflow anywhere: no new
+reduce(b): start averaging the flat gradient buffer over the stage's data-parallel replicas
+  (all-reduce, bucketed, in the buffer's dtype) in the background. With the distributed optimizer
+  it is a reduce-scatter instead, so each rank keeps its shard, and it blocks.
+finish_data_reductions(): called before each backward, the first write to the buffer after
+  reduce(b), and by step. Once the average is in, it moves the buffer into the fp32 master
+  gradients (the buffer is free again for batch b+1), then starts the all-reduce of the tied
+  word-embedding gradient over the first+last stage and one all-reduce over the whole
+  model-parallel group of the sum of squared gradients (non-finite if any rank overflowed). So
+  under 2BW the data-parallel transfer overlaps the forward that follows reduce(b), and the point
+  where it must be in is fixed by the schedule, the same on every rank. Nothing here waits on
+  another stage: the first stage, which counts the tied embeddings in the norm and so needs their
+  summed gradient, starts its part of the norm at step(b) instead.
+step(b): wait for those, then decide for every stage alike: skip (fp16 overflow anywhere: no new
   version, the loss scale backs off) or unscale + clip + optimizer step, and create weight version b+1.
 Under 2BW the schedule puts step(b) just before version b+1 is first needed, so cross-stage waiting
-costs no bubble; under Flush/GPipe it follows reduce(b) directly, as in a flushed pipeline.
+costs no bubble: a stage r > 0 starts its norm before its first backward of batch b+1, which the
+first stage's backward of the same microbatch, and so its step(b), has to wait for. Under
+Flush/GPipe step(b) follows reduce(b) directly, as in a flushed pipeline.
 
 The loss scale of a batch is the scale right after the step that made the version the batch uses:
 every stage derives it from the batch index alone, whenever it asks (the last stage at its first
@@ -48,12 +55,13 @@ class StepResult:
 
 @dataclass
 class _Pending:
-    stats: torch.Tensor | None  # None: the first stage starts its norm at step (see reduce)
+    data_works: list  # the data-parallel average of the gradient buffer, still in flight
     works: list
-    norm_work: object | None
-    tied: object | None  # the tied-embedding gradient's all-reduce, still in flight
     loss_scale: float
     metrics: tuple  # (names, values)
+    stats: torch.Tensor | None = None  # None: not started; the first stage starts it at step
+    norm_work: object | None = None
+    tied: object | None = None  # the tied-embedding gradient's all-reduce, still in flight
 
 
 class GradientUpdater:
@@ -113,37 +121,57 @@ class GradientUpdater:
         buffer = v.main_grad_buffer
         if self.overflow_injection is not None and self.overflow_injection(batch):
             buffer[0] = float("inf")
+        replicated = group_size(self.data_group) > 1
+        data_works = []
         if v.sharded:  # each rank keeps the average of its own part
             for (start, end), (a, b) in zip(v.layout.regions, v.layout.owned):
                 _reduce_scatter(buffer[a:b], buffer[start:end], op=dist.ReduceOp.AVG,
                                 group=self.data_group)
-        elif group_size(self.data_group) > 1:
-            works = [all_reduce(bucket, self.data_group, op=dist.ReduceOp.AVG, async_op=True)
-                     for bucket in buffer.split(self.bucket_elements)]
-            for work in works:
-                self._wait(work)
-        if not v.alias:
-            for grad, (a, b) in zip(v.master_grad_regions, v.layout.owned):
-                grad.copy_(buffer[a:b])
-            buffer.zero_()
-        tied = None
-        if self.tied and group_size(self.embedding_group) > 1:
-            tied = all_reduce(v.master_grad_regions[0], self.embedding_group, async_op=True)
-        stats, work = None, None
-        if tied is None or self.tied_copy:
-            stats, work = self._start_norm()
-        # else (first stage): it counts the tied weights in the norm, so it needs their sum; it
-        # starts its part of the norm at step(b), whose turn comes before every other stage's
-        # step(b) in a 1F1B schedule, instead of blocking here on the embedding transfer
+        elif replicated:
+            data_works = [all_reduce(bucket, self.data_group, op=dist.ReduceOp.AVG, async_op=True)
+                          for bucket in buffer.split(self.bucket_elements)]
         sums = self.loss_sums.pop(batch, {})
         metrics = (list(sums), torch.tensor([x / microbatches for x in sums.values()]))
         metrics_work = None  # the batch mean over data-parallel replicas, as Megatron reports it
-        if sums and group_size(self.data_group) > 1:
+        if sums and replicated:
             metrics_work = all_reduce(metrics[1], self.data_group, op=dist.ReduceOp.AVG,
                                       async_op=True)
-        self.pending[batch] = _Pending(stats, [metrics_work], work, tied,
-                                       self.loss_scale_for(batch), metrics)
+        pending = _Pending(data_works, [metrics_work], self.loss_scale_for(batch), metrics)
+        self.pending[batch] = pending
+        if not data_works:
+            self._averaged(pending)
         timer and timer.stop()
+
+    @torch.no_grad()
+    def finish_data_reductions(self) -> None:
+        """Wait for the data-parallel average still in flight, if any, and go on from there."""
+        for pending in self.pending.values():  # insertion order: oldest batch first
+            if not pending.data_works:
+                continue
+            timer = self._time("allreduce")
+            timer and timer.start()
+            for work in pending.data_works:
+                self._wait(work)
+            pending.data_works = []
+            self._averaged(pending)
+            timer and timer.stop()
+
+    def _averaged(self, pending: _Pending) -> None:
+        """The batch's average is in the buffer: move it into the master gradients, then start
+        the tied-embedding all-reduce and this stage's part of the norm."""
+        v = self.versions
+        if not v.alias:
+            for grad, (a, b) in zip(v.master_grad_regions, v.layout.owned):
+                grad.copy_(v.main_grad_buffer[a:b])
+            v.main_grad_buffer.zero_()
+        if self.tied and group_size(self.embedding_group) > 1:
+            pending.tied = all_reduce(v.master_grad_regions[0], self.embedding_group,
+                                      async_op=True)
+        if pending.tied is None or self.tied_copy:
+            pending.stats, pending.norm_work = self._start_norm()
+        # else (first stage): it counts the tied weights in the norm, so it needs their sum; it
+        # starts its part of the norm at step(b), whose turn comes before every other stage's
+        # step(b) in a 1F1B schedule, instead of blocking here on the embedding transfer
 
     def _start_norm(self):
         """This rank's sum of squared master gradients, summed over the model-parallel group in
@@ -159,6 +187,7 @@ class GradientUpdater:
 
     @torch.no_grad()
     def step(self, batch: int) -> StepResult:
+        self.finish_data_reductions()
         timer = self._time("optimizer")
         timer and timer.start()
         pending = self.pending.pop(batch)

@@ -79,7 +79,8 @@ class StageCost:
     backward_s: float  # one microbatch, recomputation included
     send_act_s: float  # activation transfer to the next stage (0 on the last)
     send_grad_s: float  # gradient transfer to the previous stage (0 on the first)
-    reduce_s: float  # blocking: data-parallel all-reduce + gradients into the master copy
+    reduce_s: float  # blocking: gradients into the master copy (+ the data-parallel
+    # reduce-scatter of the distributed optimizer, which blocks)
     reduce_async_s: float  # the grad-norm all-reduce the step waits for (after every reduce)
     step_s: float  # optimizer + new weight version
     tied_async_s: float = 0.0  # first stage of p > 1: the tied-embedding all-reduce it waits for
@@ -90,6 +91,9 @@ class StageCost:
     backward_comm_s: float = 0.0
     reduce_comm_s: float = 0.0
     step_comm_s: float = 0.0
+    # the data-parallel all-reduce of the gradient buffer: it runs on after reduce and must be in
+    # before the stage's next backward or its step (update.py), whichever comes first
+    reduce_background_s: float = 0.0
 
     def processor_time(self, microbatches: int) -> float:
         """Seconds per batch this rank needs a processor for: its computation, not its waits."""
@@ -342,6 +346,7 @@ def stage_costs(model: ModelConfig, hardware: HardwareSpec, costs: ComputeCosts,
         P = stage_parameters(model, t, layers, first, last)
         buckets = max(1, math.ceil(P / parallel.ddp_bucket_size))
         data_ar = net.allreduce_time("data", g * P, s, buckets)
+        background = shards == 1  # update.py: a reduce-scatter blocks, an all-reduce runs on
         local = ((2 * g + 4) if separate_master else 0) * P + 12 * P  # move + zero, grad norm
         # optimizer + unscaling; then the new working version is written from the master weights
         step = (OPTIMIZER_STEP_BYTES[optimizer] + 8) * P / shards + \
@@ -354,12 +359,13 @@ def stage_costs(model: ModelConfig, hardware: HardwareSpec, costs: ComputeCosts,
             forward_s=forward, backward_s=backward,
             send_act_s=0.0 if last else net.transfer_time(s, s + 1, activation),
             send_grad_s=0.0 if first else net.transfer_time(s, s - 1, activation),
-            reduce_s=data_ar + local / memory_rate,
+            reduce_s=(0.0 if background else data_ar) + local / memory_rate,
             reduce_async_s=stats_ar,
             step_s=step / memory_rate + step_comm,
             tied_async_s=tied_ar if first and not last else 0.0,
-            forward_comm_s=forward_comm, backward_comm_s=backward_comm, reduce_comm_s=data_ar,
-            step_comm_s=step_comm))
+            forward_comm_s=forward_comm, backward_comm_s=backward_comm,
+            reduce_comm_s=0.0 if background else data_ar, step_comm_s=step_comm,
+            reduce_background_s=data_ar if background else 0.0))
     return result
 
 
@@ -425,7 +431,7 @@ def paper_breakdown(stages: list[StageCost], schedule: str, microbatches: int) -
             + max(link(s), link(s - 1)))
     compute = stages[k].forward_s + stages[k].backward_s
     p2p = max(link(k), link(k - 1))
-    data_parallel = max(st.reduce_s + st.step_s for st in stages)
+    data_parallel = max(st.reduce_s + st.reduce_background_s + st.step_s for st in stages)
     if schedule == "2bw":
         return {"compute": m * compute, "p2p": m * p2p,
                 "data_parallel": max(data_parallel - m * (compute + p2p), 0.0), "bubble": 0.0}
@@ -459,6 +465,6 @@ def time_per_batch_lower_bound(stages: list[StageCost], schedule: str, microbatc
     if schedule != "2bw":
         first = stages[0]
         path = max(m * own[k] + sum(own[:k]) for k in range(p))
-        bound = max(bound, path + first.reduce_s + first.tied_async_s + first.reduce_async_s
-                    + first.step_s)
+        bound = max(bound, path + first.reduce_s + first.reduce_background_s
+                    + first.tied_async_s + first.reduce_async_s + first.step_s)
     return bound

@@ -1,7 +1,8 @@
 """Replay the schedule's action lists (pipeline/schedules.py) with the cost model's durations.
 
-Each stage executes its list in order. Forward, backward, reduce_grads (the blocking data-parallel
-part) and step occupy the stage. A send never blocks its stage: the transfer starts when the link to
+Each stage executes its list in order. Forward, backward, reduce_grads (its blocking part) and step
+occupy the stage; a data-parallel average left running by reduce_grads must be in before the
+stage's next backward or step, which marks the stage's reduce as done. A send never blocks its stage: the transfer starts when the link to
 the neighbour is free (transfers on a link queue) and lands after the transfer time; a receive
 waits for it. A step waits until every stage has reduced the batch (the grad-norm all-reduce spans
 the model group) plus the stage's background collectives.
@@ -74,6 +75,26 @@ class _Replay:
         self.stretch = [dict.fromkeys(reduces, 0.0) for _ in range(p)]  # slowed by sharing
         self.tied_first = p > 1 and durations[0].tied_async_s > 0
         self.step_arrival: dict[int, float] = {}  # batch -> when the first stage reached its step
+        self.background: list[tuple[int, float] | None] = [None] * p  # (batch, when it is in)
+
+    def reduced(self, s: int, batch: int, t: float) -> None:
+        """Stage s's reduce of `batch` ended at t, or left its data-parallel average running."""
+        background = self.durations[s].reduce_background_s
+        if background > 0:
+            self.background[s] = (batch, t + background)
+        else:
+            self.reduce_end[s][batch] = t
+
+    def finish_background(self, s: int, t: float) -> float:
+        """Before a backward or step at t: when the running average is in (the stage's reduce
+        then counts as done), waiting for it as data-parallel time."""
+        batch, done = self.background[s]
+        self.background[s] = None
+        if done > t:
+            self.step_wait[s][batch] += done - t
+            t = done
+        self.reduce_end[s][batch] = t
+        return t
 
     def microbatch(self, s: int, code: int) -> None:
         """In-flight bookkeeping of a forward (code 0) or backward (1)."""
@@ -139,6 +160,9 @@ def _replay_own_processors(replay: _Replay) -> None:
             i, t = replay.position[s], clock[s]
             while i < len(actions_s):
                 code, k, batch = actions_s[i]
+                if code in (1, 7) and replay.background[s] is not None:
+                    t = clock[s] = replay.finish_background(s, t)
+                    progress = True
                 if code in (0, 1):
                     replay.microbatch(s, code)
                     t += cost.forward_s if code == 0 else cost.backward_s
@@ -151,7 +175,7 @@ def _replay_own_processors(replay: _Replay) -> None:
                     t = done
                 elif code == 6:
                     t += cost.reduce_s
-                    replay.reduce_end[s][batch] = t
+                    replay.reduced(s, batch, t)
                 elif code == 7:
                     ready = replay.step_ready(s, batch, t)
                     if ready is None:
@@ -182,6 +206,10 @@ def _replay_sharing_processors(replay: _Replay, sharing: CoreSharing) -> None:
         """Start stage s's next action at `now`; False if it must wait for another stage."""
         code, k, batch = compiled[s][replay.position[s]]
         cost, t = durations[s], now if reached[s] is None else reached[s]
+        if code in (1, 7) and replay.background[s] is not None:
+            segments[s] = [["until", replay.finish_background(s, t)]]  # then the action begins
+            reached[s] = None
+            return True
         if code in (0, 1):
             replay.microbatch(s, code)
             work, comm = ((cost.forward_s, cost.forward_comm_s) if code == 0
@@ -219,7 +247,7 @@ def _replay_sharing_processors(replay: _Replay, sharing: CoreSharing) -> None:
             if kind == "wall":
                 current[0] = ["until", now + value]
             elif kind == "reduced":
-                replay.reduce_end[s][value] = now
+                replay.reduced(s, value, now)
                 current.pop(0)
             elif (kind == "cpu" and value <= _DONE) or (kind == "until" and value <= now + _DONE):
                 current.pop(0)

@@ -61,6 +61,19 @@ def test_reduce_blocks_and_the_step_waits_for_background_collectives():
     assert 24.0 < hidden < flushed and flushed == pytest.approx(24.0 + 3.0 + 30.0)
 
 
+def test_an_average_left_running_must_be_in_before_the_next_backward_or_step():
+    # p = 1, m = 2, F 1 s, B 2 s, a 5 s data-parallel average left running by each reduce:
+    # 2BW (reduce F B F B step) overlaps it with one forward and waits 4 s before the backward;
+    # Flush (reduce step) waits all 5 s at its step
+    averaging = [StageCost(1.0, 2.0, 0.0, 0.0, 0.0, 0.0, 0.0, reduce_background_s=5.0)]
+    two_bw = run("2bw", 1, 2, averaging)
+    assert two_bw.time_per_batch == pytest.approx(2 * 3.0 + 4.0)
+    assert two_bw.breakdown["data_parallel"] == pytest.approx(4.0)
+    assert run("flush", 1, 2, averaging).time_per_batch == pytest.approx(2 * 3.0 + 5.0)
+    short = [StageCost(1.0, 2.0, 0.0, 0.0, 0.0, 0.0, 0.0, reduce_background_s=0.5)]
+    assert run("2bw", 1, 2, short).time_per_batch == pytest.approx(2 * 3.0)
+
+
 def test_bubble_bottleneck_with_few_microbatches():
     assert run("gpipe", 8, 2, [stage()] * 8).bottleneck == "pipeline bubble"
 
@@ -86,8 +99,8 @@ def test_needs_three_batches_and_one_duration_per_stage():
 
 
 def random_case(rng: random.Random) -> tuple[str, int, int, list[StageCost]]:
-    """A schedule, p, m and stage durations with transfers, reduces, background collectives,
-    steps and blocking-collective parts of every kind."""
+    """A schedule, p, m and stage durations with transfers, reduces, background collectives and
+    averages, steps and blocking-collective parts of every kind."""
     p = rng.choice([1, 2, 3, 4, 8])
     m = rng.choice([p, p + 1, 2 * p, 3 * p + 5])
     schedule = rng.choice(["2bw", "flush", "gpipe"])
@@ -102,7 +115,8 @@ def random_case(rng: random.Random) -> tuple[str, int, int, list[StageCost]]:
             rng.choice([0, 0.1, 1]) * rng.uniform(0, 40), step,
             tied_async_s=rng.choice([0, 0.5]) * (s == 0 < p - 1),
             forward_comm_s=rng.random() * forward / 2, backward_comm_s=rng.random() * backward / 2,
-            reduce_comm_s=rng.random() * reduce, step_comm_s=rng.random() * step))
+            reduce_comm_s=rng.random() * reduce, step_comm_s=rng.random() * step,
+            reduce_background_s=rng.choice([0, 0, 0.5, 5]) * rng.random()))
     return schedule, p, m, durations
 
 
