@@ -1,9 +1,9 @@
 """What a stage does at a batch boundary: `reduce` after its last backward of a batch, `step` when the
 schedule says the next version is due.
 
-reduce(b): start averaging the flat gradient buffer over the stage's data-parallel replicas
-  (all-reduce, bucketed, in the buffer's dtype) in the background. With the distributed optimizer
-  it is a reduce-scatter instead, so each rank keeps its shard, and it blocks.
+reduce(b): start averaging the flat gradient buffer over the stage's data-parallel replicas in the
+  background, in the buffer's dtype: an all-reduce in buckets, or with the distributed optimizer a
+  reduce-scatter per region, so each rank keeps the average of its own shard.
 finish_data_reductions(): called before each backward, the first write to the buffer after
   reduce(b), and by step. Once the average is in, it moves the buffer into the fp32 master
   gradients (the buffer is free again for batch b+1), then starts the all-reduce of the tied
@@ -123,10 +123,10 @@ class GradientUpdater:
             buffer[0] = float("inf")
         replicated = group_size(self.data_group) > 1
         data_works = []
-        if v.sharded:  # each rank keeps the average of its own part
-            for (start, end), (a, b) in zip(v.layout.regions, v.layout.owned):
-                _reduce_scatter(buffer[a:b], buffer[start:end], op=dist.ReduceOp.AVG,
-                                group=self.data_group)
+        if v.sharded:
+            data_works = [_reduce_scatter(buffer[a:b], buffer[start:end], op=dist.ReduceOp.AVG,
+                                          group=self.data_group, async_op=True)
+                          for (start, end), (a, b) in zip(v.layout.regions, v.layout.owned)]
         elif replicated:
             data_works = [all_reduce(bucket, self.data_group, op=dist.ReduceOp.AVG, async_op=True)
                           for bucket in buffer.split(self.bucket_elements)]

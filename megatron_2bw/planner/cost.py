@@ -79,27 +79,25 @@ class StageCost:
     backward_s: float  # one microbatch, recomputation included
     send_act_s: float  # activation transfer to the next stage (0 on the last)
     send_grad_s: float  # gradient transfer to the previous stage (0 on the first)
-    reduce_s: float  # blocking: gradients into the master copy (+ the data-parallel
-    # reduce-scatter of the distributed optimizer, which blocks)
+    reduce_s: float  # blocking: gradients into the master copy, zeroing, the norm's pass
     reduce_async_s: float  # the grad-norm all-reduce the step waits for (after every reduce)
     step_s: float  # optimizer + new weight version
     tied_async_s: float = 0.0  # first stage of p > 1: the tied-embedding all-reduce it waits for
     # at its step before adding its part of the grad norm (the other stages' steps wait for that)
-    # the parts of forward_s, backward_s, reduce_s and step_s a rank spends blocked in collectives:
+    # the parts of forward_s, backward_s and step_s a rank spends blocked in collectives:
     # it needs no processor then, which matters where ranks share one (CoreSharing)
     forward_comm_s: float = 0.0
     backward_comm_s: float = 0.0
-    reduce_comm_s: float = 0.0
     step_comm_s: float = 0.0
-    # the data-parallel all-reduce of the gradient buffer: it runs on after reduce and must be in
-    # before the stage's next backward or its step (update.py), whichever comes first
+    # the data-parallel all-reduce (or reduce-scatter) of the gradient buffer: it runs on after
+    # reduce and must be in before the stage's next backward or its step (update.py)
     reduce_background_s: float = 0.0
 
     def processor_time(self, microbatches: int) -> float:
         """Seconds per batch this rank needs a processor for: its computation, not its waits."""
         return (microbatches * (self.forward_s - self.forward_comm_s + self.backward_s
                                 - self.backward_comm_s)
-                + self.reduce_s - self.reduce_comm_s + self.step_s - self.step_comm_s)
+                + self.reduce_s + self.step_s - self.step_comm_s)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -346,7 +344,6 @@ def stage_costs(model: ModelConfig, hardware: HardwareSpec, costs: ComputeCosts,
         P = stage_parameters(model, t, layers, first, last)
         buckets = max(1, math.ceil(P / parallel.ddp_bucket_size))
         data_ar = net.allreduce_time("data", g * P, s, buckets)
-        background = shards == 1  # update.py: a reduce-scatter blocks, an all-reduce runs on
         local = ((2 * g + 4) if separate_master else 0) * P + 12 * P  # move + zero, grad norm
         # optimizer + unscaling; then the new working version is written from the master weights
         step = (OPTIMIZER_STEP_BYTES[optimizer] + 8) * P / shards + \
@@ -359,13 +356,12 @@ def stage_costs(model: ModelConfig, hardware: HardwareSpec, costs: ComputeCosts,
             forward_s=forward, backward_s=backward,
             send_act_s=0.0 if last else net.transfer_time(s, s + 1, activation),
             send_grad_s=0.0 if first else net.transfer_time(s, s - 1, activation),
-            reduce_s=(0.0 if background else data_ar) + local / memory_rate,
+            reduce_s=local / memory_rate,
             reduce_async_s=stats_ar,
             step_s=step / memory_rate + step_comm,
             tied_async_s=tied_ar if first and not last else 0.0,
-            forward_comm_s=forward_comm, backward_comm_s=backward_comm,
-            reduce_comm_s=0.0 if background else data_ar, step_comm_s=step_comm,
-            reduce_background_s=data_ar if background else 0.0))
+            forward_comm_s=forward_comm, backward_comm_s=backward_comm, step_comm_s=step_comm,
+            reduce_background_s=data_ar))
     return result
 
 

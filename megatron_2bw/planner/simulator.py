@@ -225,8 +225,7 @@ def _replay_sharing_processors(replay: _Replay, sharing: CoreSharing) -> None:
                 return False
             segments[s] = [["until", done]]
         elif code == 6:
-            segments[s] = [["cpu", cost.reduce_s - cost.reduce_comm_s],
-                           ["wall", cost.reduce_comm_s], ["reduced", batch]]
+            segments[s] = [["cpu", cost.reduce_s], ["reduced", batch]]
         elif code == 7:
             ready = replay.step_ready(s, batch, t)
             if ready is None:

@@ -1,6 +1,9 @@
 """When a stage's gradients are averaged over its data-parallel replicas (pipeline/update.py):
-reduce(b) leaves the all-reduce of the gradient buffer running, and the stage waits for it before
-its next backward (under 2BW, after a forward has run) or at its step (Flush: right away)."""
+reduce(b) leaves the all-reduce of the gradient buffer (with the distributed optimizer, its
+reduce-scatter) running, and the stage waits for it before its next backward (under 2BW, after a
+forward has run) or at its step (Flush: right away)."""
+import dataclasses
+
 import pytest
 
 from megatron_2bw.pipeline import schedules as S
@@ -12,14 +15,16 @@ from tests.pipeline.harness import gpt_feed, stage_on_rank, tiny_config
 STARTED, IN = "average started", "average in"
 
 
-def record_order(rank: int, world: int, schedule: str) -> list[str]:
+def record_order(rank: int, world: int, schedule: str, distributed_optimizer: bool) -> list[str]:
     """Train 3 batches (p = 1, d = 2, m = 2); the order of the stage's actions (logged when each
     ends) and of the start and end of the gradient average."""
     config = tiny_config(p=1, schedule=schedule, optimizer="adam")
+    config = dataclasses.replace(config, parallel=dataclasses.replace(
+        config.parallel, use_distributed_optimizer=distributed_optimizer))
     layout, stage = stage_on_rank(rank, world, config)
     events: list[str] = []
     gradients = stage.versions.main_grad_buffer.untyped_storage().data_ptr()
-    real_all_reduce = update.all_reduce
+    real_all_reduce, real_reduce_scatter = update.all_reduce, update._reduce_scatter
 
     class RecordedWork:
         def __init__(self, work):
@@ -29,15 +34,20 @@ def record_order(rank: int, world: int, schedule: str) -> list[str]:
             events.append(IN)
             return self.work.wait(timeout)
 
-    def all_reduce(tensor, group, op=None, async_op=False):
-        work = real_all_reduce(tensor, group, op=op, async_op=async_op)
+    def all_reduce(tensor, group, **options):
+        work = real_all_reduce(tensor, group, **options)
         if group is stage.updater.data_group and \
                 tensor.untyped_storage().data_ptr() == gradients:
             events.append(STARTED)
             return RecordedWork(work)
         return work
 
+    def reduce_scatter(output, tensor, **options):
+        events.append(STARTED)
+        return RecordedWork(real_reduce_scatter(output, tensor, **options))
+
     update.all_reduce = all_reduce  # this forked rank's module only
+    update._reduce_scatter = reduce_scatter
     run_action = stage.executor._run_one
 
     def logged(action, next_microbatch):
@@ -51,18 +61,27 @@ def record_order(rank: int, world: int, schedule: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def orders():
-    return {schedule: run_ranks(2, record_order, schedule) for schedule in ("2bw", "flush")}
+    return {(schedule, sharded): run_ranks(2, record_order, schedule, sharded)
+            for schedule in ("2bw", "flush") for sharded in (False, True)}
 
 
-def test_2bw_averages_gradients_while_the_next_forward_runs(orders):
-    for events in orders["2bw"]:
-        assert events.count(STARTED) == 3, events
+@pytest.mark.parametrize("sharded", [False, True])
+def test_2bw_averages_gradients_while_the_next_forward_runs(orders, sharded):
+    for events in orders["2bw", sharded]:
+        assert events.count(STARTED) == events.count(IN) >= 3, events
         first = events.index(STARTED)
-        assert events[first:first + 5] == [STARTED, S.REDUCE_GRADS, S.FORWARD, IN, S.BACKWARD]
+        starts = events.index(S.REDUCE_GRADS) - first  # one per bucket or region
+        assert events[first:first + starts] == [STARTED] * starts
+        assert events[first + starts:first + 2 * starts + 3] == \
+            [S.REDUCE_GRADS, S.FORWARD] + [IN] * starts + [S.BACKWARD]
 
 
-def test_flush_waits_for_the_average_at_its_step(orders):
-    for events in orders["flush"]:
-        assert events.count(STARTED) == 3, events
+@pytest.mark.parametrize("sharded", [False, True])
+def test_flush_waits_for_the_average_at_its_step(orders, sharded):
+    for events in orders["flush", sharded]:
+        assert events.count(STARTED) == events.count(IN) >= 3, events
         first = events.index(STARTED)
-        assert events[first:first + 5] == [STARTED, S.REDUCE_GRADS, S.RELEASE_VERSION, IN, S.STEP]
+        starts = events.index(S.REDUCE_GRADS) - first
+        assert events[first:first + starts] == [STARTED] * starts
+        assert events[first + starts:first + 2 * starts + 3] == \
+            [S.REDUCE_GRADS, S.RELEASE_VERSION] + [IN] * starts + [S.STEP]

@@ -115,8 +115,7 @@ def random_case(rng: random.Random) -> tuple[str, int, int, list[StageCost]]:
             rng.choice([0, 0.1, 1]) * rng.uniform(0, 40), step,
             tied_async_s=rng.choice([0, 0.5]) * (s == 0 < p - 1),
             forward_comm_s=rng.random() * forward / 2, backward_comm_s=rng.random() * backward / 2,
-            reduce_comm_s=rng.random() * reduce, step_comm_s=rng.random() * step,
-            reduce_background_s=rng.choice([0, 0, 0.5, 5]) * rng.random()))
+            step_comm_s=rng.random() * step, reduce_background_s=rng.choice([0, 0, 0.5, 5]) * rng.random()))
     return schedule, p, m, durations
 
 
@@ -148,8 +147,8 @@ def test_ranks_sharing_a_processor_take_turns_except_while_blocked():
     # two replicas of one stage on one processor: each computes at half speed, but both wait in
     # their collectives (1 s of each forward, the whole 4 s data-parallel all-reduce) at full time
     two_on_one = CoreSharing(ranks=((2,),), slots=1)
-    durations = [StageCost(2.0, 2.0, 0.0, 0.0, 5.0, 0.0, 1.0, forward_comm_s=1.0,
-                           reduce_comm_s=4.0)]
+    durations = [StageCost(2.0, 2.0, 0.0, 0.0, 1.0, 0.0, 1.0, forward_comm_s=1.0,
+                           reduce_background_s=4.0)]
     result = simulate(compiled_schedule("flush", 1, 2, 3), durations, sharing=two_on_one)
     # per microbatch (1 + 2) x 2 + 1 s; per batch 2 x 7 + reduce (1 x 2 + 4) + step 1 x 2
     assert result.time_per_batch == pytest.approx(2 * 7.0 + 6.0 + 2.0)
