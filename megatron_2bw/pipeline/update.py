@@ -145,13 +145,17 @@ class GradientUpdater:
     @torch.no_grad()
     def finish_data_reductions(self) -> None:
         """Wait for the data-parallel average still in flight, if any, and go on from there."""
-        for pending in self.pending.values():  # insertion order: oldest batch first
+        for batch, pending in self.pending.items():  # insertion order: oldest batch first
             if not pending.data_works:
                 continue
             timer = self._time("allreduce")
             timer and timer.start()
-            for work in pending.data_works:
-                self._wait(work)
+            try:
+                for work in pending.data_works:
+                    self._wait(work)
+            except Exception as error:  # noqa: BLE001 - the caller names the stage and action
+                raise RuntimeError(f"the data-parallel gradient reduction of batch {batch}, "
+                                   f"started after its last backward, failed: {error}") from error
             pending.data_works = []
             self._averaged(pending)
             timer and timer.stop()

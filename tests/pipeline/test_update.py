@@ -3,10 +3,12 @@ reduce(b) leaves the all-reduce of the gradient buffer (with the distributed opt
 reduce-scatter) running, and the stage waits for it before its next backward (under 2BW, after a
 forward has run) or at its step (Flush: right away)."""
 import dataclasses
+import datetime
 
 import pytest
 
 from megatron_2bw.pipeline import schedules as S
+from megatron_2bw.pipeline.executor import PipelineError
 from megatron_2bw.pipeline import update
 from megatron_2bw.training import run_segment
 from tests.distributed_helpers import run_ranks
@@ -85,3 +87,23 @@ def test_flush_waits_for_the_average_at_its_step(orders, sharded):
         assert events[first:first + starts] == [STARTED] * starts
         assert events[first + starts:first + 2 * starts + 3] == \
             [S.REDUCE_GRADS, S.RELEASE_VERSION] + [IN] * starts + [S.STEP]
+
+
+def reduce_without_the_other_replica(rank: int, world: int) -> str | None:
+    """Rank 1 never trains, so rank 0's background all-reduce of batch 0 cannot complete."""
+    config = tiny_config(p=1, schedule="2bw", optimizer="adam")
+    layout, stage = stage_on_rank(rank, world, config)
+    if rank == 1:
+        return None
+    stage.updater.timeout = datetime.timedelta(seconds=2)
+    try:
+        run_segment(stage, 0, 3, gpt_feed(config, layout))
+    except PipelineError as error:
+        return str(error)
+    return "no error"
+
+
+def test_a_reduction_that_never_completes_is_named_with_its_batch_and_the_waiting_action():
+    message = run_ranks(2, reduce_without_the_other_replica, timeout=60)[0]
+    assert message.startswith("stage 0 failed at B2@v0: the data-parallel gradient reduction of "
+                              "batch 0, started after its last backward, failed"), message
