@@ -67,26 +67,27 @@ def orders():
             for schedule in ("2bw", "flush") for sharded in (False, True)}
 
 
+def assert_started_at_reduce_and_waited(events: list[str], between: list[str], waiting: str):
+    """Each reduction starts inside reduce_grads (one start per bucket or region) and is waited
+    for after `between` ran, inside `waiting`."""
+    assert events.count(STARTED) == events.count(IN) >= 3, events
+    first = events.index(STARTED)
+    starts = events.index(S.REDUCE_GRADS) - first
+    assert events[first:first + starts] == [STARTED] * starts
+    assert events[first + starts:first + 2 * starts + 2 + len(between)] == \
+        [S.REDUCE_GRADS, *between] + [IN] * starts + [waiting]
+
+
 @pytest.mark.parametrize("sharded", [False, True])
 def test_2bw_averages_gradients_while_the_next_forward_runs(orders, sharded):
     for events in orders["2bw", sharded]:
-        assert events.count(STARTED) == events.count(IN) >= 3, events
-        first = events.index(STARTED)
-        starts = events.index(S.REDUCE_GRADS) - first  # one per bucket or region
-        assert events[first:first + starts] == [STARTED] * starts
-        assert events[first + starts:first + 2 * starts + 3] == \
-            [S.REDUCE_GRADS, S.FORWARD] + [IN] * starts + [S.BACKWARD]
+        assert_started_at_reduce_and_waited(events, [S.FORWARD], S.BACKWARD)
 
 
 @pytest.mark.parametrize("sharded", [False, True])
 def test_flush_waits_for_the_average_at_its_step(orders, sharded):
     for events in orders["flush", sharded]:
-        assert events.count(STARTED) == events.count(IN) >= 3, events
-        first = events.index(STARTED)
-        starts = events.index(S.REDUCE_GRADS) - first
-        assert events[first:first + starts] == [STARTED] * starts
-        assert events[first + starts:first + 2 * starts + 3] == \
-            [S.REDUCE_GRADS, S.RELEASE_VERSION] + [IN] * starts + [S.STEP]
+        assert_started_at_reduce_and_waited(events, [S.RELEASE_VERSION], S.STEP)
 
 
 def reduce_without_the_other_replica(rank: int, world: int) -> str | None:
