@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import importlib
 import json
 import os
@@ -41,6 +42,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).res
 from megatron_2bw.config import (Config, ModelConfig, OptimizerConfig, ParallelConfig,  # noqa: E402
                                  TrainingConfig)
 from megatron_2bw.data.mock import MockGPTDataset  # noqa: E402
+from megatron_2bw.distributed.forked import run_forked  # noqa: E402
 from megatron_2bw.distributed.launch import (bind_cores, free_port, pick_device,  # noqa: E402
                                              settle_host_allocator)
 from megatron_2bw.distributed.layout import ParallelLayout  # noqa: E402
@@ -141,14 +143,100 @@ def measure_stage_costs(workload: Workload, repeats: int = 7) -> StageCosts:
     for i in range(repeats + 1):
         for name, (_, pre, post) in parts.items():
             start = time.perf_counter()
-            out = models[name](None if pre else hidden.clone().requires_grad_(), {"tokens": tokens})
-            if post:
-                out[0].backward()
-            else:
-                out.backward(torch.ones_like(out))
+            forward_backward(models[name], pre, post, hidden, tokens)
             if i:  # the first pass allocates
                 times[name].append(time.perf_counter() - start)
     return StageCosts(**{name: statistics.median(values) for name, values in times.items()})
+
+
+def forward_backward(model, first: bool, last: bool, hidden: torch.Tensor,
+                     tokens: torch.Tensor) -> None:
+    """One microbatch through a piece of the model and back, outside any runtime: the first piece
+    embeds `tokens`, the others start from `hidden`; the last ends in the loss."""
+    out = model(None if first else hidden.clone().requires_grad_(), {"tokens": tokens})
+    if last:
+        out[0].backward()
+    else:
+        out.backward(torch.ones_like(out))
+
+
+# -- the stages computing side by side, without communication -----------------------------------
+
+def _timed_calls(step, seconds: float) -> list[float]:
+    """Call `step` for about `seconds`; the duration of each call."""
+    durations, end = [], time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        began = time.perf_counter()
+        step()
+        durations.append(time.perf_counter() - began)
+    return durations
+
+
+SIDE_BY_SIDE_CYCLES = 3  # together, then each stage alone (alternating which goes first)
+
+
+def _stage_side_by_side(rank: int, world: int, workload: Workload, split: list[int],
+                        seconds: float, bind: bool) -> dict[str, float]:
+    """Rank r builds stage r alone and runs its forward+backward, in cycles: while every other
+    stage does the same on its core, then alone while the others wait (asleep) in a barrier."""
+    if bind:
+        bind_cores(rank, world)
+    config = workload.model
+    first, last = rank == 0, rank == world - 1
+    device = pick_device(rank)
+    model = build_stage_model(config, None, 1, layer_ranges(config.num_layers, world, split)[rank],
+                              first, last, workload.seed).to(device)
+    tokens = workload.batch_tokens(0)[:workload.micro_batch].to(device)
+    hidden = torch.randn(workload.micro_batch, config.seq_length, config.hidden_size,
+                         device=device)
+
+    def step() -> None:
+        forward_backward(model, first, last, hidden, tokens)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    step()  # the first call allocates
+    together: list[float] = []
+    alone: list[float] = []
+    for cycle in range(SIDE_BY_SIDE_CYCLES):  # this machine's speed drifts within seconds
+        dist.barrier()
+        together += _timed_calls(step, seconds)
+        for turn in (range(world) if cycle % 2 == 0 else reversed(range(world))):
+            dist.barrier()
+            if turn == rank:
+                alone += _timed_calls(step, seconds)
+    dist.barrier()
+    return {"alone_s": statistics.median(alone), "together_s": statistics.median(together)}
+
+
+@dataclass(frozen=True)
+class SideBySide:
+    """One round's forward+backward per microbatch of each stage, alone on its core and with
+    every core busy with its own stage: what the machine allows any schedule in that round,
+    communication and runtime aside."""
+    alone_s: list[float]
+    together_s: list[float]
+
+    @property
+    def ideal_speedup_alone(self) -> float:
+        return sum(self.alone_s) / max(self.alone_s)
+
+    @property
+    def ideal_speedup_together(self) -> float:
+        """The stages' one-core total over the slowest stage with all cores busy."""
+        return sum(self.alone_s) / max(self.together_s)
+
+    def record(self) -> dict:
+        return {**dataclasses.asdict(self), "ideal_speedup_alone": self.ideal_speedup_alone,
+                "ideal_speedup_together": self.ideal_speedup_together}
+
+
+def measure_side_by_side(workload: Workload, split: list[int], seconds: float,
+                         bind: bool) -> SideBySide:
+    # gloo only carries the barriers (on GPUs too): the stages compute on their own devices
+    ranks = run_forked(STAGES, _stage_side_by_side, workload, split, seconds, bind,
+                       timeout=120.0 + 3 * SIDE_BY_SIDE_CYCLES * STAGES * seconds)
+    return SideBySide([r["alone_s"] for r in ranks], [r["together_s"] for r in ranks])
 
 
 # -- one rank of one run -------------------------------------------------------------------------
@@ -393,24 +481,34 @@ class Quietness:
     retries: int = 2
 
 
+def _undisturbed(measure, quiet: Quietness, meter: OtherLoad):
+    """measure() on a quiet machine: wait for other processes to go quiet, and measure again
+    (up to quiet.retries times) if they disturbed it; the result and the cores they took."""
+    for _ in range(quiet.retries + 1):
+        if quiet.idle_timeout > 0:
+            wait_for_idle(quiet.max_other_cores, quiet.idle_timeout)
+        meter.start()
+        result = measure()
+        load = meter.stop()
+        if load <= quiet.max_other_cores:
+            break
+    return result, load
+
+
 def benchmark(workload: Workload, names: list[str], split: list[int], repeats: int,
-              quiet: Quietness | None = None, progress=None, bind: bool = True
-              ) -> list[RunSummary]:
-    """Interleaved: every configuration once per round, `repeats` rounds."""
+              quiet: Quietness | None = None, progress=None, bind: bool = True,
+              side_by_side_seconds: float = 0.0) -> tuple[list[RunSummary], list[SideBySide]]:
+    """Interleaved: every configuration once per round, `repeats` rounds; each round ends with
+    the stages computing side by side for `side_by_side_seconds` per phase (0: not measured)."""
     quiet = quiet or Quietness(max_other_cores=float("inf"), idle_timeout=0.0, retries=0)
     summaries = {name: RunSummary(name, peak_memory_bytes=[0] * RUNS[name][0]) for name in names}
+    side_by_side: list[SideBySide] = []
     import_runtime("one_process")
     meter = OtherLoad()
     for _ in range(repeats):
         for name in names:
-            for attempt in range(quiet.retries + 1):
-                if quiet.idle_timeout > 0:
-                    wait_for_idle(quiet.max_other_cores, quiet.idle_timeout)
-                meter.start()
-                ranks = run_once(name, workload, split, bind=bind)
-                load = meter.stop()
-                if load <= quiet.max_other_cores:
-                    break
+            ranks, load = _undisturbed(functools.partial(run_once, name, workload, split,
+                                                         bind=bind), quiet, meter)
             seconds = max(r.seconds for r in ranks)
             summary = summaries[name]
             summary.tokens_per_s.append(workload.measured_batches * workload.tokens_per_batch
@@ -426,7 +524,28 @@ def benchmark(workload: Workload, names: list[str], split: list[int], repeats: i
                 progress.set_postfix_str(f"{name}: {summary.tokens_per_s[-1]:.0f} tokens/s, "
                                          f"others {load:.2f} cores")
                 progress.update(1)
-    return list(summaries.values())
+        if side_by_side_seconds > 0:
+            stages, _ = _undisturbed(functools.partial(measure_side_by_side, workload, split,
+                                                       side_by_side_seconds, bind), quiet, meter)
+            side_by_side.append(stages)
+    return list(summaries.values()), side_by_side
+
+
+def format_side_by_side(rounds: list[SideBySide], summaries: list[RunSummary]) -> str:
+    """Per round: how much each stage slowed with both cores busy, the ideal speed-up that left,
+    and what our 2BW reached in the same round."""
+    runs = {s.name: s.tokens_per_s for s in summaries}
+    lines = ["stages side by side (each on its core, forward+backward, no communication), "
+             "per round:"]
+    for i, r in enumerate(rounds):
+        slowdowns = ", ".join(f"stage {s} {a * 1e3:.0f} -> {t * 1e3:.0f} ms ({t / a - 1:+.1%})"
+                              for s, (a, t) in enumerate(zip(r.alone_s, r.together_s)))
+        line = (f"  round {i + 1}: {slowdowns}; ideal {r.ideal_speedup_alone:.2f}x alone, "
+                f"{r.ideal_speedup_together:.2f}x with both cores busy")
+        if "2bw" in runs and "one_process" in runs:
+            line += f"; 2bw measured {runs['2bw'][i] / runs['one_process'][i]:.2f}x"
+        lines.append(line)
+    return "\n".join(lines)
 
 
 def format_table(summaries: list[RunSummary], baseline: float | None) -> str:
@@ -530,6 +649,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also time forward, backward, p2p waits, gradient reduction and optimizer "
                         "on our runtime's ranks and print each stage's shares (CPU: unsynchronised "
                         "timers)")
+    b.add_argument("--side-by-side-seconds", type=float, default=2.0, metavar="SECONDS",
+                   help="each round also runs the stages without communication, each on its core, "
+                        f"in {SIDE_BY_SIDE_CYCLES} cycles of phases this long: all together, then "
+                        "each alone; how fast the machine let the stages compute in that round "
+                        "(0: skip)")
     b.add_argument("--json", help="write the results as JSON to this file")
     b.add_argument("--plot", help="write a PNG bar chart to this file")
     return parser
@@ -541,8 +665,9 @@ def fail(message: str) -> None:
 
 
 def parse_workload(args) -> tuple[Workload, list[str], list[int] | None]:
-    if args.max_other_load < 0 or args.idle_timeout < 0 or args.retries < 0:
-        fail("--max-other-load, --idle-timeout and --retries must not be negative")
+    if min(args.max_other_load, args.idle_timeout, args.retries, args.side_by_side_seconds) < 0:
+        fail("--max-other-load, --idle-timeout, --retries and --side-by-side-seconds must not be "
+             "negative")
     for flag in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size",
                  "micro_batch_size", "global_batch_size", "measured_batches", "repeats"):
         if getattr(args, flag) < 1:
@@ -607,12 +732,15 @@ def main(argv=None) -> list[RunSummary]:
           f"{costs.ideal_speedup(split):.2f}x (total / slowest stage)")
     quiet = Quietness(args.max_other_load, args.idle_timeout, args.retries)
     with tqdm(total=len(names) * args.repeats, desc="runs", unit="run", file=sys.stderr) as bar:
-        summaries = benchmark(workload, names, split, args.repeats, quiet, bar,
-                              bind=not args.no_bind_cores)
+        summaries, side_by_side = benchmark(workload, names, split, args.repeats, quiet, bar,
+                                            bind=not args.no_bind_cores,
+                                            side_by_side_seconds=args.side_by_side_seconds)
     baseline = next((s.median for s in summaries if s.name == "one_process"), None)
     print(format_table(summaries, baseline))
     if workload.time_shares:
         print(format_time_shares(summaries))
+    if side_by_side:
+        print(format_side_by_side(side_by_side, summaries))
     if args.json:
         record = {"model": {k: getattr(model, k) for k in ("num_layers", "hidden_size",
                                                            "num_attention_heads", "seq_length",
@@ -621,6 +749,7 @@ def main(argv=None) -> list[RunSummary]:
                   "global_batch_size": workload.global_batch,
                   "layer_split": split, "ideal_speedup": costs.ideal_speedup(split),
                   "stage_costs_s": dataclasses.asdict(costs),
+                  "stages_side_by_side": [r.record() for r in side_by_side],
                   "runs": [{"name": s.name, "tokens_per_s": s.median,
                             "tokens_per_s_repeats": s.tokens_per_s,
                             "other_processes_cores": s.other_load,

@@ -13,7 +13,8 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length",
         "16", "--vocab-size", "128", "--micro-batch-size", "2", "--global-batch-size", "4",
         "--warmup-batches", "1", "--measured-batches", "2", "--repeats", "1",
-        "--idle-timeout", "0", "--retries", "0"]  # a busy test machine is fine for a smoke test
+        "--idle-timeout", "0", "--retries", "0",  # a busy test machine is fine for a smoke test
+        "--side-by-side-seconds", "0.2"]
 
 
 bench = load_benchmark("pipeline_throughput")
@@ -40,6 +41,17 @@ def test_every_run_trains_the_same_model_and_reports(tmp_path, capsys):
     table = capsys.readouterr().out
     assert all(name in table for name in names) and "ideal speed-up" in table
     assert all(cores >= 0 for run in record["runs"] for cores in run["other_processes_cores"])
+    (stages,) = record["stages_side_by_side"]  # one round
+    assert len(stages["alone_s"]) == len(stages["together_s"]) == 2
+    assert all(seconds > 0 for seconds in stages["alone_s"] + stages["together_s"])
+    assert "stages side by side" in table and "round 1: stage 0" in table and "2bw measured" in table
+
+
+def test_side_by_side_ideal_is_the_one_core_total_over_the_slowest_busy_stage():
+    stages = bench.SideBySide(alone_s=[0.40, 0.38], together_s=[0.44, 0.39])
+    assert stages.ideal_speedup_alone == pytest.approx(0.78 / 0.40)
+    assert stages.ideal_speedup_together == pytest.approx(0.78 / 0.44)
+    assert stages.record()["ideal_speedup_together"] == pytest.approx(0.78 / 0.44)
 
 
 def test_time_shares_break_down_each_stage_of_our_runs(tmp_path, capsys):
@@ -90,6 +102,7 @@ def test_split_is_chosen_from_measured_costs():
     (["--global-batch-size", "4", "--micro-batch-size", "4"], "need at least 2"),
     (["--json", "/no/such/dir/r.json"], "does not exist"),
     (["--retries", "-1"], "must not be negative"),
+    (["--side-by-side-seconds", "-1"], "--side-by-side-seconds must not be negative"),
 ])
 def test_bad_input_is_one_line_error(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
