@@ -203,6 +203,14 @@ def predict_pinned(config: Config, world: int, hardware: HardwareSpec, profile: 
     return 1000 * pinned.time_per_batch_s
 
 
+def model_description(config: Config) -> str:
+    """How a report's header begins: the model and batch its rows were measured with."""
+    m = config.model
+    return (f"GPT: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads, "
+            f"sequence {m.seq_length}, vocabulary {m.vocab_size}, fp32, Adam, global batch "
+            f"{config.training.global_batch_size}")
+
+
 def assign_ranks(rows: list[Row]) -> None:
     """1-based ranks by predicted and by measured time, within a world size."""
     for by, field_name in ((lambda r: r.predicted_ms, "rank_predicted"),
@@ -320,10 +328,7 @@ def main(argv=None) -> dict:
     for world, rows in rows_by_world.items():
         assign_ranks(rows)
         verdicts[world] = verdict(rows)
-    m = config.model
-    header = (f"GPT: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads, "
-              f"sequence {m.seq_length}, vocabulary {m.vocab_size}, fp32, Adam, global batch "
-              f"{config.training.global_batch_size}; micro batch sizes "
+    header = (f"{model_description(config)}; micro batch sizes "
               f"{', '.join(map(str, args.micro_batch_sizes))}; recomputation "
               f"{', '.join(args.recompute)}; {args.warmup_batches} warm-up + "
               f"{args.measured_batches} measured batches, {args.repeats} interleaved repeats (hardware "
@@ -341,7 +346,8 @@ def main(argv=None) -> dict:
                 samples.profile[processes][(t, b)]
     start_profiles = {path.name: json.loads(path.read_text())
                       for path in Path(cache).glob("*.json")}
-    report = {"header": header, "load_average": [load_before, load_after],
+    report = {"header": header, "argv": list(sys.argv[1:] if argv is None else argv),
+              "load_average": [load_before, load_after],
               "hardware": hardware_by_world,
               "hardware_rounds": {str(world): [asdict(spec) for spec in specs]
                                   for world, specs in samples.hardware.items()},
