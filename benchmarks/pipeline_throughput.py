@@ -498,11 +498,13 @@ def _undisturbed(measure, quiet: Quietness, meter: OtherLoad):
 def benchmark(workload: Workload, names: list[str], split: list[int], repeats: int,
               quiet: Quietness | None = None, progress=None, bind: bool = True,
               side_by_side_seconds: float = 0.0) -> tuple[list[RunSummary], list[SideBySide]]:
-    """Interleaved: every configuration once per round, `repeats` rounds; each round ends with
-    the stages computing side by side for `side_by_side_seconds` per phase (0: not measured)."""
+    """Interleaved: every configuration once per round, `repeats` rounds. In each round, right
+    after the 2BW run (the round's last run without one), the stages compute side by side for
+    `side_by_side_seconds` per phase (0: not measured)."""
     quiet = quiet or Quietness(max_other_cores=float("inf"), idle_timeout=0.0, retries=0)
     summaries = {name: RunSummary(name, peak_memory_bytes=[0] * RUNS[name][0]) for name in names}
     side_by_side: list[SideBySide] = []
+    side_by_side_after = "2bw" if "2bw" in names else names[-1]  # beside the run it explains
     import_runtime("one_process")
     meter = OtherLoad()
     for _ in range(repeats):
@@ -524,10 +526,11 @@ def benchmark(workload: Workload, names: list[str], split: list[int], repeats: i
                 progress.set_postfix_str(f"{name}: {summary.tokens_per_s[-1]:.0f} tokens/s, "
                                          f"others {load:.2f} cores")
                 progress.update(1)
-        if side_by_side_seconds > 0:
-            stages, _ = _undisturbed(functools.partial(measure_side_by_side, workload, split,
-                                                       side_by_side_seconds, bind), quiet, meter)
-            side_by_side.append(stages)
+            if side_by_side_seconds > 0 and name == side_by_side_after:
+                stages, _ = _undisturbed(functools.partial(measure_side_by_side, workload, split,
+                                                           side_by_side_seconds, bind), quiet,
+                                         meter)
+                side_by_side.append(stages)
     return list(summaries.values()), side_by_side
 
 
@@ -756,7 +759,8 @@ def main(argv=None) -> list[RunSummary]:
                             "speedup_vs_one_process": s.median / baseline if baseline else None,
                             "peak_memory_bytes": s.peak_memory_bytes,
                             "first_batch_loss": s.first_loss,
-                            **({"time_shares_per_stage": s.median_time_shares()}
+                            **({"time_shares_per_stage": s.median_time_shares(),
+                                "time_shares_per_repeat": s.time_shares}
                                if s.time_shares else {})} for s in summaries]}
         Path(args.json).write_text(json.dumps(record, indent=2) + "\n")
     if args.plot:

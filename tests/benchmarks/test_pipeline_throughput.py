@@ -47,6 +47,27 @@ def test_every_run_trains_the_same_model_and_reports(tmp_path, capsys):
     assert "stages side by side" in table and "round 1: stage 0" in table and "2bw measured" in table
 
 
+def test_side_by_side_phase_runs_right_after_each_round_s_2bw_run(monkeypatch):
+    workload, _, _ = bench.parse_workload(bench.build_parser().parse_args(TINY))
+    order = []
+
+    def run_once(name, *args, **kwargs):
+        order.append(name)
+        return [bench.RankResult(1.0, 1, None)] * bench.RUNS[name][0]
+
+    def side_by_side(*args):
+        order.append("side by side")
+        return bench.SideBySide([1.0, 1.0], [1.0, 1.0])
+    monkeypatch.setattr(bench, "run_once", run_once)
+    monkeypatch.setattr(bench, "measure_side_by_side", side_by_side)
+    _, rounds = bench.benchmark(workload, ["one_process", "2bw", "flush"], [1, 1], repeats=2,
+                                side_by_side_seconds=1.0)
+    assert order == ["one_process", "2bw", "side by side", "flush"] * 2 and len(rounds) == 2
+    order.clear()  # without a 2BW run, at the end of each round
+    bench.benchmark(workload, ["one_process", "flush"], [1, 1], repeats=1, side_by_side_seconds=1.0)
+    assert order == ["one_process", "flush", "side by side"]
+
+
 def test_side_by_side_ideal_is_the_one_core_total_over_the_slowest_busy_stage():
     stages = bench.SideBySide(alone_s=[0.40, 0.38], together_s=[0.44, 0.39])
     assert stages.ideal_speedup_alone == pytest.approx(0.78 / 0.40)
@@ -70,6 +91,8 @@ def test_time_shares_break_down_each_stage_of_our_runs(tmp_path, capsys):
         assert 0.5 < sum(shares.values()) <= 1.0 + 1e-6
         assert shares["forward"] > 0 and shares["backward"] > 0
     assert all("p2p-wait" in shares for shares in pipelined)
+    [repeat] = runs["2bw"]["time_shares_per_repeat"]  # every repeat's shares, per stage
+    assert len(repeat) == 2 and repeat[1]["forward"] > 0
     assert "p2p-wait" not in one[0]  # one process has no neighbour to wait for
     out = capsys.readouterr().out
     assert "2bw         stage 1:" in out and "p2p-wait" in out
