@@ -13,7 +13,9 @@ took during the run and repeats a disturbed run (--max-other-load, --retries). T
 the median tokens/s with the min-max spread, the ratio to the one-process median, the peak memory
 growth per stage and the first batch's loss (identical weights and data in every run, so it must
 agree). The layer split is chosen from measured per-layer, embedding and head times
-unless --pipeline-layer-split is given, and its ideal speed-up is reported.
+unless --pipeline-layer-split is given, and its ideal speed-up is reported. Right after each
+round's 2BW run the two stages also compute side by side without communication, each on its core
+(--side-by-side-seconds): how fast the machine let them compute in that round, runtime aside.
 """
 from __future__ import annotations
 
