@@ -119,11 +119,12 @@ def markdown(verdicts: list[RunVerdict], by_config: dict) -> str:
     rows = sum(v.verdict["configurations"] for v in verdicts)
     within = sum(v.verdict["within_20_percent"] for v in verdicts)
     chosen = sum(v.verdict["choice_target_holds"] for v in verdicts)
+    reports = {v.name for v in verdicts}
     all_four = sum(all(v.verdict["error_target_holds"] and v.verdict["choice_target_holds"]
-                       for v in verdicts if v.name == name) for name in {v.name for v in verdicts})
+                       for v in verdicts if v.name == name) for name in reports)
     lines += ["", f"Pooled: {within} of {rows} predictions within 20%; the first choice within 5% "
                   f"of the measured best in {chosen} of {len(verdicts)}; every target held in "
-                  f"{all_four} of {len({v.name for v in verdicts})} reports.", "",
+                  f"{all_four} of {len(reports)} reports.", "",
               "Per configuration over the reports (residual: the error minus its run's median "
               "error; same sign: in every report):", "",
               "| processes | configuration | reports | mean error | mean residual | residuals "
