@@ -194,11 +194,27 @@ class ProgressLog:
         self.config, self.layout, self.timers = config, layout, timers
         self.is_writer = layout.rank == layout.rank_of(0, 0, layout.pipeline - 1)
         self.sink = TrainingLogger(config.logging, self.is_writer, config.to_dict())
-        self.start_time = self.interval_start = time.time()
+        self.start_time = time.time()
+        # an interval runs from the end of the last logged batch (StepResult.ended_at) to the end
+        # of this one, without the time between segments (evaluation, checkpoints), as Megatron
+        # stops its interval timer for them; the first begins with the first segment
+        self.interval_start: float | None = None
+        self.segment_end: float | None = None
+        self.between_segments = 0.0  # seconds outside segments since interval_start
         self.start_iteration = self.last_logged = start_iteration
         self.memory: MemoryTracker | None = None
         self.results: list[StepResult] = []
         self.interval_throughputs: list[float] = []  # samples/s per log interval
+
+    def begin_segment(self) -> None:
+        now = time.perf_counter()
+        if self.interval_start is None:
+            self.interval_start = now
+        elif self.segment_end is not None:
+            self.between_segments += now - self.segment_end
+
+    def end_segment(self) -> None:
+        self.segment_end = time.perf_counter()
 
     def __call__(self, result: StepResult) -> None:
         self.results.append(result)
@@ -206,10 +222,11 @@ class ProgressLog:
         train = self.config.training
         if iteration % train.log_interval and iteration != train.train_iters:
             return
-        now = time.time()
         iterations = iteration - self.last_logged
-        seconds = (now - self.interval_start) / max(iterations, 1)
-        self.interval_start, self.last_logged = now, iteration
+        elapsed = result.ended_at - self.interval_start - self.between_segments
+        seconds = elapsed / max(iterations, 1)
+        self.interval_start, self.between_segments = result.ended_at, 0.0
+        self.last_logged = iteration
         tokens = train.global_batch_size * self.config.model.seq_length
         metrics = {key: sum(r.metrics.get(key, 0.0) for r in self.results) / len(self.results)
                    for key in self.results[-1].metrics}
@@ -395,7 +412,9 @@ def pretrain(config: Config, typed: set = frozenset()) -> Stage:
     exit_request = ExitRequest(config, log.start_time)
     for end in segment_ends(config, stage.iteration):
         feed = MicrobatchFeed(train_iterator, device, stage.iteration * stage.microbatches)
+        log.begin_segment()
         run_segment(stage, stage.iteration, end - stage.iteration, feed)
+        log.end_segment()
         stage.iteration = end
         stage.consumed_samples = end * train.global_batch_size
         if valid_iterator is not None and (end % train.eval_interval == 0 or end == train.train_iters):

@@ -27,6 +27,7 @@ backward, the others at reduce), so all stages unscale a batch by the factor it 
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -51,6 +52,9 @@ class StepResult:
     learning_rate: float
     loss_scale: float
     metrics: dict = field(default_factory=dict)  # last stage: batch-mean losses
+    # time.perf_counter() when this rank's last backward of the batch ended: batches end one
+    # batch of work apart in every schedule, while 2BW's deferred steps bunch up at a drain
+    ended_at: float = 0.0
 
 
 @dataclass
@@ -62,6 +66,7 @@ class _Pending:
     stats: torch.Tensor | None = None  # None: not started; the first stage starts it at step
     norm_work: object | None = None
     tied: object | None = None  # the tied-embedding gradient's all-reduce, still in flight
+    ended_at: float = 0.0  # StepResult.ended_at
 
 
 class GradientUpdater:
@@ -115,6 +120,7 @@ class GradientUpdater:
 
     @torch.no_grad()
     def reduce(self, batch: int, microbatches: int) -> None:
+        ended_at = time.perf_counter()
         timer = self._time("allreduce")
         timer and timer.start()
         v = self.versions
@@ -136,7 +142,8 @@ class GradientUpdater:
         if sums and replicated:
             metrics_work = all_reduce(metrics[1], self.data_group, op=dist.ReduceOp.AVG,
                                       async_op=True)
-        pending = _Pending(data_works, [metrics_work], self.loss_scale_for(batch), metrics)
+        pending = _Pending(data_works, [metrics_work], self.loss_scale_for(batch), metrics,
+                           ended_at=ended_at)
         self.pending[batch] = pending
         if not data_works:
             self._averaged(pending)
@@ -212,7 +219,7 @@ class GradientUpdater:
             self.scaler.update(True)
             self._new_version(batch, skipped=True)
             timer and timer.stop()
-            return StepResult(batch, True, float("nan"), lr, scale, metrics)
+            return StepResult(batch, True, float("nan"), lr, scale, metrics, pending.ended_at)
         grad_norm = math.sqrt(squared) / scale
         coefficient = 1.0 / scale
         if self.clip_grad > 0 and grad_norm > self.clip_grad:
@@ -226,7 +233,7 @@ class GradientUpdater:
         self.scaler.update(False)
         self._new_version(batch, skipped=False)
         timer and timer.stop()
-        return StepResult(batch, False, grad_norm, lr, scale, metrics)
+        return StepResult(batch, False, grad_norm, lr, scale, metrics, pending.ended_at)
 
     def _new_version(self, batch: int, skipped: bool) -> None:
         v = self.versions
