@@ -242,8 +242,10 @@ def export_tokenizer(data: DataConfig, output: str) -> str | None:
         return f"the HuggingFaceTokenizer of {data.tokenizer_model}"
     if kind == "SentencePieceTokenizer":
         shutil.copyfile(data.tokenizer_model, os.path.join(output, "tokenizer.model"))
-        return (f"{data.tokenizer_model} copied as tokenizer.model (a raw SentencePiece model: "
-                f"load it with the tokenizer class it was trained for)")
+        return (f"{data.tokenizer_model} copied as tokenizer.model, a raw SentencePiece model: "
+                f"load it with sentencepiece.SentencePieceProcessor (AutoTokenizer would guess "
+                f"another class from config.json); import_from_hf.py reads it back as "
+                f"SentencePieceTokenizer")
     if kind == "GPT2BPETokenizer":
         from tokenizers import ByteLevelBPETokenizer
 
@@ -350,12 +352,26 @@ def import_from_hf(path: str) -> FullState:
     return FullState(Config(model=model_config), weights)
 
 
+# A SentencePiece model with none of transformers' own tokenizer files (what export_tokenizer
+# writes for a SentencePiece run): transformers would pick a tokenizer class from config.json's
+# model_type and split text differently, so it is imported as the SentencePiece model it is.
+RAW_SENTENCEPIECE_FILES = ("tokenizer.model", "spiece.model")
+TRANSFORMERS_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
 def import_tokenizer(path: str, directory: str) -> DataConfig | None:
     """Copy the model directory's tokenizer (if any) to `directory`; the data flags that use it."""
     import transformers
 
     if not has_tokenizer_files(path):
         return None
+    raw = [name for name in RAW_SENTENCEPIECE_FILES if os.path.isfile(os.path.join(path, name))]
+    if raw and not any(os.path.isfile(os.path.join(path, name))
+                       for name in TRANSFORMERS_TOKENIZER_FILES):
+        os.makedirs(directory, exist_ok=True)
+        model = os.path.join(os.path.abspath(directory), "tokenizer.model")
+        shutil.copyfile(os.path.join(path, raw[0]), model)
+        return DataConfig(tokenizer_type="SentencePieceTokenizer", tokenizer_model=model)
     transformers.AutoTokenizer.from_pretrained(path, local_files_only=True).save_pretrained(directory)
     return DataConfig(tokenizer_type="HuggingFaceTokenizer",
                       tokenizer_model=os.path.abspath(directory))

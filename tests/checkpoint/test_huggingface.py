@@ -10,6 +10,7 @@ from tokenizers import ByteLevelBPETokenizer
 from megatron_2bw.checkpoint import saved_config
 from megatron_2bw.checkpoint.huggingface import ConversionError, join_qkv, split_qkv
 from megatron_2bw.checkpoint.reshard import read_full_state
+from megatron_2bw.config import DataConfig
 from megatron_2bw.data.tokenizers import build_tokenizer
 from tests.checkpoint.helpers import VOCAB, save_random_checkpoint, whole_model
 from tests.data.helpers import load_tool
@@ -134,3 +135,24 @@ def test_the_model_directory_tokenizer_travels_through_import_and_export(tmp_pat
     _export(tmp_path / "ckpt", tmp_path / "exported")
     exported = transformers.AutoTokenizer.from_pretrained(tmp_path / "exported", local_files_only=True)
     assert exported.encode("the king spoke") == tokenizer.encode("the king spoke")
+
+
+def test_a_sentencepiece_run_comes_back_from_export_with_its_own_tokenizer(tmp_path):
+    """Export copies the raw SentencePiece model; import must read it back as that model, not as
+    the tokenizer transformers would guess from config.json (it splits text differently)."""
+    import sentencepiece
+
+    lines = ["the king and the queen spoke of love and war in the night"] * 50
+    sentencepiece.SentencePieceTrainer.train(sentence_iterator=iter(lines),
+                                             model_prefix=str(tmp_path / "spm"), vocab_size=40,
+                                             model_type="bpe", minloglevel=2)
+    data = DataConfig(tokenizer_type="SentencePieceTokenizer",
+                      tokenizer_model=str(tmp_path / "spm.model"))
+    save_random_checkpoint(tmp_path / "ckpt", "gpt", t=1, p=1, vocab_size=40, data=data)
+    _export(tmp_path / "ckpt", tmp_path / "hf")
+    load_tool("import_from_hf").main(["--hf-path", str(tmp_path / "hf"), "--save",
+                                      str(tmp_path / "back")])
+    imported = saved_config(str(tmp_path / "back")).data
+    assert imported.tokenizer_type == "SentencePieceTokenizer"
+    text = "the queen spoke of war"
+    assert build_tokenizer(imported).tokenize(text) == build_tokenizer(data).tokenize(text)
