@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from megatron_2bw.arguments import ConfigError
 from megatron_2bw.config import Config
+from megatron_2bw.pipeline.partition import layer_ranges
 from megatron_2bw.pipeline.schedules import version_for_batch
 from megatron_2bw.tensor_parallel.random import rng_state_dict
 
@@ -253,8 +254,14 @@ def save_checkpoint(stage) -> str:
 
 # -- load --------------------------------------------------------------------------------------------
 
-def check_layout(metadata: dict, root: str, tensor: int, pipeline: int) -> None:
+def _layers_per_stage(config: Config) -> list[int]:
+    return [len(r) for r in layer_ranges(config.model.num_layers, config.parallel.pipeline_parallel,
+                                         config.parallel.layer_split)]
+
+
+def check_layout(metadata: dict, root: str, current: Config) -> None:
     saved = metadata["layout"]
+    tensor, pipeline = current.parallel.tensor_parallel, current.parallel.pipeline_parallel
     if (saved["tensor"], saved["pipeline"]) != (tensor, pipeline):
         raise CheckpointError(
             f"checkpoint {root} (iteration {metadata['iteration']}) was saved with "
@@ -262,6 +269,12 @@ def check_layout(metadata: dict, root: str, tensor: int, pipeline: int) -> None:
             f"{saved['pipeline']}, but this run uses --tensor-model-parallel-size {tensor} "
             f"--pipeline-model-parallel-size {pipeline}; "
             + CONVERT_HINT.format(root=root, t=tensor, p=pipeline))
+    old, new = _layers_per_stage(Config.from_dict(metadata["config"])), _layers_per_stage(current)
+    if old != new:
+        raise CheckpointError(
+            f"checkpoint {root} (iteration {metadata['iteration']}) was saved with "
+            f"--pipeline-layer-split {','.join(map(str, old))}, but this run splits the layers "
+            f"{','.join(map(str, new))}: pass --pipeline-layer-split {','.join(map(str, old))}")
 
 
 def check_architecture(saved: Config, current: Config, root: str) -> None:
@@ -295,7 +308,7 @@ def load_checkpoint(stage, root: str, iteration: int | None = None) -> dict | No
     metadata = read_metadata(root, iteration)
     iteration = metadata["iteration"]
     layout, ckpt = stage.layout, stage.config.checkpoint
-    check_layout(metadata, root, layout.tensor, layout.pipeline)
+    check_layout(metadata, root, stage.config)
     check_architecture(Config.from_dict(metadata["config"]), stage.config, root)
     c = layout.coords
     path = model_file(root, iteration, c.tp, c.pp)

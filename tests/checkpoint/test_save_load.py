@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from megatron_2bw.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from megatron_2bw.checkpoint.save_load import (MARKER, maybe_load_checkpoint, read_marker,
-                                               rng_file)
+from megatron_2bw.checkpoint.save_load import (MARKER, check_layout, maybe_load_checkpoint,
+                                               read_marker, rng_file)
+from megatron_2bw.config import Config
 from megatron_2bw.distributed.layout import ParallelLayout
 from megatron_2bw.tensor_parallel.random import rng_state_dict
 from megatron_2bw.training import build_stage
@@ -104,3 +105,16 @@ def test_finetune_loads_weights_only_and_an_empty_load_dir_starts_from_scratch(t
     with pytest.raises(CheckpointError, match="--finetune --load"):
         maybe_load_checkpoint(_stage(pretrain_flags(1, 1, 10, "--load", str(tmp_path / "nothing"),
                                                     "--finetune")))
+
+
+def test_a_checkpoint_with_another_layer_split_names_the_split_to_pass():
+    saved = Config()
+    saved.model.num_layers, saved.parallel.pipeline_parallel = 4, 2
+    saved.parallel.layer_split = [3, 1]  # e.g. chosen by --auto-parallel
+    metadata = {"layout": {"tensor": 1, "pipeline": 2}, "iteration": 300, "config": saved.to_dict()}
+    current = Config.from_dict(saved.to_dict())
+    check_layout(metadata, "ckpt", current)  # the same split loads
+    current.parallel.layer_split = None  # the default, even split: 2,2
+    with pytest.raises(CheckpointError, match="saved with --pipeline-layer-split 3,1, but this run "
+                                              "splits the layers 2,2: pass --pipeline-layer-split 3,1"):
+        check_layout(metadata, "ckpt", current)
