@@ -13,9 +13,10 @@ LR=${LR:-2e-5}
 MICRO_BATCH=${MICRO_BATCH:-32}
 SEED=${SEED:-1234}
 SEQ_LENGTH=${SEQ_LENGTH:-128}
-# The tokenizer and model shape used for pretraining.
-TOKENIZER_ARGS=${TOKENIZER_ARGS:-"--tokenizer-type BertWordPieceLowerCase --vocab-file data/bert-vocab.txt"}
-MODEL_ARGS=${MODEL_ARGS:-"--num-layers 12 --hidden-size 768 --num-attention-heads 12 --max-position-embeddings 512"}
+# Default: the tokenizer and model shape recorded in the checkpoint. Set them to override, e.g.
+# TOKENIZER_ARGS="--tokenizer-type BertWordPieceLowerCase --vocab-file data/bert-vocab.txt".
+TOKENIZER_ARGS=${TOKENIZER_ARGS:-}
+MODEL_ARGS=${MODEL_ARGS:-}
 RESULTS_DIR=${RESULTS_DIR:-results/glue}
 PYTHON=${PYTHON:-python}
 
