@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from megatron_2bw.arguments import explicit_fields, parse_config, validate_for_world
+from megatron_2bw.arguments import ConfigError, explicit_fields, parse_config, validate_for_world
 from megatron_2bw.config import Config
 from megatron_2bw.distributed.comm import all_reduce
 from megatron_2bw.distributed.launch import (exit_process, init_distributed, local_world_size,
@@ -381,13 +381,60 @@ def build_data(config: Config, layout: ParallelLayout, tokenizer):
     return factory(datasets[0]), factory(datasets[1])
 
 
+def _check_writable(flag: str, path: str, directory: bool) -> None:
+    """`path` can be written, or created: its nearest existing ancestor is a writable directory."""
+    target = os.path.abspath(path)
+    if os.path.exists(target):
+        if os.path.isdir(target) != directory:
+            raise ConfigError(f"{flag} {path}: exists and is {'not ' if directory else ''}a "
+                              f"directory")
+        if not os.access(target, os.W_OK):
+            raise ConfigError(f"{flag} {path}: not writable")
+        return
+    ancestor = os.path.dirname(target)
+    while not os.path.exists(ancestor):
+        ancestor = os.path.dirname(ancestor)
+    if not os.path.isdir(ancestor) or not os.access(ancestor, os.W_OK):
+        raise ConfigError(f"{flag} {path}: cannot be created ({ancestor} is not a writable "
+                          f"directory)")
+
+
+def check_inputs(config: Config):
+    """What the flags name on disk, checked on every rank before any process group or model
+    exists, so that a mistake ends the job with one line naming the flag (ConfigError), not a
+    traceback after start-up or an unwritable --save after the first interval of training.
+    Returns the tokenizer."""
+    from megatron_2bw.data.bert_dataset import BertSpecialTokens
+    from megatron_2bw.data.builder import check_data_flags
+    from megatron_2bw.data.tokenizers import build_tokenizer
+    check_data_flags(config.data)
+    for flag, path, directory in (("--save", config.checkpoint.save, True),
+                                  ("--tensorboard-dir", config.logging.tensorboard_dir, True),
+                                  ("--log-file", config.logging.log_file, False)):
+        if path:
+            _check_writable(flag, path, directory)
+    par = config.parallel
+    if par.auto_parallel and par.planner_hardware != "local":
+        from megatron_2bw.planner.hardware import load_hardware
+        try:
+            load_hardware(par.planner_hardware)
+        except (ValueError, FileNotFoundError) as error:
+            raise ConfigError(f"--planner-hardware: {error}") from None
+    try:
+        tokenizer = build_tokenizer(config.data, config.model.vocab_size)
+        if config.model.model_type == "bert" and not config.data.mock_data:
+            BertSpecialTokens.from_tokenizer(tokenizer)  # BERT samples need [CLS], [SEP], ...
+    except (ValueError, FileNotFoundError) as error:  # the tokenizer flags or files
+        raise ConfigError(str(error)) from None
+    return tokenizer
+
+
 def pretrain(config: Config, typed: set = frozenset()) -> Stage:
     """Train to --train-iters (or an exit request); returns this rank's stage. `typed`: the
     (section, field) pairs given on the command line, which --auto-parallel keeps pinned."""
     from megatron_2bw.checkpoint import maybe_load_checkpoint, save_checkpoint
     from megatron_2bw.tensor_parallel.random import load_rng_state_dict
-    from megatron_2bw.data.tokenizers import build_tokenizer
-    tokenizer = build_tokenizer(config.data, config.model.vocab_size)
+    tokenizer = check_inputs(config)
     config.model.vocab_size = tokenizer.vocab_size  # before --auto-parallel profiles the model
     config, layout, device, plan = setup(config, typed)
     _FAILURE_CONTEXT["layout"] = layout

@@ -1,5 +1,9 @@
-"""The training loop's progress log: time per iteration from the ends of the batches."""
+"""The training loop: time per iteration from the ends of the batches; what the flags name on disk
+checked before start-up."""
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -8,6 +12,8 @@ from megatron_2bw.config import Config
 from megatron_2bw.distributed.layout import ParallelLayout
 from megatron_2bw.logging import Timers
 from megatron_2bw.pipeline.update import StepResult
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_time_per_iteration_counts_batches_not_deferred_steps_or_evaluation(monkeypatch, capsys):
@@ -40,3 +46,52 @@ def test_time_per_iteration_counts_batches_not_deferred_steps_or_evaluation(monk
     assert logged == pytest.approx([1200, 1000, 1000, 1400, 1000, 1000], abs=0.5)
     # --auto-parallel's measured figure leaves out the first interval (the start)
     assert log.interval_throughputs == pytest.approx([4.0, 4.0, 4 / 1.4, 4.0, 4.0])
+
+
+MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length",
+         "16", "--micro-batch-size", "2", "--train-iters", "2"]
+
+
+@pytest.mark.parametrize("extra,expected", [
+    (["--data-path", "{tmp}/corpus"], "{tmp}/corpus.idx not found (a dataset prefix names "
+     "PREFIX.bin and PREFIX.idx, as tools/preprocess_data.py writes them; did you mean "
+     "{tmp}/corpus_text_document?)"),
+    (["--data-path", "0.5", "A", "B"], "--data-path expects PREFIX or W1 PREFIX1 W2 PREFIX2"),
+    (["--data-path", "{tmp}/corpus_text_document", "--split", "1,2,3,4"],
+     "--split expects up to three non-negative weights"),
+    (["--data-path", "{tmp}/corpus_text_document"], "--tokenizer-type is required"),
+    (["--data-path", "{tmp}/corpus_text_document", "--tokenizer-type", "SentencePieceTokenizer",
+      "--tokenizer-model", "{tmp}/none.model"], "--tokenizer-model {tmp}/none.model: file not found"),
+    (["--mock-data", "--vocab-size", "64", "--save", "{tmp}/a_file/ckpt"],
+     "--save {tmp}/a_file/ckpt: cannot be created ({tmp}/a_file is not a writable directory)"),
+    (["--mock-data", "--vocab-size", "64", "--log-file", "{tmp}"], "--log-file {tmp}: exists and is "
+     "a directory"),
+    (["--mock-data", "--vocab-size", "64", "--auto-parallel", "--planner-hardware", "foo"],
+     "--planner-hardware: hardware file 'foo' not found"),
+])
+def test_what_the_flags_name_on_disk_is_checked_before_start_up(extra, expected, tmp_path):
+    for name in ("corpus_text_document.idx", "corpus_text_document.bin", "a_file"):
+        (tmp_path / name).write_bytes(b"")
+    argv = [a.format(tmp=tmp_path) for a in [*MODEL, *extra]]
+    result = subprocess.run([sys.executable, "pretrain_gpt.py", *argv], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("pretrain_gpt.py: error: "), result.stderr
+    assert expected.format(tmp=tmp_path) in lines[0]
+
+
+def test_bert_with_a_tokenizer_without_bert_tokens_is_refused_before_start_up(tmp_path):
+    for name in ("corpus_text_document.idx", "corpus_text_document.bin"):
+        (tmp_path / name).write_bytes(b"")
+    (tmp_path / "vocab.json").write_text('{"a": 0, "b": 1}')
+    (tmp_path / "merges.txt").write_text("#version: 0.2\n")
+    result = subprocess.run(
+        [sys.executable, "pretrain_bert.py", *MODEL, "--data-path",
+         str(tmp_path / "corpus_text_document"), "--tokenizer-type", "GPT2BPETokenizer",
+         "--vocab-file", str(tmp_path / "vocab.json"), "--merge-file", str(tmp_path / "merges.txt")],
+        cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip() == ("pretrain_bert.py: error: GPT2BPETokenizer has no cls token; its "
+                                     "vocabulary must define one (one of [CLS], <CLS>, <cls>) for "
+                                     "this use")

@@ -7,6 +7,7 @@ built. A split that gets no documents, or is asked for 0 samples, is returned as
 """
 from __future__ import annotations
 
+import glob
 import logging
 import os
 import re
@@ -14,12 +15,13 @@ import zlib
 
 import numpy as np
 
-from megatron_2bw.config import Config
+from megatron_2bw.arguments import ConfigError
+from megatron_2bw.config import Config, DataConfig
 from megatron_2bw.data.bert_dataset import BERTDataset, BertSampleSettings, BertSpecialTokens
 from megatron_2bw.data.blended import BlendedDataset, normalize_weights, samples_needed
 from megatron_2bw.data.gpt_dataset import GPTDataset
 from megatron_2bw.data.index_cache import build_or_load, cache_directory
-from megatron_2bw.data.indexed import IndexedDataset, bin_path
+from megatron_2bw.data.indexed import IndexedDataset, bin_path, idx_path
 from megatron_2bw.data.mock import MockBERTDataset, MockGPTDataset
 
 logger = logging.getLogger(__name__)
@@ -56,6 +58,35 @@ def parse_split(split: str) -> list[float]:
     return [p / sum(parts) for p in parts]
 
 
+def check_data_flags(data: DataConfig) -> None:
+    """The data flags' syntax and files, checked on every rank before any process group or model
+    exists: a mistake ends the job with one line naming the flag (ConfigError)."""
+    if data.mock_data:
+        return
+    if data.data_path is not None:  # --split applies to --data-path only
+        try:
+            parse_split(data.split)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+    for paths, flag in ((data.data_path, "--data-path"), (data.train_data_path, "--train-data-path"),
+                        (data.valid_data_path, "--valid-data-path"),
+                        (data.test_data_path, "--test-data-path")):
+        if paths is None:
+            continue
+        try:
+            prefixes = parse_blend(paths, flag)[1]
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+        for prefix in prefixes:
+            missing = [f for f in (idx_path(prefix), bin_path(prefix)) if not os.path.isfile(f)]
+            if missing:
+                near = sorted(glob.glob(glob.escape(prefix) + "_*.idx"))
+                hint = f"; did you mean {near[0][:-len('.idx')]}?" if near else ""
+                raise ConfigError(f"{flag} {prefix}: {missing[0]} not found (a dataset prefix "
+                                  f"names PREFIX.bin and PREFIX.idx, as tools/preprocess_data.py "
+                                  f"writes them{hint})")
+
+
 def split_document_ranges(num_documents: int, fractions: list[float]) -> list[tuple[int, int]]:
     """Contiguous [start, end) document ranges for train, valid and test."""
     bounds = np.round(np.cumsum([0.0] + fractions) * num_documents).astype(np.int64)
@@ -74,9 +105,9 @@ def check_vocabulary(indexed: IndexedDataset, tokenizer, cache_dir: str | None) 
                            lambda: {"max_token": np.array([indexed.max_token()])})
     largest = int(cached["max_token"][0])
     if largest >= tokenizer.vocab_size:
-        raise ValueError(f"{bin_path(indexed.prefix)} contains token id {largest}, but the "
-                         f"tokenizer ({tokenizer.name}) has only {tokenizer.vocab_size} ids: the "
-                         f"data was preprocessed with another tokenizer or --vocab-size")
+        raise ConfigError(f"{bin_path(indexed.prefix)} contains token id {largest}, but the "
+                          f"tokenizer ({tokenizer.name}) has only {tokenizer.vocab_size} ids: the "
+                          f"data was preprocessed with another tokenizer or --vocab-size")
 
 
 class _DatasetFactory:
