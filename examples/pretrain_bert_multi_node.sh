@@ -26,7 +26,7 @@ set -euo pipefail
 # --- parallelism (TP x PP must divide NNODES x GPUS_PER_NODE; the rest is data parallel) ----------
 : "${TP:=2}"                            # tensor parallel: keep within one node (fast links)
 : "${PP:=2}"                            # pipeline parallel stages
-: "${PIPELINE_SCHEDULE:=2bw}"           # 2bw | flush | gpipe
+: "${PIPELINE_SCHEDULE:=}"              # 2bw | flush | gpipe; empty: 2bw when PP > 1
 
 # --- model: BERT large (336M) ---------------------------------------------------------------------
 : "${NUM_LAYERS:=24}"

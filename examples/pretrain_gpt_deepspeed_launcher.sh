@@ -20,7 +20,7 @@ set -euo pipefail
 # --- parallelism (TP x PP must divide the number of slots; the rest is data parallel) -------------
 : "${TP:=4}"
 : "${PP:=4}"
-: "${PIPELINE_SCHEDULE:=2bw}"           # 2bw | flush | gpipe
+: "${PIPELINE_SCHEDULE:=}"              # 2bw | flush | gpipe; empty: 2bw when PP > 1
 
 # --- model: GPT 2.7B ------------------------------------------------------------------------------
 : "${NUM_LAYERS:=32}"

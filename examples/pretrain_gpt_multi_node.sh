@@ -26,7 +26,7 @@ set -euo pipefail
 # --- parallelism (TP x PP must divide NNODES x GPUS_PER_NODE; the rest is data parallel) ----------
 : "${TP:=4}"                            # tensor parallel: keep within one node (fast links)
 : "${PP:=4}"                            # pipeline parallel stages
-: "${PIPELINE_SCHEDULE:=2bw}"           # 2bw | flush | gpipe
+: "${PIPELINE_SCHEDULE:=}"              # 2bw | flush | gpipe; empty: 2bw when PP > 1
 
 # --- model: GPT 2.7B ------------------------------------------------------------------------------
 : "${NUM_LAYERS:=32}"

@@ -17,7 +17,7 @@ set -euo pipefail
 # --- parallelism (TP x PP must divide GPUS_PER_NODE; the rest is data parallel) -------------------
 : "${TP:=2}"                            # tensor parallel
 : "${PP:=2}"                            # pipeline parallel stages
-: "${PIPELINE_SCHEDULE:=2bw}"           # 2bw | flush | gpipe
+: "${PIPELINE_SCHEDULE:=}"              # 2bw | flush | gpipe; empty: 2bw when PP > 1
 
 # --- model: GPT 345M ------------------------------------------------------------------------------
 : "${NUM_LAYERS:=24}"

@@ -9,7 +9,6 @@
 
 args=(
     --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP"
-    --pipeline-schedule "$PIPELINE_SCHEDULE"
     --num-layers "$NUM_LAYERS" --hidden-size "$HIDDEN_SIZE"
     --num-attention-heads "$NUM_ATTENTION_HEADS" --seq-length "$SEQ_LENGTH"
     --micro-batch-size "$MICRO_BATCH_SIZE" --global-batch-size "$GLOBAL_BATCH_SIZE"
@@ -17,6 +16,9 @@ args=(
     --lr-decay-style "${LR_DECAY_STYLE:-cosine}" --lr-warmup-iters "$LR_WARMUP_ITERS"
     --weight-decay "${WEIGHT_DECAY:-0.1}" --clip-grad 1.0 --log-interval "$LOG_INTERVAL"
 )
+if [[ -n "${PIPELINE_SCHEDULE:-}" ]]; then  # else pretrain_*.py's default: 2bw when PP > 1
+    args+=(--pipeline-schedule "$PIPELINE_SCHEDULE")
+fi
 if [[ -n "${DIST_TIMEOUT_MINUTES:-}" ]]; then
     args+=(--distributed-timeout-minutes "$DIST_TIMEOUT_MINUTES")
 fi

@@ -161,6 +161,7 @@ def test_deepspeed_launcher_script_with_a_local_hostfile(tmp_path):
     output = _finish(job, log, timeout=120)
     assert job.returncode == 0, output[-4000:]
     assert "--local_rank=1" in output  # the launcher passed it, and pretrain_gpt.py accepted it
+    assert ", schedule flush," in output  # the scripts leave 2BW to PP > 1, as pretrain_gpt.py does
     assert [i for i, _, _ in _iterations(output)] == [1, 2, 3, 4], output[-4000:]
 
 
