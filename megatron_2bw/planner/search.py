@@ -127,6 +127,27 @@ def candidates(model: ModelConfig, world_size: int, hardware: HardwareSpec, glob
     return result
 
 
+def pinned_conflicts(model: ModelConfig, world_size: int, devices_per_node: int,
+                     global_batch_size: int, space: SearchSpace) -> list[str]:
+    """Why pinned sizes leave no configuration, naming their flags (empty if none is to blame)."""
+    reasons = []
+    for t in space.tensor_parallel or ():
+        if world_size % t or devices_per_node % t or model.num_attention_heads % t:
+            reasons.append(f"--tensor-model-parallel-size {t} must divide the world size "
+                           f"{world_size}, the {devices_per_node} devices of a node and the "
+                           f"{model.num_attention_heads} heads")
+    for p in space.pipeline_parallel or ():
+        if world_size % p or p > model.num_layers:
+            reasons.append(f"--pipeline-model-parallel-size {p} must divide the world size "
+                           f"{world_size} and be at most --num-layers {model.num_layers}")
+    for b in space.micro_batch_sizes or ():
+        if not any(global_batch_size % d == 0 and (global_batch_size // d) % b == 0
+                   for d in _divisors(world_size)):
+            reasons.append(f"--micro-batch-size {b} must divide a replica's batch "
+                           f"(--global-batch-size {global_batch_size} / d)")
+    return reasons
+
+
 # micro batch sizes measured for a search on the machine at hand when none is pinned
 PROFILED_MICRO_BATCH_SIZES = (1, 2, 4, 8)
 
@@ -256,9 +277,12 @@ def rank_plans(model: ModelConfig, world_size: int, hardware: HardwareSpec, glob
     profile = profile or AnalyticProfile(model, precision, hardware)
     pool = candidates(model, world_size, hardware, global_batch_size, space)
     if not pool:
+        reasons = pinned_conflicts(model, world_size, hardware.devices_per_node,
+                                   global_batch_size, space)
         raise ValueError(f"no valid parallel configuration for world size {world_size}, global "
-                         f"batch {global_batch_size} and this model (t must divide the heads and "
-                         f"the {hardware.devices_per_node} devices of a node, p <= layers)")
+                         f"batch {global_batch_size} and this model: " + ("; ".join(reasons) or
+                         f"t must divide the heads and the {hardware.devices_per_node} devices of "
+                         f"a node, p <= layers"))
     planner = _Planner(model, hardware, global_batch_size, precision, optimizer, parallel, profile,
                        space.balance_layers)
     assessed = [planner.assess(c) for c in tqdm(pool, desc="costing", unit="config",

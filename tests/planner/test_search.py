@@ -129,3 +129,16 @@ def test_a_measured_search_keeps_to_the_micro_batch_sizes_it_profiled(monkeypatc
     assert profiled[-1] == [16] and pinned.micro_batch_sizes == (16,)
     with pytest.raises(ValueError, match="--global-batch-size"):
         search.measured_search(Config(model=MODEL), 2, P3, SearchSpace())
+
+
+@pytest.mark.parametrize("space,message", [
+    (SearchSpace(micro_batch_sizes=(5,)), "--micro-batch-size 5 must divide a replica's batch "
+                                          r"\(--global-batch-size 32 / d\)"),
+    (SearchSpace(pipeline_parallel=(3,)), "--pipeline-model-parallel-size 3 must divide the world "
+                                          "size 8"),
+    (SearchSpace(tensor_parallel=(16,)), "--tensor-model-parallel-size 16 must divide the world "
+                                         "size 8"),
+])
+def test_a_pinned_size_that_leaves_nothing_is_named(space, message):
+    with pytest.raises(ValueError, match=message):
+        rank_plans(MODEL, 8, P3, 32, PrecisionConfig(), space=space)
