@@ -143,8 +143,19 @@ def main(argv=None) -> list[Plan]:
     for flag, value in (("--json", args.json), ("--plot", args.plot)):
         if value and not Path(value).resolve().parent.is_dir():
             raise ConfigError(f"{flag} {value}: the directory does not exist")
+    if args.plot:
+        from matplotlib.figure import Figure
+        formats = Figure().canvas.get_supported_filetypes()
+        if Path(args.plot).suffix.lstrip(".").lower() not in formats:
+            raise ConfigError(f"--plot {args.plot}: expected an image file name ending in one of "
+                              f"{', '.join('.' + f for f in sorted(formats))}")
     profile, space = None, search_space(args, config)
     if args.hardware == "local":
+        if args.world_size > 1:
+            print(f"note: --hardware local is this machine as one process sees it, one device "
+                  f"per node: {args.world_size} ranks are planned on {args.world_size} such "
+                  f"machines. For ranks sharing this machine's cores, --auto-parallel at launch "
+                  f"measures them together.", file=sys.stderr)
         hardware = local_hardware()
         profile, space = measured_search(config, args.world_size, hardware, space,
                                          args.profile_cache, progress=True)

@@ -60,6 +60,8 @@ def test_errors_are_one_line_and_exit_2():
     (["--world-size", "8", "--hardware", "dgx-a100", "--top", "0"], "--top"),
     (["--world-size", "8", "--hardware", "dgx-a100", "--json", "/no/such/dir/x.json"],
      "--json /no/such/dir/x.json: the directory does not exist"),
+    (["--world-size", "8", "--hardware", "dgx-a100", "--plot", "plan.txt"],
+     r"--plot plan.txt: expected an image file name ending in one of .*\.png"),
     (["--world-size", "8", "--hardware", "p3.16xlarge", "--bf16"], "no peak_flops for bfloat16"),
 ])
 def test_bad_arguments_are_named(args, message):
@@ -83,3 +85,4 @@ def test_local_hardware_measures_this_machine(tmp_path):
     assert list(tmp_path.glob("*__gpt-h128-a4-f512-s64-v1024-dropout0.1-0.1__float32.json"))
     rows = json.loads((tmp_path / "plan.json").read_text())["configs"]
     assert rows[0]["fits"] and rows[0]["tensor_parallel"] == 1  # one device per node here
+    assert "2 ranks are planned on 2 such machines" in result.stderr
