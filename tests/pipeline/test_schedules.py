@@ -114,3 +114,12 @@ def test_render_shows_every_stage_and_versions():
     lines = text.splitlines()
     assert [line.split("|")[0].strip() for line in lines[:4]] == [f"stage {s}" for s in range(4)]
     assert "F8v1" in text and "B11v1" in text
+
+
+def test_render_keeps_two_digit_labels_apart():
+    import re
+
+    text = S.render(S.build_schedule("2bw", 2, 4, 3))
+    labels = re.findall(r"[FB]\d+v\d+", text.splitlines()[0])
+    assert "F10v1" in labels and "B9v1" in labels  # not run together as F10v1B9v1
+    assert not re.search(r"v\d+[FB]", text)
