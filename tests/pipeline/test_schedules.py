@@ -1,6 +1,7 @@
 """Schedules as data: every generated list passes the validator; broken lists are rejected with the
 stage, position and rule."""
 import dataclasses
+import re
 
 import pytest
 
@@ -117,8 +118,6 @@ def test_render_shows_every_stage_and_versions():
 
 
 def test_render_keeps_two_digit_labels_apart():
-    import re
-
     text = S.render(S.build_schedule("2bw", 2, 4, 3))
     labels = re.findall(r"[FB]\d+v\d+", text.splitlines()[0])
     assert "F10v1" in labels and "B9v1" in labels  # not run together as F10v1B9v1
