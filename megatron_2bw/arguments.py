@@ -219,8 +219,10 @@ def validate(config: Config, require_data: bool = True) -> None:
                         ("--tensor-model-parallel-size", par.tensor_parallel),
                         ("--pipeline-model-parallel-size", par.pipeline_parallel),
                         ("--train-iters", tr.train_iters), ("--log-interval", tr.log_interval),
-                        ("--eval-iters", tr.eval_iters), ("--eval-interval", tr.eval_interval)]:
+                        ("--eval-interval", tr.eval_interval)]:
         _require(value is not None and value > 0, f"{flag} must be a positive integer, got {value}")
+    _require(tr.eval_iters is not None and tr.eval_iters >= 0,
+             f"--eval-iters must be >= 0 (0: no validation), got {tr.eval_iters}")
     _require(m.hidden_size % m.num_attention_heads == 0,
              f"--num-attention-heads {m.num_attention_heads} must divide --hidden-size {m.hidden_size}")
     t = par.tensor_parallel

@@ -162,7 +162,7 @@ def run_segment(stage: Stage, first_batch: int, batches: int, feed: MicrobatchFe
 def segment_ends(config: Config, start: int) -> list[int]:
     """Iterations after which the pipeline drains (evaluation, checkpoint, exit checks, the end)."""
     train, ckpt = config.training, config.checkpoint
-    intervals = [train.eval_interval]
+    intervals = [train.eval_interval] if train.eval_iters else []  # --eval-iters 0: no validation
     if ckpt.save and ckpt.save_interval:
         intervals.append(ckpt.save_interval)
     if train.exit_interval:

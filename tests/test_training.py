@@ -95,3 +95,12 @@ def test_bert_with_a_tokenizer_without_bert_tokens_is_refused_before_start_up(tm
     assert result.stderr.strip() == ("pretrain_bert.py: error: GPT2BPETokenizer has no cls token; its "
                                      "vocabulary must define one (one of [CLS], <CLS>, <cls>) for "
                                      "this use")
+
+
+def test_eval_iters_0_turns_validation_off_as_in_megatron():
+    result = subprocess.run([sys.executable, "pretrain_gpt.py", *MODEL, "--mock-data", "--vocab-size",
+                             "64", "--eval-iters", "0", "--eval-interval", "1", "--log-interval",
+                             "1"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert re.search(r"iteration\s+2/\s*2 \|", result.stdout), result.stdout
+    assert "validation" not in result.stdout
