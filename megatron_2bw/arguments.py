@@ -10,11 +10,7 @@ import argparse
 import sys
 from contextlib import contextmanager
 
-from megatron_2bw.config import Config
-
-
-class ConfigError(ValueError):
-    """A user-facing configuration mistake; the message names the flag and what was expected."""
+from megatron_2bw.config import Config, ConfigError  # noqa: F401 - ConfigError is re-exported
 
 
 class _Parser(argparse.ArgumentParser):

@@ -9,6 +9,10 @@ import dataclasses
 from dataclasses import dataclass, field
 
 
+class ConfigError(ValueError):
+    """A user-facing configuration mistake; the message names the flag and what was expected."""
+
+
 @dataclass
 class ModelConfig:
     model_type: str = "gpt"  # "gpt" or "bert"

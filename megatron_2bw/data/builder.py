@@ -15,8 +15,7 @@ import zlib
 
 import numpy as np
 
-from megatron_2bw.arguments import ConfigError
-from megatron_2bw.config import Config, DataConfig
+from megatron_2bw.config import Config, ConfigError, DataConfig
 from megatron_2bw.data.bert_dataset import BERTDataset, BertSampleSettings, BertSpecialTokens
 from megatron_2bw.data.blended import BlendedDataset, normalize_weights, samples_needed
 from megatron_2bw.data.gpt_dataset import GPTDataset
