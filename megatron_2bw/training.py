@@ -311,6 +311,10 @@ def setup(config: Config, typed: set) -> tuple[Config, ParallelLayout, torch.dev
         config, plan = plan_job(config, info.world_size, info.rank, typed)
         if info.rank == 0:
             print(f" auto-parallel plan: {describe_plan(plan)}", flush=True)
+            if config.parallel.planner_hardware != "local":
+                print(f" auto-parallel: planned for --planner-hardware "
+                      f"{config.parallel.planner_hardware}; its predictions describe that "
+                      f"hardware, not necessarily this machine", flush=True)
     par = config.parallel
     validate_for_world(config, info.world_size)
     layout = ParallelLayout(info.world_size, par.tensor_parallel, par.pipeline_parallel, info.rank)

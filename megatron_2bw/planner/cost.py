@@ -27,6 +27,7 @@ optimizer (memory-bound) and writes the new weight version.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from functools import lru_cache
@@ -56,14 +57,11 @@ class Candidate:
         return global_batch_size // (self.micro_batch_size * self.data_parallel)
 
     def parallel_config(self, base: ParallelConfig | None = None) -> ParallelConfig:
-        base = base or ParallelConfig()
-        return ParallelConfig(
-            tensor_parallel=self.tensor_parallel, pipeline_parallel=self.pipeline_parallel,
-            schedule=self.schedule,
-            layer_split=list(self.layer_split) if self.layer_split else None,
-            distributed_backend=base.distributed_backend, timeout_minutes=base.timeout_minutes,
-            use_distributed_optimizer=base.use_distributed_optimizer,
-            ddp_bucket_size=base.ddp_bucket_size)
+        """`base` (every other setting kept) with this candidate's layout and schedule."""
+        return dataclasses.replace(
+            base or ParallelConfig(), tensor_parallel=self.tensor_parallel,
+            pipeline_parallel=self.pipeline_parallel, schedule=self.schedule,
+            layer_split=list(self.layer_split) if self.layer_split else None)
 
     def describe(self) -> str:
         split = f" split={','.join(map(str, self.layer_split))}" if self.layer_split else ""

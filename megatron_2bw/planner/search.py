@@ -351,7 +351,6 @@ def apply_plan(config: Config, plan: Plan) -> Config:
     size, recomputation)."""
     result = copy.deepcopy(config)
     result.parallel = plan.candidate.parallel_config(config.parallel)
-    result.parallel.auto_parallel = config.parallel.auto_parallel
     result.training.micro_batch_size = plan.candidate.micro_batch_size
     result.recompute = recompute_config(plan.candidate.recompute)
     return result

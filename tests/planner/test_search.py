@@ -67,6 +67,8 @@ def test_memory_limit_marks_and_ranks_configurations():
 def test_best_plan_applies_to_a_config():
     config = Config(model=MODEL, training=TrainingConfig(global_batch_size=64))
     config.precision.fp16 = True
+    config.parallel.auto_parallel, config.parallel.planner_hardware = True, "p3.16xlarge"
+    config.parallel.bind_cores_to_rank, config.parallel.timeout_minutes = True, 3.0
     plan = best_plan(config, 8, P3)
     assert plan.fits and plan.simulated
     assert plan == rank_plans(MODEL, 8, P3, 64, PrecisionConfig(fp16=True))[0]
@@ -79,6 +81,10 @@ def test_best_plan_applies_to_a_config():
     assert applied.recompute.granularity == c.recompute
     assert validate_for_world(applied, 8) == c.data_parallel
     assert config.parallel.tensor_parallel == 1  # the original is untouched
+    # every setting the plan does not choose is kept
+    assert (applied.parallel.auto_parallel, applied.parallel.planner_hardware,
+            applied.parallel.bind_cores_to_rank, applied.parallel.timeout_minutes) == \
+        (True, "p3.16xlarge", True, 3.0)
     json_row = plan.to_json()
     assert {"tensor_parallel", "pipeline_parallel", "data_parallel", "micro_batch_size",
             "recompute", "schedule", "throughput_samples_per_s", "memory_bytes_per_stage", "fits",
