@@ -90,12 +90,21 @@ class StageCost:
     # the data-parallel all-reduce (or reduce-scatter) of the gradient buffer: it runs on after
     # reduce and must be in before the stage's next backward or its step (update.py)
     reduce_background_s: float = 0.0
+    # CPU ranks (measured; 0 on devices): the share of the forward/backward all-reduce time a rank
+    # still spends on a processor, and the processor seconds of its data-parallel all-reduce.
+    # gloo reduces on the cores the ranks compute on: these count in a node's processor budget
+    # where ranks share cores (CoreSharing), though the rank itself is blocked or computing then
+    comm_processor_share: float = 0.0
+    reduce_background_processor_s: float = 0.0
 
     def processor_time(self, microbatches: int) -> float:
-        """Seconds per batch this rank needs a processor for: its computation, not its waits."""
-        return (microbatches * (self.forward_s - self.forward_comm_s + self.backward_s
-                                - self.backward_comm_s)
-                + self.reduce_s + self.step_s - self.step_comm_s)
+        """Seconds per batch this rank needs a processor for: its computation and its
+        collectives' processor work, not its waits."""
+        waiting = 1.0 - self.comm_processor_share
+        return (microbatches * (self.forward_s + self.backward_s
+                                - waiting * (self.forward_comm_s + self.backward_comm_s))
+                + self.reduce_s + self.step_s - self.step_comm_s
+                + self.reduce_background_processor_s)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -315,6 +324,7 @@ def stage_costs(model: ModelConfig, hardware: HardwareSpec, costs: ComputeCosts,
     tied_ar = net.allreduce_time("embedding", tied_bytes) if p > 1 else 0.0
     separate_master = e != 4 or g != 4 or candidate.schedule == "2bw"
     shards = d if parallel.use_distributed_optimizer else 1
+    tensor_share = hardware.allreduce_processor_share(t, activation) if t > 1 else 0.0
     layer_counts = list(candidate.layer_split) if candidate.layer_split else \
         [len(r) for r in layer_ranges(model.num_layers, p)]
 
@@ -342,6 +352,8 @@ def stage_costs(model: ModelConfig, hardware: HardwareSpec, costs: ComputeCosts,
         P = stage_parameters(model, t, layers, first, last)
         buckets = max(1, math.ceil(P / parallel.ddp_bucket_size))
         data_ar = net.allreduce_time("data", g * P, s, buckets)
+        data_processor = data_ar * hardware.allreduce_processor_share(d, g * P / buckets) \
+            if d > 1 else 0.0
         local = ((2 * g + 4) if separate_master else 0) * P + 12 * P  # move + zero, grad norm
         # optimizer + unscaling; then the new working version is written from the master weights
         step = (OPTIMIZER_STEP_BYTES[optimizer] + 8) * P / shards + \
@@ -359,7 +371,8 @@ def stage_costs(model: ModelConfig, hardware: HardwareSpec, costs: ComputeCosts,
             step_s=step / memory_rate + step_comm,
             tied_async_s=tied_ar if first and not last else 0.0,
             forward_comm_s=forward_comm, backward_comm_s=backward_comm, step_comm_s=step_comm,
-            reduce_background_s=data_ar))
+            reduce_background_s=data_ar, comm_processor_share=tensor_share,
+            reduce_background_processor_s=data_processor))
     return result
 
 

@@ -42,6 +42,26 @@ _UNITS = {
 }
 
 
+def _interpolated(table: tuple[tuple[int, int, float], ...], group_size: int,
+                  nbytes: float) -> float | None:
+    """A (group size, bytes, seconds) table's figure for `nbytes`, linear in log bytes between the
+    measured sizes; beyond them the end point scaled by bytes (large) or the smallest (small);
+    None when the group size was not measured."""
+    points = sorted((b, t) for n, b, t in table if n == group_size)
+    if not points:
+        return None
+    nbytes = max(float(nbytes), 1.0)
+    if nbytes <= points[0][0]:
+        return points[0][1]
+    if nbytes >= points[-1][0]:
+        return points[-1][1] * nbytes / points[-1][0]
+    for (b0, t0), (b1, t1) in zip(points, points[1:]):
+        if b0 <= nbytes <= b1:
+            w = (math.log(nbytes) - math.log(b0)) / (math.log(b1) - math.log(b0))
+            return t0 + w * (t1 - t0)
+    return points[-1][1]
+
+
 @dataclass(frozen=True)
 class HardwareSpec:
     name: str
@@ -70,6 +90,11 @@ class HardwareSpec:
     # A library's collective is not latency + bytes / bandwidth in between (gloo on this 2-core
     # machine: 0.3 ms for 4 B, 7 ms for 8 MB, but 2 ms for 128 KB), so the cost model interpolates.
     allreduce_times: tuple[tuple[int, int, float], ...] = ()
+    # processor seconds one rank spends per all-reduce of allreduce_times (all its threads, the
+    # kernel's socket copies included), measured on CPU ranks: gloo reduces on the cores the ranks
+    # compute on, so where ranks share cores it counts in the node's processor budget. On this VM
+    # 40-50% of the wall time for 2-rank groups of 4 ranks on 2 cores, 30-45% for the 4-rank group.
+    allreduce_processor_times: tuple[tuple[int, int, float], ...] = ()
     # nodes running more ranks than processors: how long the OS runs a computing rank before
     # another takes its turn (Linux on this VM: 3.9 ms). A rank woken in a transfer or collective
     # while other ranks of its node compute waits for its peers' turns (cost.Network.wake_s).
@@ -91,25 +116,21 @@ class HardwareSpec:
                      self.intra_node_bandwidth, self.inter_node_bandwidth,
                      tuple(sorted(self.peak_flops.items())), self.memory_bandwidth, self.efficiency,
                      self.compute_slots_per_node, self.allreduce_times, self.scheduler_slice_s,
-                     self.allreduce_after_compute, self.p2p_processor_s))
+                     self.allreduce_after_compute, self.p2p_processor_s,
+                     self.allreduce_processor_times))
 
     def measured_allreduce_s(self, group_size: int, nbytes: float) -> float | None:
         """Interpolated (linearly in log bytes) measured all-reduce time of a group of that size
         inside a node; None when none was measured. Beyond the measured sizes: the end point
         scaled by bytes (large) or the smallest time (small)."""
-        points = sorted((b, t) for n, b, t in self.allreduce_times if n == group_size)
-        if not points:
-            return None
-        nbytes = max(float(nbytes), 1.0)
-        if nbytes <= points[0][0]:
-            return points[0][1]
-        if nbytes >= points[-1][0]:
-            return points[-1][1] * nbytes / points[-1][0]
-        for (b0, t0), (b1, t1) in zip(points, points[1:]):
-            if b0 <= nbytes <= b1:
-                w = (math.log(nbytes) - math.log(b0)) / (math.log(b1) - math.log(b0))
-                return t0 + w * (t1 - t0)
-        return points[-1][1]
+        return _interpolated(self.allreduce_times, group_size, nbytes)
+
+    def allreduce_processor_share(self, group_size: int, nbytes: float) -> float:
+        """The share of a measured all-reduce's time its ranks spend on a processor (0 where
+        not measured: devices, or hardware files)."""
+        seconds = _interpolated(self.allreduce_times, group_size, nbytes)
+        processor = _interpolated(self.allreduce_processor_times, group_size, nbytes)
+        return min(processor / seconds, 1.0) if seconds and processor is not None else 0.0
 
     def allreduce_after_compute_s(self, segment_s: float) -> float:
         """Extra time of a blocking all-reduce after `segment_s` of compute on every rank of the
@@ -157,14 +178,18 @@ class HardwareSpec:
                     for f in dataclasses.fields(HardwareSpec)
                     if isinstance(getattr(first, f.name), float)}
         flops = {dtype: middle(s.peak_flops[dtype] for s in specs) for dtype in first.peak_flops}
-        allreduce = tuple((g, b, middle(t for s in specs for g2, b2, t in s.allreduce_times
-                                        if (g2, b2) == (g, b)))
-                          for g, b, _ in first.allreduce_times)
+
+        def middle_table(name: str) -> tuple:
+            return tuple((g, b, middle(t for s in specs for g2, b2, t in getattr(s, name)
+                                       if (g2, b2) == (g, b)))
+                         for g, b, _ in getattr(first, name))
         after = tuple((segment, middle(e for s in specs for s2, e in s.allreduce_after_compute
                                        if s2 == segment))
                       for segment, _ in first.allreduce_after_compute)
-        return dataclasses.replace(first, **measured, peak_flops=flops, allreduce_times=allreduce,
-                                   allreduce_after_compute=after)
+        return dataclasses.replace(
+            first, **measured, peak_flops=flops, allreduce_times=middle_table("allreduce_times"),
+            allreduce_processor_times=middle_table("allreduce_processor_times"),
+            allreduce_after_compute=after)
 
     def for_world(self, world_size: int) -> "HardwareSpec":
         """The same hardware with as many nodes as `world_size` devices need."""
@@ -405,17 +430,19 @@ ALLREDUCE_PROBE_BYTES = (4, 16 << 10, 128 << 10, 1 << 20, 8 << 20)
 
 
 def probe_allreduce_times(group=None, sizes=ALLREDUCE_PROBE_BYTES, repeats: int = 20
-                          ) -> tuple[tuple[int, int, float], ...]:
+                          ) -> tuple[tuple[tuple[int, int, float], ...], ...]:
     """Mean seconds of back-to-back all-reduces per (group size, bytes), for every group size g
     >= 2 dividing the ranks of a node, with the node's consecutive g-rank groups all busy at once
-    (as tensor-parallel groups are). Collective: every rank calls it; all get the same table.
-    Single-node jobs only (an empty table otherwise: the link model applies)."""
+    (as tensor-parallel groups are); and, on CPU ranks, the processor seconds a rank spent per
+    all-reduce meanwhile (all its threads; an empty table on devices). Collective: every rank
+    calls it; all get the same tables. Single-node jobs only (empty tables otherwise: the link
+    model applies)."""
     group = group or dist.group.WORLD
     device = _device_for(group)
     size = dist.get_world_size(group)
     hosts = _host_names(group)
     if size < 2 or len(set(hosts)) > 1:
-        return ()
+        return (), ()
     ranks = [dist.get_global_rank(group, r) for r in range(size)]
     table = []
     for g in (n for n in range(2, size + 1) if size % n == 0):
@@ -426,14 +453,24 @@ def probe_allreduce_times(group=None, sizes=ALLREDUCE_PROBE_BYTES, repeats: int 
             tensor = torch.ones(max(nbytes // 4, 1), dtype=torch.float32, device=device)
             count = max(2, repeats if nbytes <= (1 << 20) else repeats // 4)
             dist.all_reduce(tensor, group=mine)  # warm-up (connections, buffers)
-            seconds = median_time(lambda: [dist.all_reduce(tensor, group=mine)
-                                           for _ in range(count)], device, 3) / count
-            table.append((g, nbytes, seconds))
+            spent = [0.0, 0]  # processor seconds, calls
+
+            def calls() -> None:
+                start = time.process_time()
+                for _ in range(count):
+                    dist.all_reduce(tensor, group=mine)
+                spent[0] += time.process_time() - start
+                spent[1] += count
+            seconds = median_time(calls, device, 3) / count
+            table.append((g, nbytes, seconds, spent[0] / spent[1]))
         dist.barrier(group=group)
         if mine is not group:  # its gloo threads would otherwise live on through training
             dist.destroy_process_group(mine)
-    times = _agree([t for _, _, t in table], dist.ReduceOp.MAX, group, device)
-    return tuple((g, b, t) for (g, b, _), t in zip(table, times))
+    agreed = _agree([x for *_, t, processor in table for x in (t, processor)],
+                    dist.ReduceOp.MAX, group, device)
+    times = tuple((g, b, t) for (g, b, *_), t in zip(table, agreed[0::2]))
+    processor = tuple((g, b, p) for (g, b, *_), p in zip(table, agreed[1::2]))
+    return times, processor if device.type == "cpu" else ()
 
 
 AFTER_COMPUTE_SEGMENTS_S = (0.5e-3, 1e-3, 2e-3, 5e-3)
@@ -651,6 +688,7 @@ def detect_hardware(group=None, name: str | None = None, repeats: int = 5) -> Ha
     size = dist.get_world_size(group)
     # a ring all-reduce pays 2(n-1) hop latencies; measured over a group within one node only
     hop_latency = probe.small_allreduce_s / (2 * (size - 1)) if size > 1 and hosts == 1 else None
+    allreduce_times, allreduce_processor = probe_allreduce_times(group)
     return HardwareSpec(
         name=name or f"{socket.gethostname()}-{label}-{hosts}x{ranks_here}".replace(" ", "_"),
         devices_per_node=ranks_here, nodes=hosts, memory_per_device_bytes=memory,
@@ -660,7 +698,8 @@ def detect_hardware(group=None, name: str | None = None, repeats: int = 5) -> Ha
         peak_flops=flops, memory_bandwidth=bandwidth, efficiency=1.0,
         reserved_memory_bytes=reserved, kernel_overhead_s=launch,
         collective_hop_latency_s=hop_latency, compute_slots_per_node=slots,
-        allreduce_times=probe_allreduce_times(group), scheduler_slice_s=slice_s,
+        allreduce_times=allreduce_times, allreduce_processor_times=allreduce_processor,
+        scheduler_slice_s=slice_s,
         allreduce_after_compute=probe_allreduce_after_compute(group, processors=slots)
         if slots is not None else (),
         p2p_processor_s=probe_p2p_processor_time(group) if slots is not None else 0.0,

@@ -10,6 +10,15 @@ from megatron_2bw.planner.memory import stage_parameters
 from megatron_2bw.planner.profile import ComputeCosts
 
 
+# a 2-layer model with round piece times (ms): forward 4 per layer, backward 8, head 3 and 6
+SMALL_MODEL = ModelConfig(num_layers=2, hidden_size=8, num_attention_heads=2, seq_length=4,
+                          vocab_size=16)
+SMALL_COSTS = ComputeCosts(layer_forward_s=0.004, layer_backward_s=0.008,
+                           attention_core_forward_s=0.001, embedding_forward_s=0.001,
+                           embedding_backward_s=0.001, head_forward_s=0.003, head_backward_s=0.006,
+                           layer_activation_bytes=1.0, selective_layer_activation_bytes=1.0)
+
+
 def toy_hardware(devices_per_node=4, nodes=2) -> HardwareSpec:
     """Round numbers: 100 B/s and 1 s inside a node, 10 B/s per node and 5 s between nodes."""
     return HardwareSpec(name="toy", devices_per_node=devices_per_node, nodes=nodes,
@@ -209,13 +218,7 @@ def test_measured_allreduce_times_replace_the_ring_formula_inside_a_node():
 
 
 def test_tensor_parallel_allreduces_pay_the_extra_of_meeting_after_compute():
-    model = ModelConfig(num_layers=2, hidden_size=8, num_attention_heads=2, seq_length=4,
-                        vocab_size=16)
-    costs = ComputeCosts(layer_forward_s=0.004, layer_backward_s=0.008,
-                         attention_core_forward_s=0.001, embedding_forward_s=0.001,
-                         embedding_backward_s=0.001, head_forward_s=0.003,
-                         head_backward_s=0.006, layer_activation_bytes=1.0,
-                         selective_layer_activation_bytes=1.0)
+    model, costs = SMALL_MODEL, SMALL_COSTS
     hardware = dataclasses.replace(
         toy_hardware(devices_per_node=2, nodes=1), allreduce_times=((2, 4, 1e-3),),
         allreduce_after_compute=((0.002, 2e-4), (0.004, 6e-4)))
@@ -236,3 +239,37 @@ def test_tensor_parallel_allreduces_pay_the_extra_of_meeting_after_compute():
     plain = dataclasses.replace(hardware, allreduce_after_compute=())
     assert piece_times(model, Network(plain, 2, 1, 1), costs, 1, None, precision) \
         .layer_forward_comm_s == pytest.approx(2 * ar_layer)
+
+
+def test_collectives_processor_work_counts_in_the_node_budget_of_ranks_sharing_cores():
+    """gloo reduces on the cores the ranks compute on: with four ranks on two cores, the measured
+    processor share of each all-reduce is added to the rank's processor time (the node's bound),
+    not to its own timeline."""
+    model, costs = SMALL_MODEL, SMALL_COSTS
+    times = ((2, 4, 1e-3), (2, 1 << 20, 4e-3))
+    hardware = dataclasses.replace(toy_hardware(devices_per_node=4, nodes=1),
+                                   compute_slots_per_node=2, allreduce_times=times)
+    measured = dataclasses.replace(hardware, allreduce_processor_times=(
+        (2, 4, 2.5e-4), (2, 1 << 20, 2e-3)))
+    assert measured.allreduce_processor_share(2, 4) == pytest.approx(0.25)
+    assert measured.allreduce_processor_share(2, 1 << 20) == pytest.approx(0.5)
+    assert measured.allreduce_processor_share(4, 4) == 0.0 and hardware.allreduce_processor_share(
+        2, 4) == 0.0  # not measured: a group size missing, or a hardware file
+
+    candidate = Candidate(2, 1, 2, 1, None, "flush")  # t = 2, d = 2: both collectives
+    before = stage_costs(model, hardware, costs, candidate, PrecisionConfig(), "adam")[0]
+    after = stage_costs(model, measured, costs, candidate, PrecisionConfig(), "adam")[0]
+    assert (before.comm_processor_share, before.reduce_background_processor_s) == (0.0, 0.0)
+    activation = 1 * 4 * 8 * 4
+    share = measured.allreduce_processor_share(2, activation)
+    assert 0.25 < share < 0.5 and after.comm_processor_share == pytest.approx(share)
+    gradient_bytes = 4 * stage_parameters(model, 2, 2, True, True)  # fp32, one bucket
+    assert after.reduce_background_processor_s == pytest.approx(
+        after.reduce_background_s * measured.allreduce_processor_share(2, gradient_bytes))
+    assert after.reduce_background_processor_s > 0
+    m = 3
+    comm = after.forward_comm_s + after.backward_comm_s
+    assert after.processor_time(m) == pytest.approx(
+        before.processor_time(m) + m * share * comm + after.reduce_background_processor_s)
+    assert (after.forward_s, after.backward_s, after.reduce_s) == \
+        (before.forward_s, before.backward_s, before.reduce_s)  # the rank's own timeline

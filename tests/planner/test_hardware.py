@@ -175,9 +175,13 @@ def _allreduce_table(rank, world_size):
 
 def test_allreduce_times_for_every_group_size_of_a_node():
     tables = run_ranks(4, _allreduce_table)
-    assert all(table == tables[0] for table in tables)  # every rank gets the same table
-    assert [(g, b) for g, b, _ in tables[0]] == [(2, 4), (2, 1 << 16), (4, 4), (4, 1 << 16)]
-    assert all(t > 0 for _, _, t in tables[0])
+    assert all(table == tables[0] for table in tables)  # every rank gets the same tables
+    times, processor = tables[0]
+    assert [(g, b) for g, b, _ in times] == [(2, 4), (2, 1 << 16), (4, 4), (4, 1 << 16)]
+    assert all(t > 0 for _, _, t in times)
+    # CPU ranks: the processor seconds of the same calls, beside them
+    assert [(g, b) for g, b, _ in processor] == [(g, b) for g, b, _ in times]
+    assert all(0 < p < 4 * t for (_, _, t), (_, _, p) in zip(times, processor))
 
 
 def _slice_on_one_core(rank, world_size):
@@ -201,12 +205,15 @@ def test_the_median_of_several_detections(tmp_path):
     import dataclasses
     base = dataclasses.replace(load_hardware(write(tmp_path, GOOD)), scheduler_slice_s=0.004,
                                allreduce_times=((2, 4, 1e-3), (2, 1024, 2e-3)),
+                               allreduce_processor_times=((2, 4, 5e-4), (2, 1024, 1e-3)),
                                allreduce_after_compute=((1e-3, 2e-4),), p2p_processor_s=1e-3)
     specs = [dataclasses.replace(base, intra_node_bandwidth=base.intra_node_bandwidth * k,
                                  peak_flops={d: f * k for d, f in base.peak_flops.items()},
                                  scheduler_slice_s=0.004 * k, p2p_processor_s=1e-3 * k,
                                  allreduce_times=tuple((g, b, t * k)
                                                        for g, b, t in base.allreduce_times),
+                                 allreduce_processor_times=tuple(
+                                     (g, b, t * k) for g, b, t in base.allreduce_processor_times),
                                  allreduce_after_compute=((1e-3, 2e-4 * k),))
              for k in (1.0, 3.0, 2.0)]
     middle = HardwareSpec.median(specs)
@@ -215,6 +222,8 @@ def test_the_median_of_several_detections(tmp_path):
     assert middle.scheduler_slice_s == pytest.approx(0.008)
     assert middle.p2p_processor_s == pytest.approx(2e-3)
     assert middle.allreduce_times == ((2, 4, pytest.approx(2e-3)), (2, 1024, pytest.approx(4e-3)))
+    assert middle.allreduce_processor_times == ((2, 4, pytest.approx(1e-3)),
+                                                (2, 1024, pytest.approx(2e-3)))
     assert middle.allreduce_after_compute == ((1e-3, pytest.approx(4e-4)),)
     assert (middle.name, middle.devices_per_node, middle.memory_bandwidth) == \
         (base.name, base.devices_per_node, base.memory_bandwidth)
