@@ -308,8 +308,8 @@ def load_checkpoint(stage, root: str, iteration: int | None = None) -> dict | No
     metadata = read_metadata(root, iteration)
     iteration = metadata["iteration"]
     layout, ckpt = stage.layout, stage.config.checkpoint
-    check_layout(metadata, root, stage.config)
     check_architecture(Config.from_dict(metadata["config"]), stage.config, root)
+    check_layout(metadata, root, stage.config)  # its split check needs the same --num-layers
     c = layout.coords
     path = model_file(root, iteration, c.tp, c.pp)
     state = load_file(path)

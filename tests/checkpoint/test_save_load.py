@@ -85,6 +85,9 @@ def test_a_different_model_is_refused_by_name(tmp_path):
     stage = _stage(pretrain_flags(1, 1, 10, "--hidden-size", "64"))
     with pytest.raises(CheckpointError, match="hidden_size = 32.*--hidden-size"):
         load_checkpoint(stage, str(tmp_path))
+    deeper = _stage(pretrain_flags(1, 1, 10, "--num-layers", "3"))  # named as such, not as a split
+    with pytest.raises(CheckpointError, match="num_layers = 2, this run has 3.*--num-layers"):
+        load_checkpoint(deeper, str(tmp_path))
 
 
 def test_finetune_loads_weights_only_and_an_empty_load_dir_starts_from_scratch(tmp_path, capsys):
