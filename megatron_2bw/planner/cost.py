@@ -90,21 +90,20 @@ class StageCost:
     # the data-parallel all-reduce (or reduce-scatter) of the gradient buffer: it runs on after
     # reduce and must be in before the stage's next backward or its step (update.py)
     reduce_background_s: float = 0.0
-    # CPU ranks (measured; 0 on devices): the share of the forward/backward all-reduce time a rank
-    # still spends on a processor, and the processor seconds of its data-parallel all-reduce.
-    # gloo reduces on the cores the ranks compute on: these count in a node's processor budget
-    # where ranks share cores (CoreSharing), though the rank itself is blocked or computing then
-    comm_processor_share: float = 0.0
-    reduce_background_processor_s: float = 0.0
+    # CPU ranks (measured; 0 on devices): processor seconds of the tensor-parallel all-reduces of
+    # one microbatch (forward and backward), and of the batch's data-parallel collectives (the
+    # gradients' reduction; with the distributed optimizer, the weights' gather too). gloo
+    # reduces on the cores the ranks compute on: these count in a node's processor budget where
+    # ranks share cores (CoreSharing), though the rank itself is blocked or computing then
+    comm_processor_s: float = 0.0
+    batch_comm_processor_s: float = 0.0
 
     def processor_time(self, microbatches: int) -> float:
         """Seconds per batch this rank needs a processor for: its computation and its
         collectives' processor work, not its waits."""
-        waiting = 1.0 - self.comm_processor_share
-        return (microbatches * (self.forward_s + self.backward_s
-                                - waiting * (self.forward_comm_s + self.backward_comm_s))
-                + self.reduce_s + self.step_s - self.step_comm_s
-                + self.reduce_background_processor_s)
+        return (microbatches * (self.forward_s - self.forward_comm_s + self.backward_s
+                                - self.backward_comm_s + self.comm_processor_s)
+                + self.reduce_s + self.step_s - self.step_comm_s + self.batch_comm_processor_s)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -237,6 +236,10 @@ class PieceTimes:
     embedding_forward_comm_s: float = 0.0
     head_forward_comm_s: float = 0.0
     head_backward_comm_s: float = 0.0
+    # processor seconds of those all-reduces (forward and backward; StageCost.comm_processor_s)
+    layer_comm_processor_s: float = 0.0
+    embedding_comm_processor_s: float = 0.0
+    head_comm_processor_s: float = 0.0
 
 
 def piece_times(model: ModelConfig, network: Network, costs: ComputeCosts, micro_batch_size: int,
@@ -255,17 +258,26 @@ def piece_times(model: ModelConfig, network: Network, costs: ComputeCosts, micro
     layer_f = costs.layer_forward_s + 2 * layer_f_ar
     layer_b = costs.layer_backward_s + 2 * layer_b_ar
     layer_b_comm = 2 * layer_b_ar
+    layer_calls = 4  # Megatron's f and g, forward and backward
     if recompute == "full":
         layer_b += layer_f
         layer_b_comm += 2 * layer_f_ar
+        layer_calls += 2
     elif recompute == "selective":
         layer_b += costs.attention_core_forward_s
+    t = network.layout.tensor
+    processor = network.hardware.allreduce_processor_s(t, activation) if t > 1 else 0.0
+    loss_processor = network.hardware.allreduce_processor_s(t, 4 * micro_batch_size
+                                                            * model.seq_length) if t > 1 else 0.0
     return PieceTimes(layer_f, layer_b, costs.embedding_forward_s + embedding_ar,
                       costs.embedding_backward_s, costs.head_forward_s + 3 * loss_ar,
                       costs.head_backward_s + head_b_ar,
                       layer_forward_comm_s=2 * layer_f_ar, layer_backward_comm_s=layer_b_comm,
                       embedding_forward_comm_s=embedding_ar, head_forward_comm_s=3 * loss_ar,
-                      head_backward_comm_s=head_b_ar)
+                      head_backward_comm_s=head_b_ar,
+                      layer_comm_processor_s=layer_calls * processor,
+                      embedding_comm_processor_s=processor,
+                      head_comm_processor_s=3 * loss_processor + processor)
 
 
 def balanced_layer_split(layers: int, stages: int, layer_s: float, first_extra_s: float,
@@ -324,7 +336,6 @@ def stage_costs(model: ModelConfig, hardware: HardwareSpec, costs: ComputeCosts,
     tied_ar = net.allreduce_time("embedding", tied_bytes) if p > 1 else 0.0
     separate_master = e != 4 or g != 4 or candidate.schedule == "2bw"
     shards = d if parallel.use_distributed_optimizer else 1
-    tensor_share = hardware.allreduce_processor_share(t, activation) if t > 1 else 0.0
     layer_counts = list(candidate.layer_split) if candidate.layer_split else \
         [len(r) for r in layer_ranges(model.num_layers, p)]
 
@@ -335,15 +346,18 @@ def stage_costs(model: ModelConfig, hardware: HardwareSpec, costs: ComputeCosts,
         backward = layers * pieces.layer_backward_s
         forward_comm = layers * pieces.layer_forward_comm_s
         backward_comm = layers * pieces.layer_backward_comm_s
+        comm_processor = layers * pieces.layer_comm_processor_s
         if first:
             forward += pieces.embedding_forward_s
             backward += pieces.embedding_backward_s
             forward_comm += pieces.embedding_forward_comm_s
+            comm_processor += pieces.embedding_comm_processor_s
         if last:
             forward += pieces.head_forward_s
             backward += pieces.head_backward_s
             forward_comm += pieces.head_forward_comm_s
             backward_comm += pieces.head_backward_comm_s
+            comm_processor += pieces.head_comm_processor_s
         # each pass receives from one neighbour and sends to the other (none beyond the ends)
         messages = int(not first) + int(not last)
         forward += messages * hardware.p2p_processor_s
@@ -352,7 +366,7 @@ def stage_costs(model: ModelConfig, hardware: HardwareSpec, costs: ComputeCosts,
         P = stage_parameters(model, t, layers, first, last)
         buckets = max(1, math.ceil(P / parallel.ddp_bucket_size))
         data_ar = net.allreduce_time("data", g * P, s, buckets)
-        data_processor = data_ar * hardware.allreduce_processor_share(d, g * P / buckets) \
+        data_processor = buckets * hardware.allreduce_processor_s(d, g * P / buckets) \
             if d > 1 else 0.0
         local = ((2 * g + 4) if separate_master else 0) * P + 12 * P  # move + zero, grad norm
         # optimizer + unscaling; then the new working version is written from the master weights
@@ -360,6 +374,7 @@ def stage_costs(model: ModelConfig, hardware: HardwareSpec, costs: ComputeCosts,
             ((4 + e) * P if separate_master else 0)
         if shards > 1:  # each replica updates its shard, then the working weights are gathered
             step_comm = net.allreduce_time("data", e * P, s) / 2
+            data_processor += hardware.allreduce_processor_s(d, e * P) / 2
         else:
             step_comm = 0.0
         result.append(StageCost(
@@ -371,8 +386,8 @@ def stage_costs(model: ModelConfig, hardware: HardwareSpec, costs: ComputeCosts,
             step_s=step / memory_rate + step_comm,
             tied_async_s=tied_ar if first and not last else 0.0,
             forward_comm_s=forward_comm, backward_comm_s=backward_comm, step_comm_s=step_comm,
-            reduce_background_s=data_ar, comm_processor_share=tensor_share,
-            reduce_background_processor_s=data_processor))
+            reduce_background_s=data_ar, comm_processor_s=comm_processor,
+            batch_comm_processor_s=data_processor))
     return result
 
 

@@ -125,12 +125,10 @@ class HardwareSpec:
         scaled by bytes (large) or the smallest time (small)."""
         return _interpolated(self.allreduce_times, group_size, nbytes)
 
-    def allreduce_processor_share(self, group_size: int, nbytes: float) -> float:
-        """The share of a measured all-reduce's time its ranks spend on a processor (0 where
-        not measured: devices, or hardware files)."""
-        seconds = _interpolated(self.allreduce_times, group_size, nbytes)
-        processor = _interpolated(self.allreduce_processor_times, group_size, nbytes)
-        return min(processor / seconds, 1.0) if seconds and processor is not None else 0.0
+    def allreduce_processor_s(self, group_size: int, nbytes: float) -> float:
+        """Processor seconds a rank spends per all-reduce of that size, interpolated like the
+        times (0 where not measured: devices, or hardware files)."""
+        return _interpolated(self.allreduce_processor_times, group_size, nbytes) or 0.0
 
     def allreduce_after_compute_s(self, segment_s: float) -> float:
         """Extra time of a blocking all-reduce after `segment_s` of compute on every rank of the
@@ -470,7 +468,7 @@ def probe_allreduce_times(group=None, sizes=ALLREDUCE_PROBE_BYTES, repeats: int 
                     dist.ReduceOp.MAX, group, device)
     times = tuple((g, b, t) for (g, b, *_), t in zip(table, agreed[0::2]))
     processor = tuple((g, b, p) for (g, b, *_), p in zip(table, agreed[1::2]))
-    return times, processor if device.type == "cpu" else ()
+    return times, (processor if device.type == "cpu" else ())
 
 
 AFTER_COMPUTE_SEGMENTS_S = (0.5e-3, 1e-3, 2e-3, 5e-3)

@@ -242,34 +242,29 @@ def test_tensor_parallel_allreduces_pay_the_extra_of_meeting_after_compute():
 
 
 def test_collectives_processor_work_counts_in_the_node_budget_of_ranks_sharing_cores():
-    """gloo reduces on the cores the ranks compute on: with four ranks on two cores, the measured
-    processor share of each all-reduce is added to the rank's processor time (the node's bound),
-    not to its own timeline."""
+    """gloo reduces on the cores the ranks compute on: with four ranks on two cores, each
+    all-reduce's measured processor seconds are added to the rank's processor time (the node's
+    bound), not to its own timeline, and its waits (a scheduler slice here) are not."""
     model, costs = SMALL_MODEL, SMALL_COSTS
-    times = ((2, 4, 1e-3), (2, 1 << 20, 4e-3))
     hardware = dataclasses.replace(toy_hardware(devices_per_node=4, nodes=1),
-                                   compute_slots_per_node=2, allreduce_times=times)
+                                   compute_slots_per_node=2, scheduler_slice_s=0.004,
+                                   allreduce_times=((2, 4, 1e-3), (2, 1 << 20, 4e-3)))
     measured = dataclasses.replace(hardware, allreduce_processor_times=(
-        (2, 4, 2.5e-4), (2, 1 << 20, 2e-3)))
-    assert measured.allreduce_processor_share(2, 4) == pytest.approx(0.25)
-    assert measured.allreduce_processor_share(2, 1 << 20) == pytest.approx(0.5)
-    assert measured.allreduce_processor_share(4, 4) == 0.0 and hardware.allreduce_processor_share(
-        2, 4) == 0.0  # not measured: a group size missing, or a hardware file
+        (2, 4, 5e-4), (2, 1 << 20, 5e-4)))
+    assert measured.allreduce_processor_s(2, 1000) == pytest.approx(5e-4)
+    assert measured.allreduce_processor_s(4, 1000) == 0.0  # a group size not measured
+    assert hardware.allreduce_processor_s(2, 1000) == 0.0  # nothing measured (hardware files)
 
     candidate = Candidate(2, 1, 2, 1, None, "flush")  # t = 2, d = 2: both collectives
     before = stage_costs(model, hardware, costs, candidate, PrecisionConfig(), "adam")[0]
     after = stage_costs(model, measured, costs, candidate, PrecisionConfig(), "adam")[0]
-    assert (before.comm_processor_share, before.reduce_background_processor_s) == (0.0, 0.0)
-    activation = 1 * 4 * 8 * 4
-    share = measured.allreduce_processor_share(2, activation)
-    assert 0.25 < share < 0.5 and after.comm_processor_share == pytest.approx(share)
-    gradient_bytes = 4 * stage_parameters(model, 2, 2, True, True)  # fp32, one bucket
-    assert after.reduce_background_processor_s == pytest.approx(
-        after.reduce_background_s * measured.allreduce_processor_share(2, gradient_bytes))
-    assert after.reduce_background_processor_s > 0
+    # per microbatch: 2 layers x 4 (f and g, forward and backward), the embedding's 1, the
+    # loss's 3 and the head's backward 1; per batch: the one bucket of gradients
+    assert after.comm_processor_s == pytest.approx((2 * 4 + 1 + 3 + 1) * 5e-4)
+    assert after.batch_comm_processor_s == pytest.approx(5e-4)
     m = 3
-    comm = after.forward_comm_s + after.backward_comm_s
-    assert after.processor_time(m) == pytest.approx(
-        before.processor_time(m) + m * share * comm + after.reduce_background_processor_s)
+    assert after.processor_time(m) == pytest.approx(before.processor_time(m) + m * 13 * 5e-4
+                                                    + 5e-4)
+    assert (before.comm_processor_s, before.batch_comm_processor_s) == (0.0, 0.0)
     assert (after.forward_s, after.backward_s, after.reduce_s) == \
         (before.forward_s, before.backward_s, before.reduce_s)  # the rank's own timeline
