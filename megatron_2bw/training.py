@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from megatron_2bw.arguments import ConfigError, explicit_fields, parse_config, validate_for_world
-from megatron_2bw.config import Config
+from megatron_2bw.arguments import explicit_fields, parse_config, validate_for_world
+from megatron_2bw.config import Config, ConfigError
 from megatron_2bw.distributed.comm import all_reduce
 from megatron_2bw.distributed.launch import (exit_process, init_distributed, local_world_size,
                                               usable_cores)
@@ -249,7 +249,7 @@ class ProgressLog:
         if "forward" in timings:
             metrics["bubble-fraction"] = measured_bubble_fraction(timings, seconds * iterations)
         self.results = []
-        if iteration - iterations > self.start_iteration:  # the first interval includes start-up
+        if iteration - iterations > self.start_iteration:  # the first one also warms up
             self.interval_throughputs.append(train.global_batch_size / seconds)
         if self.is_writer:
             print(format_log_line(iteration, train.train_iters, metrics, seconds), flush=True)
@@ -388,6 +388,8 @@ def build_data(config: Config, layout: ParallelLayout, tokenizer):
 def _check_writable(flag: str, path: str, directory: bool) -> None:
     """`path` can be written, or created: its nearest existing ancestor is a writable directory."""
     target = os.path.abspath(path)
+    if os.path.islink(target) and not os.path.exists(target):
+        raise ConfigError(f"{flag} {path}: a symbolic link to nothing")
     if os.path.exists(target):
         if os.path.isdir(target) != directory:
             raise ConfigError(f"{flag} {path}: exists and is {'not ' if directory else ''}a "
@@ -396,21 +398,18 @@ def _check_writable(flag: str, path: str, directory: bool) -> None:
             raise ConfigError(f"{flag} {path}: not writable")
         return
     ancestor = os.path.dirname(target)
-    while not os.path.exists(ancestor):
+    while not os.path.lexists(ancestor):
         ancestor = os.path.dirname(ancestor)
     if not os.path.isdir(ancestor) or not os.access(ancestor, os.W_OK):
         raise ConfigError(f"{flag} {path}: cannot be created ({ancestor} is not a writable "
                           f"directory)")
 
 
-def check_inputs(config: Config):
+def check_inputs(config: Config) -> None:
     """What the flags name on disk, checked on every rank before any process group or model
     exists, so that a mistake ends the job with one line naming the flag (ConfigError), not a
-    traceback after start-up or an unwritable --save after the first interval of training.
-    Returns the tokenizer."""
-    from megatron_2bw.data.bert_dataset import BertSpecialTokens
+    traceback after start-up or an unwritable --save after the first interval of training."""
     from megatron_2bw.data.builder import check_data_flags
-    from megatron_2bw.data.tokenizers import build_tokenizer
     check_data_flags(config.data)
     for flag, path, directory in (("--save", config.checkpoint.save, True),
                                   ("--tensorboard-dir", config.logging.tensorboard_dir, True),
@@ -424,12 +423,22 @@ def check_inputs(config: Config):
             load_hardware(par.planner_hardware)
         except (ValueError, FileNotFoundError) as error:
             raise ConfigError(f"--planner-hardware: {error}") from None
+
+
+def build_checked_tokenizer(config: Config):
+    """The run's tokenizer; a tokenizer the flags cannot build, or a BERT run's tokenizer without
+    BERT's special tokens, is a ConfigError naming --tokenizer-type."""
+    from megatron_2bw.data.bert_dataset import BertSpecialTokens
+    from megatron_2bw.data.tokenizers import build_tokenizer
+    kind = config.data.tokenizer_type
     try:
         tokenizer = build_tokenizer(config.data, config.model.vocab_size)
         if config.model.model_type == "bert" and not config.data.mock_data:
             BertSpecialTokens.from_tokenizer(tokenizer)  # BERT samples need [CLS], [SEP], ...
-    except (ValueError, FileNotFoundError) as error:  # the tokenizer flags or files
-        raise ConfigError(str(error)) from None
+    except Exception as error:  # noqa: BLE001 - the tokenizer libraries raise plain Exception
+        message = str(error).strip() or type(error).__name__
+        raise ConfigError(message if message.startswith("--") or kind is None
+                          else f"--tokenizer-type {kind}: {message}") from None
     return tokenizer
 
 
@@ -438,7 +447,8 @@ def pretrain(config: Config, typed: set = frozenset()) -> Stage:
     (section, field) pairs given on the command line, which --auto-parallel keeps pinned."""
     from megatron_2bw.checkpoint import maybe_load_checkpoint, save_checkpoint
     from megatron_2bw.tensor_parallel.random import load_rng_state_dict
-    tokenizer = check_inputs(config)
+    check_inputs(config)
+    tokenizer = build_checked_tokenizer(config)
     config.model.vocab_size = tokenizer.vocab_size  # before --auto-parallel profiles the model
     config, layout, device, plan = setup(config, typed)
     _FAILURE_CONTEXT["layout"] = layout
@@ -510,7 +520,6 @@ _FAILURE_CONTEXT: dict = {}
 def run_and_report(main) -> None:
     """Run `main()`; on any failure print the rank's layout coordinates, stage and last schedule
     actions, then end this process at once (non-zero) so the launcher stops the whole job."""
-    from megatron_2bw.arguments import ConfigError
     try:
         main()
     except ConfigError as error:

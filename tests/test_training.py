@@ -16,13 +16,18 @@ from megatron_2bw.pipeline.update import StepResult
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_time_per_iteration_counts_batches_not_deferred_steps_or_evaluation(monkeypatch, capsys):
+@pytest.mark.parametrize("log_interval,expected_ms,throughputs", [
+    (1, [1200, 1000, 1000, 1400, 1000, 1000], [4.0, 4.0, 4 / 1.4, 4.0, 4.0]),
+    (2, [1100, 1200, 1000], [4 / 1.2, 4.0]),  # the interval of iterations 3-4 spans the drain
+])
+def test_time_per_iteration_counts_batches_not_deferred_steps_or_evaluation(
+        log_interval, expected_ms, throughputs, monkeypatch, capsys):
     """Two segments of 3 batches of 1 s under 2BW: the steps run late, the last two back to back at
-    the drain, and 10 s of evaluation separate the segments. Every logged iteration took 1 s; the
-    first of a segment also carries the fill (0.2 s) and the previous segment's drain (0.2 s), so
-    the intervals add up to the segments' time."""
+    the drain, and 10 s of evaluation separate the segments. Every iteration took 1 s; the first of
+    a segment also carries the fill (0.2 s) and the previous segment's drain (0.2 s), so the
+    intervals add up to the segments' time."""
     config = Config()
-    config.training.log_interval, config.training.train_iters = 1, 6
+    config.training.log_interval, config.training.train_iters = log_interval, 6
     config.training.global_batch_size = 4
     clock = {"now": 0.0}
     monkeypatch.setattr(training.time, "perf_counter", lambda: clock["now"])
@@ -43,9 +48,9 @@ def test_time_per_iteration_counts_batches_not_deferred_steps_or_evaluation(monk
     segment(13.4, 3)  # after 10 s of evaluation
     logged = [float(x) for x in re.findall(r"elapsed time per iteration \(ms\): ([0-9.]+)",
                                            capsys.readouterr().out)]
-    assert logged == pytest.approx([1200, 1000, 1000, 1400, 1000, 1000], abs=0.5)
+    assert logged == pytest.approx(expected_ms, abs=0.5)
     # --auto-parallel's measured figure leaves out the first interval (the start)
-    assert log.interval_throughputs == pytest.approx([4.0, 4.0, 4 / 1.4, 4.0, 4.0])
+    assert log.interval_throughputs == pytest.approx(throughputs)
 
 
 MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length",
@@ -68,10 +73,16 @@ MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4
      "a directory"),
     (["--mock-data", "--vocab-size", "64", "--auto-parallel", "--planner-hardware", "foo"],
      "--planner-hardware: hardware file 'foo' not found"),
+    (["--mock-data", "--vocab-size", "64", "--save", "{tmp}/dangling"],
+     "--save {tmp}/dangling: a symbolic link to nothing"),
+    (["--data-path", "{tmp}/corpus_text_document", "--tokenizer-type", "GPT2BPETokenizer",
+      "--vocab-file", "{tmp}/a_file", "--merge-file", "{tmp}/a_file"],
+     "--tokenizer-type GPT2BPETokenizer: "),  # an empty vocabulary: the library's own message
 ])
 def test_what_the_flags_name_on_disk_is_checked_before_start_up(extra, expected, tmp_path):
     for name in ("corpus_text_document.idx", "corpus_text_document.bin", "a_file"):
         (tmp_path / name).write_bytes(b"")
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
     argv = [a.format(tmp=tmp_path) for a in [*MODEL, *extra]]
     result = subprocess.run([sys.executable, "pretrain_gpt.py", *argv], cwd=ROOT,
                             capture_output=True, text=True, timeout=120)
@@ -92,9 +103,9 @@ def test_bert_with_a_tokenizer_without_bert_tokens_is_refused_before_start_up(tm
          "--vocab-file", str(tmp_path / "vocab.json"), "--merge-file", str(tmp_path / "merges.txt")],
         cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2, result.stderr
-    assert result.stderr.strip() == ("pretrain_bert.py: error: GPT2BPETokenizer has no cls token; its "
-                                     "vocabulary must define one (one of [CLS], <CLS>, <cls>) for "
-                                     "this use")
+    assert result.stderr.strip() == ("pretrain_bert.py: error: --tokenizer-type GPT2BPETokenizer: "
+                                     "GPT2BPETokenizer has no cls token; its vocabulary must define "
+                                     "one (one of [CLS], <CLS>, <cls>) for this use")
 
 
 def test_eval_iters_0_turns_validation_off_as_in_megatron():

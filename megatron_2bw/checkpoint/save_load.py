@@ -23,8 +23,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from megatron_2bw.arguments import ConfigError
-from megatron_2bw.config import Config
+from megatron_2bw.config import Config, ConfigError
 from megatron_2bw.pipeline.partition import layer_ranges
 from megatron_2bw.pipeline.schedules import version_for_batch
 from megatron_2bw.tensor_parallel.random import rng_state_dict

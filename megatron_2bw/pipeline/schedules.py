@@ -325,7 +325,7 @@ def render(actions: list[list[Action]], width: int = 200) -> str:
                 continue
             label = labels[id(t)]
             for c in range(int(t.start), min(int(t.end), columns)):
-                grid[c] = label[:cell].ljust(cell) if c == int(t.start) else "-" * cell
+                grid[c] = label.ljust(cell) if c == int(t.start) else "-" * cell
         lines.append(f"stage {s} |" + "".join(grid))
     lines.append("F<k>v<w>: forward of microbatch k with weight version w; B: backward "
                  "(2 slots); '.' idle")

@@ -178,16 +178,13 @@ class HardwareSpec:
         flops = {dtype: middle(s.peak_flops[dtype] for s in specs) for dtype in first.peak_flops}
 
         def middle_table(name: str) -> tuple:
-            return tuple((g, b, middle(t for s in specs for g2, b2, t in getattr(s, name)
-                                       if (g2, b2) == (g, b)))
-                         for g, b, _ in getattr(first, name))
-        after = tuple((segment, middle(e for s in specs for s2, e in s.allreduce_after_compute
-                                       if s2 == segment))
-                      for segment, _ in first.allreduce_after_compute)
-        return dataclasses.replace(
-            first, **measured, peak_flops=flops, allreduce_times=middle_table("allreduce_times"),
-            allreduce_processor_times=middle_table("allreduce_processor_times"),
-            allreduce_after_compute=after)
+            """Per key (the entry's leading fields), the median of the last field."""
+            return tuple((*key, middle(entry[-1] for s in specs for entry in getattr(s, name)
+                                       if tuple(entry[:-1]) == tuple(key)))
+                         for *key, _ in getattr(first, name))
+        tables = ("allreduce_times", "allreduce_processor_times", "allreduce_after_compute")
+        return dataclasses.replace(first, **measured, peak_flops=flops,
+                                   **{name: middle_table(name) for name in tables})
 
     def for_world(self, world_size: int) -> "HardwareSpec":
         """The same hardware with as many nodes as `world_size` devices need."""
