@@ -132,14 +132,19 @@ def pinned_conflicts(model: ModelConfig, world_size: int, devices_per_node: int,
     """Why pinned sizes leave no configuration, naming their flags (empty if none is to blame)."""
     reasons = []
     for t in space.tensor_parallel or ():
-        if world_size % t or devices_per_node % t or model.num_attention_heads % t:
+        if world_size % t or devices_per_node % t or model.num_attention_heads % t \
+                or model.hidden_size % t or model.ffn_hidden_size % t:
             reasons.append(f"--tensor-model-parallel-size {t} must divide the world size "
-                           f"{world_size}, the {devices_per_node} devices of a node and the "
-                           f"{model.num_attention_heads} heads")
+                           f"{world_size}, the {devices_per_node} devices of a node, the "
+                           f"{model.num_attention_heads} heads and the hidden and ffn sizes")
     for p in space.pipeline_parallel or ():
         if world_size % p or p > model.num_layers:
             reasons.append(f"--pipeline-model-parallel-size {p} must divide the world size "
                            f"{world_size} and be at most --num-layers {model.num_layers}")
+    split = space.layer_split
+    if split is not None and world_size % len(split):
+        reasons.append(f"--pipeline-layer-split {','.join(map(str, split))} gives "
+                       f"{len(split)} stages, which must divide the world size {world_size}")
     for b in space.micro_batch_sizes or ():
         if not any(global_batch_size % d == 0 and (global_batch_size // d) % b == 0
                    for d in _divisors(world_size)):
@@ -282,7 +287,8 @@ def rank_plans(model: ModelConfig, world_size: int, hardware: HardwareSpec, glob
         raise ValueError(f"no valid parallel configuration for world size {world_size}, global "
                          f"batch {global_batch_size} and this model: " + ("; ".join(reasons) or
                          f"t must divide the heads and the {hardware.devices_per_node} devices of "
-                         f"a node, p <= layers"))
+                         f"a node, p <= layers, and 2BW and Flush need at least p microbatches "
+                         f"per batch"))
     planner = _Planner(model, hardware, global_batch_size, precision, optimizer, parallel, profile,
                        space.balance_layers)
     assessed = [planner.assess(c) for c in tqdm(pool, desc="costing", unit="config",
