@@ -144,6 +144,8 @@ def test_a_measured_search_keeps_to_the_micro_batch_sizes_it_profiled(monkeypatc
                                           "size 8"),
     (SearchSpace(tensor_parallel=(16,)), "--tensor-model-parallel-size 16 must divide the world "
                                          "size 8"),
+    (SearchSpace(layer_split=(2, 1, 1)), "--pipeline-layer-split 2,1,1 gives 3 stages, which must "
+                                         "divide the world size 8"),
 ])
 def test_a_pinned_size_that_leaves_nothing_is_named(space, message):
     with pytest.raises(ValueError, match=message):
