@@ -7,7 +7,6 @@ built. A split that gets no documents, or is asked for 0 samples, is returned as
 """
 from __future__ import annotations
 
-import glob
 import logging
 import os
 import re
@@ -20,12 +19,16 @@ from megatron_2bw.data.bert_dataset import BERTDataset, BertSampleSettings, Bert
 from megatron_2bw.data.blended import BlendedDataset, normalize_weights, samples_needed
 from megatron_2bw.data.gpt_dataset import GPTDataset
 from megatron_2bw.data.index_cache import build_or_load, cache_directory
-from megatron_2bw.data.indexed import IndexedDataset, bin_path, idx_path
+from megatron_2bw.data.indexed import IndexedDataset, bin_path, missing_dataset_files
 from megatron_2bw.data.mock import MockBERTDataset, MockGPTDataset
 
 logger = logging.getLogger(__name__)
 
 SPLIT_NAMES = ("train", "valid", "test")
+# the per-split data flags (instead of --data-path with --split): split, DataConfig field, flag
+SPLIT_PATH_FLAGS = (("train", "train_data_path", "--train-data-path"),
+                    ("valid", "valid_data_path", "--valid-data-path"),
+                    ("test", "test_data_path", "--test-data-path"))
 # ids a mock BERT uses when the tokenizer has no BERT special tokens
 MOCK_BERT_SPECIAL = BertSpecialTokens(pad=0, cls=1, sep=2, mask=3)
 
@@ -67,9 +70,8 @@ def check_data_flags(data: DataConfig) -> None:
             parse_split(data.split)
         except ValueError as error:
             raise ConfigError(str(error)) from None
-    for paths, flag in ((data.data_path, "--data-path"), (data.train_data_path, "--train-data-path"),
-                        (data.valid_data_path, "--valid-data-path"),
-                        (data.test_data_path, "--test-data-path")):
+    for paths, flag in ((data.data_path, "--data-path"),
+                        *((getattr(data, field), flag) for _, field, flag in SPLIT_PATH_FLAGS)):
         if paths is None:
             continue
         try:
@@ -77,13 +79,9 @@ def check_data_flags(data: DataConfig) -> None:
         except ValueError as error:
             raise ConfigError(str(error)) from None
         for prefix in prefixes:
-            missing = [f for f in (idx_path(prefix), bin_path(prefix)) if not os.path.isfile(f)]
+            missing = missing_dataset_files(prefix)
             if missing:
-                near = sorted(glob.glob(glob.escape(prefix) + "_*.idx"))
-                hint = f"; did you mean {near[0][:-len('.idx')]}?" if near else ""
-                raise ConfigError(f"{flag} {prefix}: {missing[0]} not found (a dataset prefix "
-                                  f"names PREFIX.bin and PREFIX.idx, as tools/preprocess_data.py "
-                                  f"writes them{hint})")
+                raise ConfigError(f"{flag} {prefix}: {missing}")
 
 
 def split_document_ranges(num_documents: int, fractions: list[float]) -> list[tuple[int, int]]:
@@ -199,9 +197,7 @@ def build_pretraining_datasets(config: Config, tokenizer, num_samples: tuple[int
                            if count > 0 and fractions[SPLIT_NAMES.index(name)] > 0 else None)
         return tuple(results)
 
-    per_split = {"train": (data.train_data_path, "--train-data-path"),
-                 "valid": (data.valid_data_path, "--valid-data-path"),
-                 "test": (data.test_data_path, "--test-data-path")}
+    per_split = {name: (getattr(data, field), flag) for name, field, flag in SPLIT_PATH_FLAGS}
     if data.train_data_path is None:
         raise ValueError("give --data-path, --train-data-path or --mock-data")
     for name, count in zip(SPLIT_NAMES, num_samples):

@@ -17,6 +17,7 @@ A "sequence" is a whole document for GPT data (`_document` files) and a sentence
 """
 from __future__ import annotations
 
+import glob
 import os
 import struct
 import uuid
@@ -53,16 +54,26 @@ def dataset_exists(prefix: str) -> bool:
     return os.path.isfile(idx_path(prefix)) and os.path.isfile(bin_path(prefix))
 
 
+def missing_dataset_files(prefix: str) -> str | None:
+    """Why `prefix` names no dataset (None if it does), with the likely prefix when only a
+    suffix such as tools/preprocess_data.py's `_text_document` was left off."""
+    missing = [path for path in (idx_path(prefix), bin_path(prefix)) if not os.path.isfile(path)]
+    if not missing:
+        return None
+    near = sorted(glob.glob(glob.escape(prefix) + "_*.idx"))
+    hint = f"; did you mean {near[0][:-len('.idx')]}?" if near else ""
+    return (f"{missing[0]} not found (a dataset prefix names PREFIX.bin and PREFIX.idx, as "
+            f"tools/preprocess_data.py writes them{hint})")
+
+
 class IndexedDataset:
     """Read-only view of PREFIX.bin/PREFIX.idx; sequences are numpy views into the memory map."""
 
     def __init__(self, prefix: str):
         self.prefix = prefix
-        for path in (idx_path(prefix), bin_path(prefix)):
-            if not os.path.isfile(path):
-                raise FileNotFoundError(
-                    f"indexed dataset file {path} not found (a dataset prefix names both "
-                    f"{prefix}.bin and {prefix}.idx, as written by tools/preprocess_data.py)")
+        missing = missing_dataset_files(prefix)
+        if missing:
+            raise FileNotFoundError(f"indexed dataset file {missing}")
         self._open()
 
     def _open(self) -> None:
