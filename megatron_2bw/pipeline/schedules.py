@@ -314,18 +314,18 @@ def render(actions: list[list[Action]], width: int = 200) -> str:
     timed = timeline(actions)
     end = max((t.end for row in timed for t in row), default=0.0)
     columns = min(int(end), width)
-    labels = {id(t): f"{t.action.kind[0].upper()}{t.action.microbatch}v{t.action.version}"
-              for row in timed for t in row if t.action.kind in COMPUTE_KINDS}
-    cell = max([5, *(len(label) + 1 for label in labels.values())])  # a space after every label
+    def label(a: Action) -> str:
+        return f"{a.kind[0].upper()}{a.microbatch}v{a.version}"
+    cell = max([5, *(len(label(t.action)) + 1 for row in timed for t in row
+                     if t.action.kind in COMPUTE_KINDS)])  # a space after every label
     lines = []
     for s, row in enumerate(timed):
         grid = ["." * cell] * columns
         for t in row:
             if t.action.kind not in COMPUTE_KINDS or int(t.start) >= columns:
                 continue
-            label = labels[id(t)]
             for c in range(int(t.start), min(int(t.end), columns)):
-                grid[c] = label.ljust(cell) if c == int(t.start) else "-" * cell
+                grid[c] = label(t.action).ljust(cell) if c == int(t.start) else "-" * cell
         lines.append(f"stage {s} |" + "".join(grid))
     lines.append("F<k>v<w>: forward of microbatch k with weight version w; B: backward "
                  "(2 slots); '.' idle")

@@ -253,7 +253,8 @@ def piece_times(model: ModelConfig, network: Network, costs: ComputeCosts, micro
     layer_f_ar = tensor_ar(costs.layer_forward_s / 2)
     layer_b_ar = tensor_ar(costs.layer_backward_s / 2)
     embedding_ar = tensor_ar(costs.embedding_forward_s)
-    loss_ar = tensor_ar(costs.head_forward_s / 3, 4 * micro_batch_size * model.seq_length)
+    loss_bytes = 4 * micro_batch_size * model.seq_length  # one fp32 figure per token
+    loss_ar = tensor_ar(costs.head_forward_s / 3, loss_bytes)
     head_b_ar = tensor_ar(costs.head_backward_s)
     layer_f = costs.layer_forward_s + 2 * layer_f_ar
     layer_b = costs.layer_backward_s + 2 * layer_b_ar
@@ -265,10 +266,9 @@ def piece_times(model: ModelConfig, network: Network, costs: ComputeCosts, micro
         layer_calls += 2
     elif recompute == "selective":
         layer_b += costs.attention_core_forward_s
-    t = network.layout.tensor
-    processor = network.hardware.allreduce_processor_s(t, activation) if t > 1 else 0.0
-    loss_processor = network.hardware.allreduce_processor_s(t, 4 * micro_batch_size
-                                                            * model.seq_length) if t > 1 else 0.0
+    # measured for groups of 2 or more only: nothing at t = 1
+    processor = network.hardware.allreduce_processor_s(network.layout.tensor, activation)
+    loss_processor = network.hardware.allreduce_processor_s(network.layout.tensor, loss_bytes)
     return PieceTimes(layer_f, layer_b, costs.embedding_forward_s + embedding_ar,
                       costs.embedding_backward_s, costs.head_forward_s + 3 * loss_ar,
                       costs.head_backward_s + head_b_ar,
@@ -366,8 +366,8 @@ def stage_costs(model: ModelConfig, hardware: HardwareSpec, costs: ComputeCosts,
         P = stage_parameters(model, t, layers, first, last)
         buckets = max(1, math.ceil(P / parallel.ddp_bucket_size))
         data_ar = net.allreduce_time("data", g * P, s, buckets)
-        data_processor = buckets * hardware.allreduce_processor_s(d, g * P / buckets) \
-            if d > 1 else 0.0
+        # processor seconds of the gradients' reduction (measured groups only: none at d = 1)
+        data_processor = buckets * hardware.allreduce_processor_s(d, g * P / buckets)
         local = ((2 * g + 4) if separate_master else 0) * P + 12 * P  # move + zero, grad norm
         # optimizer + unscaling; then the new working version is written from the master weights
         step = (OPTIMIZER_STEP_BYTES[optimizer] + 8) * P / shards + \
