@@ -12,8 +12,9 @@ space. Each fitting configuration is then trained by the real runtime (`build_st
 `run_segment`, the code `pretrain_gpt.py` runs) on freshly forked gloo ranks with one thread each;
 its time per iteration is the mean interval between the ends of its batches after the warm-up
 batches (what the "elapsed time per iteration" log line reports, in steady state).
-Configurations are interleaved (A B C ... A B C) and repeated, because this shared machine is
-noisy; the table gives the medians.
+Configurations are interleaved and repeated, because this shared machine is noisy; the table
+gives the medians. Each round runs them in a fresh (seeded) random order: in a fixed order a
+configuration would always run at the same point of the round.
 
 This VM's speed drifts by 20-30% over minutes (two 5-round profiles a minute apart differ that
 much), so inputs measured once at the start describe a different machine than the runs minutes
@@ -30,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import sys
 import tempfile
@@ -178,17 +180,32 @@ class Samples:
                                                                   hardware))
 
 
+def round_order(configurations: int, round_index: int) -> list[int]:
+    """The order a round runs the configurations in: a fresh shuffle each round (seeded by the
+    round, so a run can be repeated), so that no configuration always runs at the same distance
+    from the round's profile or right after the same neighbour, on a machine whose speed drifts
+    within a round."""
+    order = list(range(configurations))
+    random.Random(round_index).shuffle(order)
+    return order
+
+
 def measure(rows: list[tuple[Row, Config]], samples: Samples, config: Config, warmup: int,
-            measured: int, repeats: int, progress: bool) -> None:
-    """Interleaved: the inputs sampled, then every configuration once, per round."""
+            measured: int, repeats: int, progress: bool) -> list[list[int]]:
+    """Interleaved: the inputs sampled, then every configuration once, per round, each round in
+    its own order (returned: per round, indices into `rows`)."""
     from tqdm import tqdm
+    orders = []
     with tqdm(total=repeats * len(rows), desc="training", unit="run", disable=not progress) as bar:
-        for _ in range(repeats):
+        for round_index in range(repeats):
             samples.take(config)
-            for row, row_config in rows:
+            orders.append(round_order(len(rows), round_index))
+            for index in orders[-1]:
+                row, row_config = rows[index]
                 seconds = on_ranks(row.world_size, _train, row_config, warmup, measured)
                 row.measured_ms.append(1000 * max(seconds))
                 bar.update()
+    return orders
 
 
 def predict_pinned(config: Config, world: int, hardware: HardwareSpec, profile: MeasuredProfile,
@@ -314,8 +331,8 @@ def main(argv=None) -> dict:
             samples.profile.setdefault(processes, {}).setdefault(
                 (plan.candidate.tensor_parallel, plan.candidate.micro_batch_size), [])
         rows_by_world[world] = rows
-    measure(pending, samples, config, args.warmup_batches, args.measured_batches, args.repeats,
-            progress)
+    orders = measure(pending, samples, config, args.warmup_batches, args.measured_batches,
+                     args.repeats, progress)
     load_after = os.getloadavg()[0]
     hardware_by_world: dict[int, dict] = {}
     for world, rows in rows_by_world.items():
@@ -354,6 +371,8 @@ def main(argv=None) -> dict:
               "profile": sampled_profile,
               "profile_copies": profile_copies,
               "profiles_at_start": start_profiles, "verdicts": verdicts,
+              # per round, the configurations in the order they ran (indices into "rows")
+              "orders": orders,
               "rows": [{**asdict(row), "median_ms": row.median_ms, "error": row.error}
                        for rows in rows_by_world.values() for row in rows]}
     text = markdown(rows_by_world, verdicts, header)
