@@ -6,9 +6,10 @@
     python benchmarks/pipeline_throughput.py --repeats 3 --json results.json --plot throughput.png
 
 Every rank (and the one-process baseline) runs with torch.set_num_threads(1), and rank r of every
-run (peers included) is bound to core r (--no-bind-cores leaves them to the scheduler). The configurations
-are interleaved (A B C ... A B C ...) and repeated, because this shared 2-core machine is noisy;
-before each run the benchmark waits for other processes to go quiet, measures how many cores they
+run (peers included) is bound to core r (--no-bind-cores leaves them to the scheduler). The
+configurations are interleaved (each once per round, each round in its own seeded random order,
+interleave.py) and repeated, because this shared 2-core machine is noisy; before each run the
+benchmark waits for other processes to go quiet, measures how many cores they
 took during the run and repeats a disturbed run (--max-other-load, --retries). The table gives
 the median tokens/s with the min-max spread, the ratio to the one-process median, the peak memory
 growth per stage and the first batch's loss (identical weights and data in every run, so it must
@@ -53,6 +54,7 @@ from megatron_2bw.models import build_stage_model  # noqa: E402
 from megatron_2bw.pipeline.partition import layer_ranges  # noqa: E402
 from megatron_2bw.tensor_parallel.random import seed_everything  # noqa: E402
 from megatron_2bw.training import build_stage, run_segment  # noqa: E402
+from interleave import round_order  # noqa: E402
 
 STAGES = 2
 # name -> (processes, what trains it)
@@ -499,18 +501,21 @@ def _undisturbed(measure, quiet: Quietness, meter: OtherLoad):
 
 def benchmark(workload: Workload, names: list[str], split: list[int], repeats: int,
               quiet: Quietness | None = None, progress=None, bind: bool = True,
-              side_by_side_seconds: float = 0.0) -> tuple[list[RunSummary], list[SideBySide]]:
-    """Interleaved: every configuration once per round, `repeats` rounds. In each round, right
-    after the 2BW run (the round's last run without one), the stages compute side by side for
-    `side_by_side_seconds` per phase (0: not measured)."""
+              side_by_side_seconds: float = 0.0
+              ) -> tuple[list[RunSummary], list[SideBySide], list[list[str]]]:
+    """Interleaved: every configuration once per round, `repeats` rounds, each round in its own
+    order (returned). In each round, right after the 2BW run (the round's last run without one),
+    the stages compute side by side for `side_by_side_seconds` per phase (0: not measured)."""
     quiet = quiet or Quietness(max_other_cores=float("inf"), idle_timeout=0.0, retries=0)
     summaries = {name: RunSummary(name, peak_memory_bytes=[0] * RUNS[name][0]) for name in names}
     side_by_side: list[SideBySide] = []
-    side_by_side_after = "2bw" if "2bw" in names else names[-1]  # beside the run it explains
+    orders: list[list[str]] = []
     import_runtime("one_process")
     meter = OtherLoad()
-    for _ in range(repeats):
-        for name in names:
+    for round_index in range(repeats):
+        orders.append([names[i] for i in round_order(len(names), round_index)])
+        side_by_side_after = "2bw" if "2bw" in names else orders[-1][-1]  # beside what it explains
+        for name in orders[-1]:
             ranks, load = _undisturbed(functools.partial(run_once, name, workload, split,
                                                          bind=bind), quiet, meter)
             seconds = max(r.seconds for r in ranks)
@@ -533,7 +538,7 @@ def benchmark(workload: Workload, names: list[str], split: list[int], repeats: i
                                                            side_by_side_seconds, bind), quiet,
                                          meter)
                 side_by_side.append(stages)
-    return list(summaries.values()), side_by_side
+    return list(summaries.values()), side_by_side, orders
 
 
 def format_side_by_side(rounds: list[SideBySide], summaries: list[RunSummary]) -> str:
@@ -737,9 +742,9 @@ def main(argv=None) -> list[RunSummary]:
           f"{costs.ideal_speedup(split):.2f}x (total / slowest stage)")
     quiet = Quietness(args.max_other_load, args.idle_timeout, args.retries)
     with tqdm(total=len(names) * args.repeats, desc="runs", unit="run", file=sys.stderr) as bar:
-        summaries, side_by_side = benchmark(workload, names, split, args.repeats, quiet, bar,
-                                            bind=not args.no_bind_cores,
-                                            side_by_side_seconds=args.side_by_side_seconds)
+        summaries, side_by_side, orders = benchmark(workload, names, split, args.repeats, quiet,
+                                                    bar, bind=not args.no_bind_cores,
+                                                    side_by_side_seconds=args.side_by_side_seconds)
     baseline = next((s.median for s in summaries if s.name == "one_process"), None)
     print(format_table(summaries, baseline))
     if workload.time_shares:
@@ -755,6 +760,7 @@ def main(argv=None) -> list[RunSummary]:
                   "layer_split": split, "ideal_speedup": costs.ideal_speedup(split),
                   "stage_costs_s": dataclasses.asdict(costs),
                   "stages_side_by_side": [r.record() for r in side_by_side],
+                  "orders": orders,  # per round, the runs in the order they ran
                   "runs": [{"name": s.name, "tokens_per_s": s.median,
                             "tokens_per_s_repeats": s.tokens_per_s,
                             "other_processes_cores": s.other_load,

@@ -13,8 +13,7 @@ space. Each fitting configuration is then trained by the real runtime (`build_st
 its time per iteration is the mean interval between the ends of its batches after the warm-up
 batches (what the "elapsed time per iteration" log line reports, in steady state).
 Configurations are interleaved and repeated, because this shared machine is noisy; the table
-gives the medians. Each round runs them in a fresh (seeded) random order: in a fixed order a
-configuration would always run at the same point of the round.
+gives the medians. Each round runs them in its own seeded random order (`interleave.py`).
 
 This VM's speed drifts by 20-30% over minutes (two 5-round profiles a minute apart differ that
 much), so inputs measured once at the start describe a different machine than the runs minutes
@@ -31,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import statistics
 import sys
 import tempfile
@@ -42,7 +40,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]),  # run from a checkout
+                str(Path(__file__).resolve().parent)]
 
 from megatron_2bw.arguments import parse_config  # noqa: E402
 from megatron_2bw.config import Config  # noqa: E402
@@ -57,6 +56,7 @@ from megatron_2bw.planner.profile import (AnalyticProfile, MeasuredProfile,  # n
 from megatron_2bw.planner.search import (Plan, SearchSpace, apply_plan,  # noqa: E402
                                          measured_profile_for, rank_plans_for)
 from megatron_2bw.training import build_stage, run_segment  # noqa: E402
+from interleave import round_order  # noqa: E402
 
 ERROR_TARGET = 0.20  # |measured - predicted| / measured, every configuration
 CHOICE_TARGET = 0.05  # the first choice's measured time over the measured best's, minus one
@@ -178,16 +178,6 @@ class Samples:
         records = {key: median_record(runs) for key, runs in self.rounds(world).items()}
         return hardware, MeasuredProfile(records, AnalyticProfile(config.model, config.precision,
                                                                   hardware))
-
-
-def round_order(configurations: int, round_index: int) -> list[int]:
-    """The order a round runs the configurations in: a fresh shuffle each round (seeded by the
-    round, so a run can be repeated), so that no configuration always runs at the same distance
-    from the round's profile or right after the same neighbour, on a machine whose speed drifts
-    within a round."""
-    order = list(range(configurations))
-    random.Random(round_index).shuffle(order)
-    return order
 
 
 def measure(rows: list[tuple[Row, Config]], samples: Samples, config: Config, warmup: int,

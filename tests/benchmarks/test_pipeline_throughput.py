@@ -60,12 +60,19 @@ def test_side_by_side_phase_runs_right_after_each_round_s_2bw_run(monkeypatch):
         return bench.SideBySide([1.0, 1.0], [1.0, 1.0])
     monkeypatch.setattr(bench, "run_once", run_once)
     monkeypatch.setattr(bench, "measure_side_by_side", side_by_side)
-    _, rounds = bench.benchmark(workload, ["one_process", "2bw", "flush"], [1, 1], repeats=2,
-                                side_by_side_seconds=1.0)
-    assert order == ["one_process", "2bw", "side by side", "flush"] * 2 and len(rounds) == 2
+    names = ["one_process", "2bw", "flush", "gpipe"]
+    _, rounds, orders = bench.benchmark(workload, names, [1, 1], repeats=3,
+                                        side_by_side_seconds=1.0)
+    assert len(rounds) == 3 and all(sorted(o) == sorted(names) for o in orders)
+    expected = []
+    for runs in orders:
+        for name in runs:
+            expected += [name, "side by side"] if name == "2bw" else [name]
+    assert order == expected
     order.clear()  # without a 2BW run, at the end of each round
-    bench.benchmark(workload, ["one_process", "flush"], [1, 1], repeats=1, side_by_side_seconds=1.0)
-    assert order == ["one_process", "flush", "side by side"]
+    _, _, orders = bench.benchmark(workload, ["one_process", "flush"], [1, 1], repeats=1,
+                                   side_by_side_seconds=1.0)
+    assert order == orders[0] + ["side by side"]
 
 
 def test_side_by_side_ideal_is_the_one_core_total_over_the_slowest_busy_stage():

@@ -35,7 +35,7 @@ def test_every_configuration_is_predicted_measured_and_reported(tmp_path, capsys
     assert sorted(r["rank_predicted"] for r in rows) == list(range(1, 6))
     assert sorted(r["rank_measured"] for r in rows) == list(range(1, 6))
     assert report["verdicts"]["2"]["configurations"] == 5
-    assert report["orders"] == [bench.round_order(5, 0)]  # the one round ran every row once
+    assert sorted(report["orders"][0]) == list(range(5))  # the one round ran every row once
     # the predictions come from inputs sampled once per round: the medians are in the report
     profile = report["profile"]["2"]  # world 2's, as its predictions used it
     assert set(profile) == {"1", "2"} and set(profile["1"]) == {"2"}
@@ -69,12 +69,3 @@ def test_verdict_names_the_worst_error_and_the_first_choice_gap():
     assert v["within_20_percent"] == 1 and not v["error_target_holds"]  # b: +26%, c: +33%
     assert v["first_choice"] == "a" and v["measured_best"] == "b"
     assert abs(v["first_choice_gap"] - (100 / 95 - 1)) < 1e-12 and v["choice_target_holds"] is False
-
-
-def test_each_round_runs_every_configuration_once_in_its_own_repeatable_order():
-    orders = [bench.round_order(34, r) for r in range(5)]
-    assert all(sorted(order) == list(range(34)) for order in orders)
-    assert len({tuple(order) for order in orders}) == 5  # no two rounds alike
-    firsts = {order[0] for order in orders}
-    assert len(firsts) > 1  # not always the same configuration first after the profile
-    assert orders == [bench.round_order(34, r) for r in range(5)]  # seeded: a rerun repeats it
