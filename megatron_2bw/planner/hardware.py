@@ -331,21 +331,24 @@ def _device_for(group) -> torch.device:
     return torch.device("cpu")
 
 
+def timed_call(fn, device: torch.device, setup=None) -> float:
+    """Wall time of one fn() (synchronising the device); `setup()`, if given, runs untimed first."""
+    if setup is not None:
+        setup()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
+
+
 def median_time(fn, device: torch.device, repeats: int, setup=None) -> float:
     """Median wall time of fn() over `repeats` runs after a warm-up run (synchronising the device);
     `setup()`, if given, runs untimed before each."""
-    def run() -> float:
-        if setup is not None:
-            setup()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return time.perf_counter() - start
-    run()
-    return sorted(run() for _ in range(repeats))[repeats // 2]
+    timed_call(fn, device, setup)
+    return sorted(timed_call(fn, device, setup) for _ in range(repeats))[repeats // 2]
 
 
 def _agree(values: list[float], op, group, device) -> list[float]:

@@ -47,7 +47,7 @@ import torch
 from megatron_2bw.config import ModelConfig, PrecisionConfig
 from megatron_2bw.distributed.comm import ShardShapeGroup
 from megatron_2bw.distributed.launch import settle_host_allocator
-from megatron_2bw.planner.hardware import HardwareSpec, median_time
+from megatron_2bw.planner.hardware import HardwareSpec, timed_call
 from megatron_2bw.planner.memory import (MASK_BYTES, dtype_bytes, grad_buffer_bytes,
                                          layer_activation_bytes, layer_parameters)
 
@@ -218,18 +218,6 @@ def _piece(model: ModelConfig, tensor_parallel: int, layers: int, pre: bool, pos
     return module.to(device=device, dtype=dtype).train()
 
 
-def _forward_backward_times(run_forward, device, repeats: int) -> tuple[float, float]:
-    """(forward, backward) medians; run_forward() returns (output, gradient for it)."""
-    pending = []
-
-    def backward():
-        output, grad = pending.pop()
-        torch.autograd.backward(output, grad)
-
-    return (median_time(run_forward, device, repeats),
-            median_time(backward, device, repeats, setup=lambda: pending.append(run_forward())))
-
-
 def saved_activation_bytes(layer, hidden: torch.Tensor, mask=None) -> tuple[float, float]:
     """(without, with selective recomputation) bytes a TransformerLayer stashes for its backward:
     unique storages seen by saved_tensors_hooks, parameters excluded. The attention core's own
@@ -266,22 +254,28 @@ def saved_activation_bytes(layer, hidden: torch.Tensor, mask=None) -> tuple[floa
     return float(sum({**outside, **inside}.values())), float(sum({**outside, **core_inputs}.values()))
 
 
-def measure_costs(model: ModelConfig, precision: PrecisionConfig, micro_batch_size: int,
-                  device: torch.device | None = None, repeats: int = 7,
-                  tensor_parallel: int = 1) -> dict:
-    """Measure one rank's shard of a layer, the embedding and the head (a JSON-able record).
-    Medians of `repeats` runs: on a shared machine fewer let one slow run decide (3 gave a micro
-    batch of 2 a slower layer than one of 4 under a load average of 4)."""
-    t = tensor_parallel
-    device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = getattr(torch, precision.working_dtype_name)
-    b, s, h = micro_batch_size, model.seq_length, model.hidden_size
-    batch = _synthetic_batch(model, b, device)
+def _forward_backward(run_forward) -> tuple[tuple, tuple]:
+    """(fn, setup) of the forward, and of the backward of a fresh untimed forward; run_forward()
+    returns (output, gradient for it)."""
+    pending = []
 
-    body = _piece(model, t, 1, False, False, dtype, device)
+    def backward():
+        output, grad = pending.pop()
+        torch.autograd.backward(output, grad)
+
+    return (run_forward, None), (backward, lambda: pending.append(run_forward()))
+
+
+def _size_pieces(model: ModelConfig, modules: dict, b: int, device
+                 ) -> tuple[dict[str, tuple], dict[str, float]]:
+    """What measure_costs times for one (t, b), by record name, as (fn, setup), and the layer's
+    stashed bytes. `modules` holds t's layer, embedding and head (the same for every b)."""
+    s, h = model.seq_length, model.hidden_size
+    body, embedding, head = modules["body"], modules["embedding"], modules["head"]
+    dtype = next(body.parameters()).dtype
+    batch = _synthetic_batch(model, b, device)
     hidden = torch.randn(b, s, h, device=device, dtype=dtype, requires_grad=True)
     grad = torch.randn(b, s, h, device=device, dtype=dtype)
-    layer_f, layer_b = _forward_backward_times(lambda: (body(hidden, batch), grad), device, repeats)
     layer = next(iter(body.transformer.layers.values()))
     mask = None
     if model.model_type == "bert":
@@ -291,17 +285,46 @@ def measure_costs(model: ModelConfig, precision: PrecisionConfig, micro_batch_si
     with torch.no_grad():
         qkv = layer.attention.qkv(hidden).view(b, s, layer.attention.local_heads, 3, model.head_dim)
         q, k, v = (x.transpose(1, 2) for x in qkv.unbind(dim=3))
-    core_f = median_time(lambda: layer.attention.core(q, k, v, mask), device, repeats)
+    layer_f, layer_b = _forward_backward(lambda: (body(hidden, batch), grad))
+    emb_f, emb_b = _forward_backward(lambda: (embedding(None, batch), grad))
+    head_f, head_b = _forward_backward(lambda: (head(hidden, batch)[0], None))
+    timed = {"layer_forward_s": layer_f, "layer_backward_s": layer_b,
+             "attention_core_forward_s": (lambda: layer.attention.core(q, k, v, mask), None),
+             "embedding_forward_s": emb_f, "embedding_backward_s": emb_b,
+             "head_forward_s": head_f, "head_backward_s": head_b}
+    return timed, {"layer_activation_bytes": full_bytes,
+                   "selective_layer_activation_bytes": selective_bytes}
 
-    embedding = _piece(model, t, 0, True, False, dtype, device)
-    emb_f, emb_b = _forward_backward_times(lambda: (embedding(None, batch), grad), device, repeats)
 
-    head = _piece(model, t, 0, False, True, dtype, device)
-    head_f, head_b = _forward_backward_times(lambda: (head(hidden, batch)[0], None), device, repeats)
-    return {"layer_forward_s": layer_f, "layer_backward_s": layer_b,
-            "attention_core_forward_s": core_f, "embedding_forward_s": emb_f,
-            "embedding_backward_s": emb_b, "head_forward_s": head_f, "head_backward_s": head_b,
-            "layer_activation_bytes": full_bytes, "selective_layer_activation_bytes": selective_bytes}
+def measure_costs(model: ModelConfig, precision: PrecisionConfig, sizes: list[tuple[int, int]],
+                  device: torch.device | None = None, repeats: int = 7) -> dict[tuple[int, int], dict]:
+    """Per (t, b) of `sizes`: one rank's shard of a layer, the embedding and the head timed, and
+    the layer's stashed bytes (JSON-able records). Each figure is the median of `repeats` runs
+    (on a shared machine fewer let one slow run decide: 3 gave a micro batch of 2 a slower layer
+    than one of 4 under a load average of 4), after one warm-up run. The sizes are interleaved
+    run by run: each piece runs once at every size before its next run at any, so the machine's
+    drift from second to second moves every size alike and the ratios between sizes, which
+    decide the planner's choice of micro batch, stay steady. (Size by size, a layer's time at
+    b = 4 over b = 2 varied twice as much between passes here.)"""
+    device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = getattr(torch, precision.working_dtype_name)
+    modules = {t: {"body": _piece(model, t, 1, False, False, dtype, device),
+                   "embedding": _piece(model, t, 0, True, False, dtype, device),
+                   "head": _piece(model, t, 0, False, True, dtype, device)}
+               for t in sorted({t for t, _ in sizes})}
+    pieces = {(t, b): _size_pieces(model, modules[t], b, device) for t, b in sizes}
+    names = list(next(iter(pieces.values()))[0])
+    samples = {key: {name: [] for name in names} for key in pieces}
+    for run in range(repeats + 1):  # run 0 warms up
+        for name in names:
+            for key, (timed, _) in pieces.items():
+                fn, setup = timed[name]
+                seconds = timed_call(fn, device, setup)
+                if run:
+                    samples[key][name].append(seconds)
+    return {key: {**{name: statistics.median(runs) for name, runs in samples[key].items()},
+                  **stashed}
+            for key, (_, stashed) in pieces.items()}
 
 
 def default_cache_dir() -> Path:
@@ -399,8 +422,7 @@ def _measure_in_child(connection, model, precision, sizes, device) -> None:
             os.sched_setaffinity(0, range(os.cpu_count() or 1))  # (the kernel keeps the cpuset)
         torch.set_num_threads(1)
         settle_host_allocator()  # as the training ranks do
-        connection.send({(t, b): measure_costs(model, precision, b, device, tensor_parallel=t)
-                         for t, b in sizes})
+        connection.send(measure_costs(model, precision, sizes, device))
     except BaseException:  # noqa: BLE001 - reported to the parent
         import traceback
         connection.send(traceback.format_exc())
@@ -428,8 +450,8 @@ def measure_costs_per_copy(model: ModelConfig, precision: PrecisionConfig,
     the same time differ is how far ranks do)."""
     if processes <= 1:
         settle_host_allocator()  # as the training ranks do
-        return {(t, b): [measure_costs(model, precision, b, device, tensor_parallel=t)]
-                for t, b in sizes}
+        return {key: [record] for key, record in measure_costs(model, precision, sizes,
+                                                              device).items()}
     import multiprocessing
     context = multiprocessing.get_context("fork")
     pipes = [context.Pipe(duplex=False) for _ in range(processes)]

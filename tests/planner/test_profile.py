@@ -77,26 +77,27 @@ def test_measured_profile_is_cached_interpolated_and_scaled(tmp_path, monkeypatc
     calls = []
     real = profile_module.measure_costs
 
-    def counting(model, precision, b, device=None, repeats=3, tensor_parallel=1):
-        calls.append((tensor_parallel, b))
-        record = real(model, precision, b, device, repeats=1, tensor_parallel=tensor_parallel)
-        return {**record, "head_forward_s": float(len(calls))}  # which call measured it
+    def counting(model, precision, sizes, device=None, repeats=7):
+        calls.append(list(sizes))
+        records = real(model, precision, sizes, device, repeats=1)
+        return {key: {**record, "head_forward_s": float(len(calls))}  # which call measured it
+                for key, record in records.items()}
 
     monkeypatch.setattr(profile_module, "measure_costs", counting)
     profile = measured_profile(MODEL, PrecisionConfig(), HARDWARE, [1, 2], tmp_path,
                                tensor_parallel_sizes=[2], rounds=3)
-    # t = 1 always (other t fall back on it); every size once per round, round after round
-    assert calls == [(1, 1), (1, 2), (2, 1), (2, 2)] * 3
+    # t = 1 always (other t fall back on it); every size in every round's one pass
+    assert calls == [[(1, 1), (1, 2), (2, 1), (2, 2)]] * 3
     [cache] = tmp_path.glob("toy__gpt-h64-a4-f256-s32-v1024-dropout0.1-0.1__float32.json")
     stored = json.loads(cache.read_text())["tensor_parallel"]
     assert set(stored) == {"1", "2"} and set(stored["1"]) == {"1", "2"}
-    assert stored["1"]["2"]["head_forward_s"] == 6.0  # the median of calls 2, 6 and 10
+    assert stored["1"]["2"]["head_forward_s"] == 2.0  # the median of rounds 1, 2 and 3
     assert stored["1"]["1"]["layer_activation_bytes"] > 0
     # one rank's shard stashes less than the whole layer (the replicated LayerNorm inputs stay)
     assert 0 < stored["2"]["2"]["layer_activation_bytes"] < stored["1"]["2"]["layer_activation_bytes"]
     again = measured_profile(MODEL, PrecisionConfig(), HARDWARE, [2, 1], tmp_path,
                              tensor_parallel_sizes=[2])
-    assert len(calls) == 12  # nothing measured again
+    assert len(calls) == 3  # nothing measured again
     assert again.records == profile.records
     assert again.costs(2, 2).layer_forward_s == stored["2"]["2"]["layer_forward_s"]
 
@@ -107,6 +108,29 @@ def test_measured_profile_is_cached_interpolated_and_scaled(tmp_path, monkeypatc
     analytic = AnalyticProfile(MODEL, PrecisionConfig(), HARDWARE)
     ratio = analytic.costs(2, 1).layer_forward_s / analytic.costs(1, 1).layer_forward_s
     assert fake.costs(2, 1).layer_forward_s == pytest.approx(ratio)  # t = 2 not measured: scaled
+
+
+def test_sizes_are_interleaved_run_by_run_after_a_warm_up_run(monkeypatch):
+    """Each piece runs once at every size before its next run at any: the machine's drift moves
+    all sizes alike, so the ratios between sizes stay steady."""
+    log = []
+    names = ("layer_forward_s", "head_forward_s")
+
+    def logging_pieces(model, modules, b, device):
+        timed = {name: (lambda name=name, b=b: log.append((name, b)), None) for name in names}
+        return timed, {"layer_activation_bytes": float(b)}
+
+    clock = iter(range(1000))  # the k-th timed call takes k seconds
+    monkeypatch.setattr(profile_module, "_size_pieces", logging_pieces)
+    monkeypatch.setattr(profile_module, "timed_call",
+                        lambda fn, device, setup=None: (fn(), float(next(clock)))[1])
+    records = profile_module.measure_costs(MODEL, PrecisionConfig(), [(1, 1), (1, 2)],
+                                           torch.device("cpu"), repeats=3)
+    assert log == [(name, b) for _ in range(4) for name in names for b in (1, 2)]
+    # calls 0-3 warm up; the layer's forward at b = 1 is calls 4, 8 and 12, the head's at b = 2
+    # calls 7, 11 and 15
+    assert records[(1, 1)]["layer_forward_s"] == 8.0 and records[(1, 2)]["head_forward_s"] == 11.0
+    assert records[(1, 2)]["layer_activation_bytes"] == 2.0
 
 
 def test_as_many_processes_profile_at_once_as_the_job_keeps_cores_busy():
@@ -120,8 +144,9 @@ def test_as_many_processes_profile_at_once_as_the_job_keeps_cores_busy():
 def test_profiling_at_once_runs_in_forked_copies_and_takes_the_median(monkeypatch):
     parent = os.getpid()
 
-    def which_process(model, precision, b, device=None, repeats=7, tensor_parallel=1):
-        return {"layer_forward_s": float(os.getpid()), "head_forward_s": float(b)}
+    def which_process(model, precision, sizes, device=None, repeats=7):
+        return {(t, b): {"layer_forward_s": float(os.getpid()), "head_forward_s": float(b)}
+                for t, b in sizes}
 
     monkeypatch.setattr(profile_module, "measure_costs", which_process)
     here = measure_costs_at_once(MODEL, PrecisionConfig(), [(1, 2)], processes=1)
@@ -144,13 +169,12 @@ def test_profiling_at_once_runs_in_forked_copies_and_takes_the_median(monkeypatc
 
 
 def test_a_profile_measured_at_once_is_cached_apart(tmp_path, monkeypatch):
+    names = ("layer_forward_s", "layer_backward_s", "attention_core_forward_s",
+             "embedding_forward_s", "embedding_backward_s", "head_forward_s", "head_backward_s",
+             "layer_activation_bytes", "selective_layer_activation_bytes")
     monkeypatch.setattr(profile_module, "measure_costs",
-                        lambda model, precision, b, device=None, repeats=7, tensor_parallel=1:
-                        dict.fromkeys(("layer_forward_s", "layer_backward_s",
-                                       "attention_core_forward_s", "embedding_forward_s",
-                                       "embedding_backward_s", "head_forward_s",
-                                       "head_backward_s", "layer_activation_bytes",
-                                       "selective_layer_activation_bytes"), 1.0))
+                        lambda model, precision, sizes, device=None, repeats=7:
+                        {key: dict.fromkeys(names, 1.0) for key in sizes})
     measured_profile(MODEL, PrecisionConfig(), HARDWARE, [1], tmp_path, rounds=1, processes=2)
     assert [p.name for p in tmp_path.glob("*.json")] == \
         ["toy__gpt-h64-a4-f256-s32-v1024-dropout0.1-0.1__float32__x2.json"]
@@ -159,9 +183,9 @@ def test_a_profile_measured_at_once_is_cached_apart(tmp_path, monkeypatch):
 def test_a_cached_profile_serves_only_the_same_model_and_torch(tmp_path, monkeypatch):
     calls = []
 
-    def constant(model, precision, b, device=None, repeats=7, tensor_parallel=1):
+    def constant(model, precision, sizes, device=None, repeats=7):
         calls.append(model.hidden_dropout)
-        return {"layer_forward_s": 1.0}
+        return {key: {"layer_forward_s": 1.0} for key in sizes}
 
     monkeypatch.setattr(profile_module, "measure_costs", constant)
     measured_profile(MODEL, PrecisionConfig(), HARDWARE, [1], tmp_path, rounds=1)
@@ -189,8 +213,8 @@ def test_a_cached_profile_serves_only_the_same_model_and_torch(tmp_path, monkeyp
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="CPU affinity is Linux's")
 def test_copies_forked_by_a_rank_bound_to_one_core_spread_over_the_node(monkeypatch):
     monkeypatch.setattr(profile_module, "measure_costs",
-                        lambda model, precision, b, device=None, repeats=7, tensor_parallel=1:
-                        {"cores": float(len(os.sched_getaffinity(0)))})
+                        lambda model, precision, sizes, device=None, repeats=7:
+                        {key: {"cores": float(len(os.sched_getaffinity(0)))} for key in sizes})
     mine = os.sched_getaffinity(0)
     os.sched_setaffinity(0, {min(mine)})  # as --bind-cores-to-rank leaves rank 0
     try:
