@@ -42,7 +42,8 @@ def load_rows(path: Path) -> list[validation.Row]:
         report = json.loads(path.read_text())
         return [validation.Row(r["world_size"], r["config"], r["predicted_ms"], r["measured_ms"],
                                plan=r.get("plan"),
-                               predicted_at_start_ms=r.get("predicted_at_start_ms", 0.0))
+                               predicted_at_start_ms=r.get("predicted_at_start_ms", 0.0),
+                               settle_ms=r.get("settle_ms", []))
                 for r in report["rows"]]
     except FileNotFoundError:
         fail(f"{path}: no such file")

@@ -7,7 +7,7 @@ from tests.benchmarks import load_benchmark
 TINY = ["--world-sizes", "2", "--num-layers", "2", "--hidden-size", "32",
         "--num-attention-heads", "2", "--seq-length", "16", "--vocab-size", "64",
         "--global-batch-size", "4", "--micro-batch-sizes", "2", "--warmup-batches", "1",
-        "--measured-batches", "1", "--repeats", "1", "--no-progress"]
+        "--measured-batches", "1", "--repeats", "1", "--settle-rounds", "0", "--no-progress"]
 
 
 bench = load_benchmark("planner_validation")
@@ -16,7 +16,8 @@ bench = load_benchmark("planner_validation")
 def test_every_configuration_is_predicted_measured_and_reported(tmp_path, capsys):
     json_path, md_path = tmp_path / "table.json", tmp_path / "table.md"
     bench.main(TINY + ["--json", str(json_path), "--markdown", str(md_path),
-                       "--profile-cache", str(tmp_path / "cache")])
+                       "--profile-cache", str(tmp_path / "cache"),
+                       "--settle-rounds", "1", "--settle-margin", "100"])  # all contend
     report = json.loads(json_path.read_text())
     rows = report["rows"]
     # world 2, b = 2 of a batch of 4: (t, p, d) in (1,1,2), (2,1,1) under Flush (one stage), and
@@ -36,6 +37,11 @@ def test_every_configuration_is_predicted_measured_and_reported(tmp_path, capsys
     assert sorted(r["rank_measured"] for r in rows) == list(range(1, 6))
     assert report["verdicts"]["2"]["configurations"] == 5
     assert sorted(report["orders"][0]) == list(range(5))  # the one round ran every row once
+    # then one settling round of every row (a margin of 100x makes them all contenders)
+    assert sorted(report["settling"]) == sorted([2, r["config"]] for r in rows)
+    [settle_order] = report["settle_orders"]
+    assert sorted(settle_order) == list(range(5))
+    assert all(len(r["settle_ms"]) == 1 and r["settle_ms"][0] > 0 for r in rows)
     # the predictions come from inputs sampled once per round: the medians are in the report
     profile = report["profile"]["2"]  # world 2's, as its predictions used it
     assert set(profile) == {"1", "2"} and set(profile["1"]) == {"2"}
@@ -54,6 +60,7 @@ def test_every_configuration_is_predicted_measured_and_reported(tmp_path, capsys
     assert sampled["p2p_processor_s"] == hardware["p2p_processor_s"]
     table = md_path.read_text()
     assert table.count("| t=") == 5 and "### 2 processes" in table
+    assert "1 settling rounds of 5 contenders" in table
     assert "vocabulary 64" in table and "load average" in table
 
 
@@ -69,3 +76,28 @@ def test_verdict_names_the_worst_error_and_the_first_choice_gap():
     assert v["within_20_percent"] == 1 and not v["error_target_holds"]  # b: +26%, c: +33%
     assert v["first_choice"] == "a" and v["measured_best"] == "b"
     assert abs(v["first_choice_gap"] - (100 / 95 - 1)) < 1e-12 and v["choice_target_holds"] is False
+
+
+def test_contenders_are_the_first_choice_and_the_near_fastest():
+    first = bench.Row(2, "first", predicted_ms=90.0, measured_ms=[130.0])
+    fastest = bench.Row(2, "fastest", predicted_ms=100.0, measured_ms=[100.0])
+    near = bench.Row(2, "near", predicted_ms=110.0, measured_ms=[109.0])
+    far = bench.Row(2, "far", predicted_ms=95.0, measured_ms=[111.0])
+    rows = [first, fastest, near, far]
+    assert bench.contenders(rows, 0.10) == [first, fastest, near]  # far: 11% behind
+    assert bench.contenders(rows, 0.12) == rows
+    alone = bench.Row(2, "alone", predicted_ms=80.0, measured_ms=[90.0])
+    assert bench.contenders([alone, far], 0.10) == []  # the first choice is the fastest by far
+
+
+def test_the_choice_verdict_counts_the_settling_rounds_and_the_error_does_not():
+    first = bench.Row(2, "a", predicted_ms=100.0, measured_ms=[110.0, 108.0, 112.0],
+                      settle_ms=[100.0, 101.0, 99.0, 100.0])
+    rival = bench.Row(2, "b", predicted_ms=105.0, measured_ms=[100.0, 99.0, 101.0],
+                      settle_ms=[104.0, 106.0, 103.0, 105.0])
+    rows = [first, rival]
+    bench.assign_ranks(rows)
+    v = bench.verdict(rows)
+    assert first.settled_ms == 101.0 and rival.settled_ms == 103.0
+    assert v["measured_best"] == "a" and v["first_choice_gap"] == 0.0  # 10% behind without them
+    assert abs(v["worst_error"] - (100 / 110 - 1)) < 1e-12  # the main rounds' median only
