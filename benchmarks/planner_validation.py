@@ -197,21 +197,30 @@ def time_ms(row: Row, row_config: Config, warmup: int, measured: int) -> float:
     return 1000 * max(on_ranks(row.world_size, _train, row_config, warmup, measured))
 
 
-def measure(rows: list[tuple[Row, Config]], samples: Samples, config: Config, warmup: int,
-            measured: int, repeats: int, progress: bool) -> list[list[int]]:
-    """Interleaved: the inputs sampled, then every configuration once, per round, each round in
-    its own order (returned: per round, indices into `rows`)."""
+def run_rounds(rows: list[tuple[Row, Config]], warmup: int, measured: int,
+               round_indices: range, runs_of, description: str, progress: bool,
+               before_round=lambda: None) -> list[list[int]]:
+    """Every configuration once per round, each round in its own order, each time appended to
+    runs_of(row) (returned: per round, indices into `rows`)."""
     from tqdm import tqdm
     orders = []
-    with tqdm(total=repeats * len(rows), desc="training", unit="run", disable=not progress) as bar:
-        for round_index in range(repeats):
-            samples.take(config)
+    with tqdm(total=len(round_indices) * len(rows), desc=description, unit="run",
+              disable=not progress) as bar:
+        for round_index in round_indices:
+            before_round()
             orders.append(round_order(len(rows), round_index))
             for index in orders[-1]:
                 row, row_config = rows[index]
-                row.measured_ms.append(time_ms(row, row_config, warmup, measured))
+                runs_of(row).append(time_ms(row, row_config, warmup, measured))
                 bar.update()
     return orders
+
+
+def measure(rows: list[tuple[Row, Config]], samples: Samples, config: Config, warmup: int,
+            measured: int, repeats: int, progress: bool) -> list[list[int]]:
+    """Interleaved: the inputs sampled, then every configuration once, per round."""
+    return run_rounds(rows, warmup, measured, range(repeats), lambda row: row.measured_ms,
+                      "training", progress, before_round=lambda: samples.take(config))
 
 
 def contenders(rows: list[Row], margin: float) -> list[Row]:
@@ -225,20 +234,11 @@ def contenders(rows: list[Row], margin: float) -> list[Row]:
 
 def settle(rows: list[tuple[Row, Config]], warmup: int, measured: int, rounds: int,
            first_round: int, progress: bool) -> list[list[int]]:
-    """More interleaved rounds of the contenders only, into their `settle_ms` (returned: per
-    round, indices into `rows`). The median of a few noisy runs of near-equal configurations
-    picks a fastest by luck, and the least of several such medians is biased low: the rounds
-    spent where the verdict is decided shrink both."""
-    from tqdm import tqdm
-    orders = []
-    with tqdm(total=rounds * len(rows), desc="settling", unit="run", disable=not progress) as bar:
-        for round_index in range(first_round, first_round + rounds):
-            orders.append(round_order(len(rows), round_index))
-            for index in orders[-1]:
-                row, row_config = rows[index]
-                row.settle_ms.append(time_ms(row, row_config, warmup, measured))
-                bar.update()
-    return orders
+    """More interleaved rounds of the contenders only, into their `settle_ms`. The median of a
+    few noisy runs of near-equal configurations picks a fastest by luck, and the least of several
+    such medians is biased low: the rounds spent where the verdict is decided shrink both."""
+    return run_rounds(rows, warmup, measured, range(first_round, first_round + rounds),
+                      lambda row: row.settle_ms, "settling", progress)
 
 
 def predict_pinned(config: Config, world: int, hardware: HardwareSpec, profile: MeasuredProfile,
