@@ -262,10 +262,14 @@ def model_description(config: Config) -> str:
 
 
 def assign_ranks(rows: list[Row]) -> None:
-    """1-based ranks by predicted and by measured time (every run, settling rounds included),
-    within a world size."""
+    """1-based ranks by predicted and by measured time, within a world size. Measured: after
+    settling rounds, the contenders first, by their medians over every run; then the others, by
+    their main rounds. The two are medians over different minutes of a drifting machine, and a
+    non-contender was already more than the settling margin (above the 5% target) behind the
+    fastest in the rounds they shared."""
+    settled = any(r.settle_ms for r in rows)
     for by, field_name in ((lambda r: r.predicted_ms, "rank_predicted"),
-                           (lambda r: r.settled_ms, "rank_measured")):
+                           (lambda r: (settled and not r.settle_ms, r.settled_ms), "rank_measured")):
         for position, row in enumerate(sorted(rows, key=by), 1):
             setattr(row, field_name, position)
 

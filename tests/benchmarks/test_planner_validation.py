@@ -101,3 +101,18 @@ def test_the_choice_verdict_counts_the_settling_rounds_and_the_error_does_not():
     assert first.settled_ms == 101.0 and rival.settled_ms == 103.0
     assert v["measured_best"] == "a" and v["first_choice_gap"] == 0.0  # 10% behind without them
     assert abs(v["worst_error"] - (100 / 110 - 1)) < 1e-12  # the main rounds' median only
+
+
+def test_after_settling_the_measured_best_is_a_contender():
+    # the machine slowed during the settling rounds: a non-contender's main-round median would
+    # otherwise beat the contenders' medians over every run, which span slower minutes
+    first = bench.Row(4, "a", predicted_ms=100.0, measured_ms=[100.0, 100.0, 100.0],
+                      settle_ms=[120.0, 120.0, 120.0, 120.0])
+    rival = bench.Row(4, "b", predicted_ms=105.0, measured_ms=[95.0, 95.0, 95.0],
+                      settle_ms=[118.0, 118.0, 118.0, 118.0])
+    outside = bench.Row(4, "c", predicted_ms=110.0, measured_ms=[106.0, 106.0, 106.0])
+    assert bench.contenders([first, rival, outside], 0.10) == [first, rival]
+    bench.assign_ranks([first, rival, outside])
+    assert [r.rank_measured for r in (rival, first, outside)] == [1, 2, 3]
+    v = bench.verdict([first, rival, outside])
+    assert v["measured_best"] == "b" and abs(v["first_choice_gap"] - (120 / 118 - 1)) < 1e-12
