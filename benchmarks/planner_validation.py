@@ -268,15 +268,20 @@ def assign_ranks(rows: list[Row]) -> None:
     non-contender was already more than the settling margin (above the 5% target) behind the
     fastest in the rounds they shared."""
     settled = any(r.settle_ms for r in rows)
-    for by, field_name in ((lambda r: r.predicted_ms, "rank_predicted"),
-                           (lambda r: (settled and not r.settle_ms, r.settled_ms), "rank_measured")):
+
+    def measured(row: Row):
+        left_out = settled and not row.settle_ms
+        return left_out, row.settled_ms
+
+    for by, field_name in ((lambda r: r.predicted_ms, "rank_predicted"), (measured, "rank_measured")):
         for position, row in enumerate(sorted(rows, key=by), 1):
             setattr(row, field_name, position)
 
 
 def verdict(rows: list[Row]) -> dict:
     """The targets: each error over the main rounds (measured in the minutes the predictions'
-    inputs were sampled in); the first choice against the measured best over every run."""
+    inputs were sampled in); the first choice against the measured best (rank_measured 1, see
+    assign_ranks), both over every run."""
     worst = max(rows, key=lambda r: abs(r.error))
     first = min(rows, key=lambda r: r.rank_predicted)
     best = min(rows, key=lambda r: r.rank_measured)
