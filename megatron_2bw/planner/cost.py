@@ -87,13 +87,6 @@ class StageCost:
     forward_comm_s: float = 0.0
     backward_comm_s: float = 0.0
     step_comm_s: float = 0.0
-    # the blocking tensor-parallel all-reduces of one forward and one backward, and the wait for
-    # a peer's turn each includes (Network.wake_s, part of *_comm_s): where ranks share
-    # processors the replay interleaves them with the compute and charges that wait only while
-    # other ranks of the node are busy
-    forward_collectives: int = 0
-    backward_collectives: int = 0
-    wake_s: float = 0.0
     # the data-parallel all-reduce (or reduce-scatter) of the gradient buffer: it runs on after
     # reduce and must be in before the stage's next backward or its step (update.py)
     reduce_background_s: float = 0.0
@@ -247,22 +240,6 @@ class PieceTimes:
     layer_comm_processor_s: float = 0.0
     embedding_comm_processor_s: float = 0.0
     head_comm_processor_s: float = 0.0
-    wake_s: float = 0.0  # of each all-reduce, included above (Network.wake_s)
-
-
-# Megatron's tensor-parallel all-reduces per microbatch: a layer meets twice per pass (after
-# attention, after the MLP), the embedding once forward, the loss three times (max, target
-# logit, sum) and the head once backward
-LAYER_COLLECTIVES_PER_PASS = 2
-LOSS_COLLECTIVES = 3
-
-
-def tensor_collectives(layers: int, first: bool, last: bool, recompute: str | None
-                       ) -> tuple[int, int]:
-    """Blocking tensor-parallel all-reduces of a stage's forward and backward (t > 1)."""
-    backward_passes = 2 if recompute == "full" else 1  # full recomputation reruns the forward
-    return (LAYER_COLLECTIVES_PER_PASS * layers + int(first) + LOSS_COLLECTIVES * int(last),
-            backward_passes * LAYER_COLLECTIVES_PER_PASS * layers + int(last))
 
 
 def piece_times(model: ModelConfig, network: Network, costs: ComputeCosts, micro_batch_size: int,
@@ -271,38 +248,36 @@ def piece_times(model: ModelConfig, network: Network, costs: ComputeCosts, micro
 
     def tensor_ar(after_compute_s: float, nbytes: float = activation) -> float:
         return network.allreduce_time("tensor", nbytes, after_compute_s=after_compute_s)
-    # each all-reduce follows the compute since the previous one
-    layer_f_ar = tensor_ar(costs.layer_forward_s / LAYER_COLLECTIVES_PER_PASS)
-    layer_b_ar = tensor_ar(costs.layer_backward_s / LAYER_COLLECTIVES_PER_PASS)
+    # each all-reduce follows the compute since the previous one: a layer meets twice per pass
+    # (after attention, after the MLP), the loss three times (max, target logit, sum)
+    layer_f_ar = tensor_ar(costs.layer_forward_s / 2)
+    layer_b_ar = tensor_ar(costs.layer_backward_s / 2)
     embedding_ar = tensor_ar(costs.embedding_forward_s)
     loss_bytes = 4 * micro_batch_size * model.seq_length  # one fp32 figure per token
-    loss_ar = tensor_ar(costs.head_forward_s / LOSS_COLLECTIVES, loss_bytes)
+    loss_ar = tensor_ar(costs.head_forward_s / 3, loss_bytes)
     head_b_ar = tensor_ar(costs.head_backward_s)
-    layer_f_comm = LAYER_COLLECTIVES_PER_PASS * layer_f_ar
-    layer_f = costs.layer_forward_s + layer_f_comm
-    layer_b_comm = LAYER_COLLECTIVES_PER_PASS * layer_b_ar
-    layer_b = costs.layer_backward_s + layer_b_comm
-    layer_calls = sum(tensor_collectives(1, False, False, recompute))
+    layer_f = costs.layer_forward_s + 2 * layer_f_ar
+    layer_b = costs.layer_backward_s + 2 * layer_b_ar
+    layer_b_comm = 2 * layer_b_ar
+    layer_calls = 4  # Megatron's f and g, forward and backward
     if recompute == "full":
         layer_b += layer_f
-        layer_b_comm += layer_f_comm
+        layer_b_comm += 2 * layer_f_ar
+        layer_calls += 2
     elif recompute == "selective":
         layer_b += costs.attention_core_forward_s
     # measured for groups of 2 or more only: nothing at t = 1
     processor = network.hardware.allreduce_processor_s(network.layout.tensor, activation)
     loss_processor = network.hardware.allreduce_processor_s(network.layout.tensor, loss_bytes)
-    loss_comm = LOSS_COLLECTIVES * loss_ar
-    t = network.layout.tensor
     return PieceTimes(layer_f, layer_b, costs.embedding_forward_s + embedding_ar,
-                      costs.embedding_backward_s, costs.head_forward_s + loss_comm,
+                      costs.embedding_backward_s, costs.head_forward_s + 3 * loss_ar,
                       costs.head_backward_s + head_b_ar,
-                      layer_forward_comm_s=layer_f_comm, layer_backward_comm_s=layer_b_comm,
-                      embedding_forward_comm_s=embedding_ar, head_forward_comm_s=loss_comm,
+                      layer_forward_comm_s=2 * layer_f_ar, layer_backward_comm_s=layer_b_comm,
+                      embedding_forward_comm_s=embedding_ar, head_forward_comm_s=3 * loss_ar,
                       head_backward_comm_s=head_b_ar,
                       layer_comm_processor_s=layer_calls * processor,
                       embedding_comm_processor_s=processor,
-                      head_comm_processor_s=LOSS_COLLECTIVES * loss_processor + processor,
-                      wake_s=network.wake_s(t) if t > 1 else 0.0)
+                      head_comm_processor_s=3 * loss_processor + processor)
 
 
 def balanced_layer_split(layers: int, stages: int, layer_s: float, first_extra_s: float,
@@ -387,8 +362,6 @@ def stage_costs(model: ModelConfig, hardware: HardwareSpec, costs: ComputeCosts,
         messages = int(not first) + int(not last)
         forward += messages * hardware.p2p_processor_s
         backward += messages * hardware.p2p_processor_s
-        forward_collectives, backward_collectives = \
-            tensor_collectives(layers, first, last, candidate.recompute) if t > 1 else (0, 0)
 
         P = stage_parameters(model, t, layers, first, last)
         buckets = max(1, math.ceil(P / parallel.ddp_bucket_size))
@@ -413,8 +386,6 @@ def stage_costs(model: ModelConfig, hardware: HardwareSpec, costs: ComputeCosts,
             step_s=step / memory_rate + step_comm,
             tied_async_s=tied_ar if first and not last else 0.0,
             forward_comm_s=forward_comm, backward_comm_s=backward_comm, step_comm_s=step_comm,
-            forward_collectives=forward_collectives, backward_collectives=backward_collectives,
-            wake_s=pieces.wake_s,
             reduce_background_s=data_ar, comm_processor_s=comm_processor,
             batch_comm_processor_s=data_processor))
     return result
@@ -436,7 +407,6 @@ class CoreSharing:
     a collective needs none."""
     ranks: tuple[tuple[int, ...], ...]  # [node][stage]
     slots: int
-    tensor_parallel: int = 1  # ranks per tensor-parallel group (of one stage, on one node)
 
     def bound(self, stages: list[StageCost], microbatches: int) -> float:
         """The least time per batch: each node's processors must get through the processor time
@@ -457,7 +427,7 @@ def core_sharing(hardware: HardwareSpec, candidate: Candidate) -> CoreSharing | 
     ranks = [[0] * c.pipeline_parallel for _ in range(hardware.nodes)]
     for rank in range(world):
         ranks[rank // hardware.devices_per_node][layout.coordinates(rank).pp] += 1
-    return CoreSharing(tuple(map(tuple, ranks)), hardware.compute_slots, c.tensor_parallel)
+    return CoreSharing(tuple(map(tuple, ranks)), hardware.compute_slots)
 
 
 def busiest_stage(stages: list[StageCost], microbatches: int) -> int:
