@@ -267,10 +267,8 @@ def assign_ranks(rows: list[Row]) -> None:
     their main rounds. The two are medians over different minutes of a drifting machine, and a
     non-contender was already more than the settling margin (above the 5% target) behind the
     fastest in the rounds they shared."""
-    settled = any(r.settle_ms for r in rows)
-
-    def measured(row: Row):
-        left_out = settled and not row.settle_ms
+    def measured(row: Row):  # without settling rounds every row is left out alike
+        left_out = not row.settle_ms
         return left_out, row.settled_ms
 
     for by, field_name in ((lambda r: r.predicted_ms, "rank_predicted"), (measured, "rank_measured")):
