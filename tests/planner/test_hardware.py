@@ -181,7 +181,9 @@ def test_allreduce_times_for_every_group_size_of_a_node():
     assert all(t > 0 for _, _, t in times)
     # CPU ranks: the processor seconds of the same calls, beside them
     assert [(g, b) for g, b, _ in processor] == [(g, b) for g, b, _ in times]
-    assert all(0 < p < 4 * t for (_, _, t), (_, _, p) in zip(times, processor))
+    # a rank's threads use at most its processors in each timed run, so the medians keep that bound
+    cores = len(os.sched_getaffinity(0))
+    assert all(0 < p <= cores * t for (_, _, t), (_, _, p) in zip(times, processor))
 
 
 def _slice_on_one_core(rank, world_size):
