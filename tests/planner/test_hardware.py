@@ -144,16 +144,18 @@ def test_the_processor_time_of_pipeline_messages(world):
 
 
 def _after_compute(rank, world_size, processors):
-    return probe_allreduce_after_compute(segments_s=(2e-4, 3e-3), calls=3, rounds=1,
+    return probe_allreduce_after_compute(segments_s=(2e-4, 3e-2), calls=3, rounds=1,
                                          processors=processors)
 
 
 def test_allreduce_after_compute_with_one_rank_per_processor():
     tables = run_ranks(3, _after_compute, 2)  # ranks 0 and 1 take part, rank 2 waits
     assert all(table == tables[0] for table in tables)  # every rank gets the same table
-    assert [s for s, _ in tables[0]] == [2e-4, 3e-3]
-    # the busy-wait itself is not counted (a 4-byte gloo all-reduce takes well under 3 ms here)
-    assert all(0 <= extra < 3e-3 for _, extra in tables[0])
+    assert [s for s, _ in tables[0]] == [2e-4, 3e-2]
+    # the busy-wait itself is not counted: that would put the 30 ms segment's extra near 30 ms;
+    # a 4-byte gloo all-reduce takes well under 1 ms here, and 2-7 ms with two busy processes
+    # beside the ranks
+    assert all(0 <= extra < 1.5e-2 for _, extra in tables[0])
     assert run_ranks(2, _after_compute, 1) == [(), ()]  # one processor: nobody to meet
 
 
