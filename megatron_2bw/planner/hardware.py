@@ -461,7 +461,7 @@ def probe_allreduce_times(group=None, sizes=ALLREDUCE_PROBE_BYTES, repeats: int 
             seconds = median_time(calls, device, 3) / count
             # the median of the timed runs, as for the wall time: one run whose calls spun for
             # a millisecond would dominate a mean (and put it above the processors' bound)
-            processor = sorted(spent[1:])[len(spent[1:]) // 2] / count
+            processor = statistics.median(spent[1:]) / count  # spent[0]: median_time's warm-up
             table.append((g, nbytes, seconds, processor))
         dist.barrier(group=group)
         if mine is not group:  # its gloo threads would otherwise live on through training
