@@ -62,8 +62,9 @@ def main(argv=None) -> float:
     ratios = []
     for pair in range(args.pairs):
         order = (True, False) if pair % 2 else (False, True)
-        ms = {ahead: 1000 * max(on_ranks(args.pipeline_stages, _train, config, args.warmup_batches,
-                                         args.measured_batches, ahead)) for ahead in order}
+        ms = {ahead: 1000 * max(map(statistics.mean, on_ranks(
+            args.pipeline_stages, _train, config, args.warmup_batches, args.measured_batches, ahead)))
+              for ahead in order}
         ratios.append(ms[True] / ms[False])
         print(f"pair {pair + 1}: posted with the exchange {ms[False]:.0f} ms/iteration, "
               f"ahead {ms[True]:.0f} ms ({ratios[-1]:.3f}x)", flush=True)

@@ -81,10 +81,11 @@ def _detect(rank: int, world: int) -> HardwareSpec:
 
 
 def _train(rank: int, world: int, config: Config, warmup: int, measured: int,
-           post_ahead: bool | None = None) -> float:
-    """Seconds per iteration on this rank: the mean interval between the ends of its batches (its
-    gradient reduction, right after a batch's last backward in every schedule) after `warmup`
-    batches, all batches in one undrained segment (as pretrain runs between evaluations). Not the
+           post_ahead: bool | None = None) -> list[float]:
+    """Seconds of each measured batch on this rank (their mean is its time per iteration): the
+    intervals between the ends of its batches (its gradient reduction, right after a batch's last
+    backward in every schedule) after `warmup` batches, all batches in one undrained segment (as
+    pretrain runs between evaluations). Not the
     optimizer steps: 2BW defers a batch's step into the next batch, and its last two steps both
     fall into the final drain. `post_ahead` overrides whether pipeline receives are posted ahead
     (benchmarks/p2p_receive_ahead.py)."""
@@ -109,7 +110,7 @@ def _train(rank: int, world: int, config: Config, warmup: int, measured: int,
     dist.barrier()
     run_segment(stage, 0, warmup + measured, lambda k: {"tokens": tokens[k % 8].to(device)})
     dist.barrier()
-    return (batch_ends[-1] - batch_ends[warmup - 1]) / measured
+    return [end - before for before, end in zip(batch_ends[warmup - 1:-1], batch_ends[warmup:])]
 
 
 # -- the benchmark -------------------------------------------------------------------------------
@@ -125,6 +126,9 @@ class Row:
     plan: dict | None = None
     predicted_at_start_ms: float = 0.0
     settle_ms: list[float] = field(default_factory=list)  # the settling rounds' (contenders only)
+    # per run (the repeats', then the settling rounds'), the slowest rank's milliseconds of each
+    # measured batch: whether a slow run was slow throughout or in bursts
+    batch_ms: list[list[float]] = field(default_factory=list)
 
     @property
     def median_ms(self) -> float:
@@ -193,8 +197,12 @@ class Samples:
 
 
 def time_ms(row: Row, row_config: Config, warmup: int, measured: int) -> float:
-    """One run of a configuration: its slowest rank's milliseconds per iteration."""
-    return 1000 * max(on_ranks(row.world_size, _train, row_config, warmup, measured))
+    """One run of a configuration: its slowest rank's milliseconds per iteration (that rank's
+    batches into row.batch_ms)."""
+    slowest = max(on_ranks(row.world_size, _train, row_config, warmup, measured),
+                  key=statistics.mean)
+    row.batch_ms.append([1000 * seconds for seconds in slowest])
+    return 1000 * statistics.mean(slowest)
 
 
 def run_rounds(rows: list[tuple[Row, Config]], warmup: int, measured: int,

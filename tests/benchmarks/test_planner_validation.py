@@ -42,6 +42,9 @@ def test_every_configuration_is_predicted_measured_and_reported(tmp_path, capsys
     [settle_order] = report["settle_orders"]
     assert sorted(settle_order) == list(range(5))
     assert all(len(r["settle_ms"]) == 1 and r["settle_ms"][0] > 0 for r in rows)
+    for row in rows:  # each run's measured batch (one here), the repeat's run then the settling's
+        assert [len(batches) for batches in row["batch_ms"]] == [1, 1]
+        assert row["batch_ms"] == [row["measured_ms"], row["settle_ms"]]
     # the predictions come from inputs sampled once per round: the medians are in the report
     profile = report["profile"]["2"]  # world 2's, as its predictions used it
     assert set(profile) == {"1", "2"} and set(profile["1"]) == {"2"}
