@@ -85,10 +85,9 @@ def _train(rank: int, world: int, config: Config, warmup: int, measured: int,
     """Seconds of each measured batch on this rank (their mean is its time per iteration): the
     intervals between the ends of its batches (its gradient reduction, right after a batch's last
     backward in every schedule) after `warmup` batches, all batches in one undrained segment (as
-    pretrain runs between evaluations). Not the
-    optimizer steps: 2BW defers a batch's step into the next batch, and its last two steps both
-    fall into the final drain. `post_ahead` overrides whether pipeline receives are posted ahead
-    (benchmarks/p2p_receive_ahead.py)."""
+    pretrain runs between evaluations). Not the optimizer steps: 2BW defers a batch's step into
+    the next batch, and its last two steps both fall into the final drain. `post_ahead` overrides
+    whether pipeline receives are posted ahead (benchmarks/p2p_receive_ahead.py)."""
     par = config.parallel
     layout = ParallelLayout(world, par.tensor_parallel, par.pipeline_parallel, rank)
     layout.build_groups(par.timeout_minutes)
