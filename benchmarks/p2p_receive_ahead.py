@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from planner_validation import _train, model_config, on_ranks  # noqa: E402
+from planner_validation import _train, model_config, on_ranks, slowest_rank  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -62,7 +62,7 @@ def main(argv=None) -> float:
     ratios = []
     for pair in range(args.pairs):
         order = (True, False) if pair % 2 else (False, True)
-        ms = {ahead: 1000 * max(map(statistics.mean, on_ranks(
+        ms = {ahead: 1000 * statistics.mean(slowest_rank(on_ranks(
             args.pipeline_stages, _train, config, args.warmup_batches, args.measured_batches, ahead)))
               for ahead in order}
         ratios.append(ms[True] / ms[False])

@@ -195,11 +195,15 @@ class Samples:
                                                                   hardware))
 
 
+def slowest_rank(batches_per_rank: list[list[float]]) -> list[float]:
+    """The batch times (_train's) of the rank with the longest time per iteration."""
+    return max(batches_per_rank, key=statistics.mean)
+
+
 def time_ms(row: Row, row_config: Config, warmup: int, measured: int) -> float:
     """One run of a configuration: its slowest rank's milliseconds per iteration (that rank's
     batches into row.batch_ms)."""
-    slowest = max(on_ranks(row.world_size, _train, row_config, warmup, measured),
-                  key=statistics.mean)
+    slowest = slowest_rank(on_ranks(row.world_size, _train, row_config, warmup, measured))
     row.batch_ms.append([1000 * seconds for seconds in slowest])
     return 1000 * statistics.mean(slowest)
 
