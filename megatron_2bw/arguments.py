@@ -55,6 +55,9 @@ def build_parser(description: str = "", extra_args_provider=None) -> argparse.Ar
     _flag(g, "--init-method-std", "model", "init_method_std", type=float)
     _flag(g, "--layernorm-epsilon", "model", "layernorm_epsilon", type=float)
     g.add_argument("--bert-no-binary-head", action="store_true", help="BERT without the SOP head")
+    g.add_argument("--attention-backend", default=None,
+                   help="only 'auto' (Megatron-LM's default): torch's scaled_dot_product_attention "
+                        "picks its kernel itself")
 
     g = parser.add_argument_group("parallelism")
     _flag(g, "--tensor-model-parallel-size", "parallel", "tensor_parallel", type=int)
@@ -97,12 +100,20 @@ def build_parser(description: str = "", extra_args_provider=None) -> argparse.Ar
     _flag(g, "--recompute-num-layers", "recompute", "num_layers", type=int)
     g.add_argument("--recompute-activations", action="store_true",
                    help="shorthand for --recompute-granularity selective")
+    g.add_argument("--checkpoint-activations", action="store_true",
+                   help="older Megatron-LM name for --recompute-granularity full "
+                        "--recompute-method uniform")
+    g.add_argument("--checkpoint-num-layers", type=int, default=None,
+                   help="with --checkpoint-activations: layers per recomputed chunk (default 1)")
 
     g = parser.add_argument_group("optimizer")
     _flag(g, "--optimizer", "optimizer", "optimizer", choices=["adam", "sgd"])
     _flag(g, "--lr", "optimizer", "lr", type=float)
     _flag(g, "--min-lr", "optimizer", "min_lr", type=float)
     _flag(g, "--lr-warmup-iters", "optimizer", "lr_warmup_iters", type=int)
+    _flag(g, "--lr-warmup-fraction", "optimizer", "lr_warmup_fraction", type=float,
+          help="warm-up as a fraction of --lr-decay-iters (default --train-iters), instead of "
+               "--lr-warmup-iters")
     _flag(g, "--lr-decay-style", "optimizer", "lr_decay_style", choices=["constant", "linear", "cosine"])
     _flag(g, "--lr-decay-iters", "optimizer", "lr_decay_iters", type=int)
     _flag(g, "--weight-decay", "optimizer", "weight_decay", type=float)
@@ -124,6 +135,8 @@ def build_parser(description: str = "", extra_args_provider=None) -> argparse.Ar
     _bool_flag(g, "--exit-signal-handler", "training", "exit_signal_handler",
                "save a checkpoint and exit on SIGTERM")
     _flag(g, "--exit-interval", "training", "exit_interval", type=int)
+    g.add_argument("--rampup-batch-size", nargs="*", default=None,
+                   help="not supported (rejected with the reason)")
 
     g = parser.add_argument_group("data and tokenizer")
     _bool_flag(g, "--mock-data", "data", "mock_data", "synthetic random tokens")
@@ -142,6 +155,9 @@ def build_parser(description: str = "", extra_args_provider=None) -> argparse.Ar
     _flag(g, "--tokenizer-model", "data", "tokenizer_model", type=str)
     _flag(g, "--mask-prob", "data", "mask_prob", type=float)
     _flag(g, "--short-seq-prob", "data", "short_seq_prob", type=float)
+    g.add_argument("--data-impl", choices=["mmap", "infer"], default=None,
+                   help="older Megatron-LM scripts' flag; the .bin/.idx files are always read "
+                        "memory-mapped")
 
     g = parser.add_argument_group("checkpointing")
     _flag(g, "--save", "checkpoint", "save", type=str)
@@ -190,6 +206,7 @@ def config_from_args(args: argparse.Namespace, model_type: str = "gpt",
         config.model.bert_binary_head = False
     if getattr(args, "recompute_activations", False):
         config.recompute.granularity = "selective"
+    _legacy_megatron_flags(args, config)
     if config.model.model_type == "bert" and config.model.num_tokentypes == 0:
         config.model.num_tokentypes = 2
     # derived defaults the dataclasses compute from other fields
@@ -199,6 +216,26 @@ def config_from_args(args: argparse.Namespace, model_type: str = "gpt",
         config.model.max_position_embeddings = config.model.seq_length
     validate(config, require_data)
     return config
+
+
+def _legacy_megatron_flags(args: argparse.Namespace, config: Config) -> None:
+    """Flags of Megatron-LM's example scripts that name what megatron_2bw does anyway, or an older
+    name of one of its options; what it cannot do is refused with the reason."""
+    if getattr(args, "checkpoint_activations", False):
+        config.recompute.granularity, config.recompute.method = "full", "uniform"
+        config.recompute.num_layers = args.checkpoint_num_layers or 1
+    elif getattr(args, "checkpoint_num_layers", None) is not None:
+        raise ConfigError("--checkpoint-num-layers only applies with --checkpoint-activations "
+                          "(or use --recompute-num-layers)")
+    backend = getattr(args, "attention_backend", None)
+    if backend not in (None, "auto"):
+        raise ConfigError(f"--attention-backend {backend}: megatron_2bw runs torch's "
+                          f"scaled_dot_product_attention, which chooses the flash, memory-efficient "
+                          f"or math kernel itself; only 'auto' is accepted")
+    if getattr(args, "rampup_batch_size", None) is not None:
+        raise ConfigError("--rampup-batch-size is not supported: the pipeline schedules run a fixed "
+                          "number of microbatches per batch; drop it to train with "
+                          "--global-batch-size from the first iteration")
 
 
 def _require(condition: bool, message: str):
@@ -244,6 +281,11 @@ def validate(config: Config, require_data: bool = True) -> None:
                  f"positive layer counts summing to --num-layers {m.num_layers}")
     _require(not (config.precision.fp16 and config.precision.bf16), "--fp16 and --bf16 exclude each other")
     _require(opt.lr >= 0 and opt.min_lr >= 0, "--lr and --min-lr must be >= 0")
+    if opt.lr_warmup_fraction is not None:
+        _require(opt.lr_warmup_iters == 0,
+                 "give --lr-warmup-fraction or --lr-warmup-iters, not both")
+        _require(0.0 <= opt.lr_warmup_fraction <= 1.0,
+                 f"--lr-warmup-fraction must be in [0, 1], got {opt.lr_warmup_fraction}")
     _require(opt.clip_grad >= 0, f"--clip-grad must be >= 0 (0 disables), got {opt.clip_grad}")
     if config.recompute.granularity == "full":
         _require(config.recompute.method is not None,

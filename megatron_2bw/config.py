@@ -99,6 +99,7 @@ class OptimizerConfig:
     lr: float = 1e-4
     min_lr: float = 0.0
     lr_warmup_iters: int = 0
+    lr_warmup_fraction: float | None = None  # of lr_decay_iters (or train_iters), as Megatron's
     lr_decay_style: str = "linear"  # constant | linear | cosine
     lr_decay_iters: int | None = None  # default train_iters
     weight_decay: float = 0.01

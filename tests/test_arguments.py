@@ -20,6 +20,7 @@ TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"
     (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
     (["--pipeline-layer-split", "1,x"], "--pipeline-layer-split expects comma-separated integers"),
     (["--lr", "abc"], "argument --lr: invalid float value: 'abc'"),
+    (["--rampup-batch-size", "16", "16", "5859375"], "--rampup-batch-size is not supported"),
 ])
 def test_bad_flags_give_one_line(extra, expected):
     result = subprocess.run([sys.executable, "pretrain_gpt.py", *TINY, *extra], cwd=ROOT,
@@ -50,3 +51,71 @@ def test_default_schedule_is_2bw_with_a_pipeline():
 def test_missing_data_flag_is_named():
     with pytest.raises(ConfigError, match="--data-path"):
         parse_config([a for a in TINY if a not in ("--mock-data",)])
+
+
+# The flags of Megatron-LM's own example scripts (examples/pretrain_gpt.sh, the 345M GPT, and
+# examples/bert/train_bert_340m_distributed.sh), paths aside: such a script must carry over.
+MEGATRON_GPT_345M = [
+    "--num-layers", "24", "--hidden-size", "1024", "--num-attention-heads", "16",
+    "--micro-batch-size", "4", "--global-batch-size", "8", "--seq-length", "1024",
+    "--max-position-embeddings", "1024", "--train-iters", "500000", "--lr-decay-iters", "320000",
+    "--save", "ckpt", "--load", "ckpt", "--data-path", "my-gpt2_text_document",
+    "--vocab-file", "gpt2-vocab.json", "--merge-file", "gpt2-merges.txt", "--data-impl", "mmap",
+    "--split", "949,50,1", "--distributed-backend", "nccl", "--lr", "0.00015", "--min-lr", "1.0e-5",
+    "--lr-decay-style", "cosine", "--weight-decay", "1e-2", "--clip-grad", "1.0",
+    "--lr-warmup-fraction", ".01", "--checkpoint-activations", "--log-interval", "100",
+    "--save-interval", "10000", "--eval-interval", "1000", "--eval-iters", "10", "--fp16"]
+MEGATRON_BERT_340M = [
+    "--num-layers", "24", "--hidden-size", "1024", "--num-attention-heads", "16",
+    "--seq-length", "512", "--max-position-embeddings", "512", "--attention-backend", "auto",
+    "--micro-batch-size", "4", "--global-batch-size", "32", "--train-iters", "1000000",
+    "--weight-decay", "1e-2", "--clip-grad", "1.0", "--fp16", "--lr", "0.0001",
+    "--lr-decay-iters", "990000", "--lr-decay-style", "linear", "--min-lr", "1.0e-5",
+    "--lr-warmup-fraction", ".01", "--tensor-model-parallel-size", "8",
+    "--pipeline-model-parallel-size", "16", "--data-path", "my-bert_text_sentence",
+    "--vocab-file", "bert-vocab.txt", "--split", "949,50,1", "--log-interval", "100",
+    "--save-interval", "10000", "--eval-interval", "1000", "--save", "ckpt", "--load", "ckpt",
+    "--eval-iters", "10", "--tensorboard-dir", "tb"]
+
+
+def test_megatron_gpt_example_script_carries_over():
+    config, _ = parse_config(MEGATRON_GPT_345M)
+    opt = config.optimizer
+    assert (opt.lr_warmup_fraction, opt.lr_decay_iters, opt.lr_decay_style) == (0.01, 320000, "cosine")
+    # --checkpoint-activations: the older name of full recomputation of every layer
+    assert (config.recompute.granularity, config.recompute.method, config.recompute.num_layers) \
+        == ("full", "uniform", 1)
+    assert config.precision.fp16 and config.data.split == "949,50,1"
+    assert validate_for_world(config, 1) == 1
+
+
+def test_megatron_bert_example_script_carries_over():
+    config, _ = parse_config(MEGATRON_BERT_340M, model_type="bert")
+    assert config.optimizer.lr_warmup_fraction == 0.01
+    assert (config.parallel.tensor_parallel, config.parallel.pipeline_parallel) == (8, 16)
+    assert config.recompute.granularity is None
+    # one deliberate difference: Megatron-LM runs 1F1B with fewer microbatches than stages
+    # (m = 32/4 = 8 < p = 16); the issue makes that an error that says why
+    with pytest.raises(ConfigError, match="m = global/\\(micro\\*d\\) = 8 < p = 16"):
+        validate_for_world(config, 128)
+
+
+@pytest.mark.parametrize("extra,expected", [
+    (["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "5"],
+     "give --lr-warmup-fraction or --lr-warmup-iters, not both"),
+    (["--lr-warmup-fraction", "1.5"], "--lr-warmup-fraction must be in [0, 1], got 1.5"),
+    (["--attention-backend", "flash"], "--attention-backend flash: megatron_2bw runs torch's "
+                                       "scaled_dot_product_attention"),
+    (["--data-impl", "lazy"], "argument --data-impl: invalid choice: 'lazy'"),
+    (["--checkpoint-num-layers", "2"], "--checkpoint-num-layers only applies with "
+                                       "--checkpoint-activations"),
+])
+def test_megatron_flags_refused_with_the_reason(extra, expected):
+    with pytest.raises(ConfigError) as error:
+        parse_config([*TINY, *extra])
+    assert expected in str(error.value)
+
+
+def test_checkpoint_num_layers_sets_the_chunk():
+    config, _ = parse_config([*TINY, "--checkpoint-activations", "--checkpoint-num-layers", "2"])
+    assert (config.recompute.granularity, config.recompute.num_layers) == ("full", 2)

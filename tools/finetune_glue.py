@@ -35,17 +35,13 @@ def add_glue_args(parser) -> None:
                                           "(save_to_disk directory or per-split parquet/jsonl)")
     g.add_argument("--results", help="write the per-epoch dev metrics to this JSON file")
     g.add_argument("--epochs", type=int, default=3)
-    g.add_argument("--lr-warmup-fraction", type=float, default=None,
-                   help=f"warm-up steps as a fraction of all steps (default "
-                        f"{DEFAULT_WARMUP_FRACTION} unless --lr-warmup-iters is given)")
 
 
 def settings_from_args(args) -> GlueSettings:
-    warmup_iters_typed = ("optimizer", "lr_warmup_iters") in explicit_fields(args)
-    if warmup_iters_typed and args.lr_warmup_fraction is not None:
-        raise ConfigError("give --lr-warmup-fraction or --lr-warmup-iters, not both")
+    # --lr-warmup-fraction (of all steps here) defaults to DEFAULT_WARMUP_FRACTION unless
+    # --lr-warmup-iters is given; giving both is refused with the other flags' checks
     fraction = args.lr_warmup_fraction
-    if fraction is None and not warmup_iters_typed:
+    if fraction is None and ("optimizer", "lr_warmup_iters") not in explicit_fields(args):
         fraction = DEFAULT_WARMUP_FRACTION
     return GlueSettings(args.task, args.data_dir, args.datasets_dir, args.results, args.epochs,
                         fraction)

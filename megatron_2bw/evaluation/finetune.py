@@ -297,7 +297,7 @@ def finetune(config: Config, settings: GlueSettings, pretrained: PretrainedBert)
                           f"than one --global-batch-size {train.global_batch_size}")
     train.train_iters = settings.epochs * steps_per_epoch
     if settings.lr_warmup_fraction is not None:
-        config.optimizer.lr_warmup_iters = round(settings.lr_warmup_fraction * train.train_iters)
+        config.optimizer.lr_warmup_fraction = settings.lr_warmup_fraction
 
     seed_everything(train.seed, layout.coords.tp, 0)
     model = build_classifier(config.model, layout.group("tensor"), layout.tensor,
