@@ -140,6 +140,7 @@ class DataConfig:
     tokenizer_model: str | None = None
     mask_prob: float = 0.15
     short_seq_prob: float = 0.1
+    eod_mask_loss: bool = False  # GPT: no loss on the targets after an end-of-document token
 
 
 @dataclass

@@ -426,8 +426,9 @@ def check_inputs(config: Config) -> None:
 
 
 def build_checked_tokenizer(config: Config):
-    """The run's tokenizer; a tokenizer the flags cannot build, or a BERT run's tokenizer without
-    BERT's special tokens, is a ConfigError naming --tokenizer-type."""
+    """The run's tokenizer; a tokenizer the flags cannot build, a BERT run's tokenizer without
+    BERT's special tokens, or one without an end-of-document token under --eod-mask-loss, is a
+    ConfigError naming the flag."""
     from megatron_2bw.data.bert_dataset import BertSpecialTokens
     from megatron_2bw.data.tokenizers import build_tokenizer
     kind = config.data.tokenizer_type
@@ -439,6 +440,9 @@ def build_checked_tokenizer(config: Config):
         message = str(error).strip() or type(error).__name__
         raise ConfigError(message if message.startswith("--") or kind is None
                           else f"--tokenizer-type {kind}: {message}") from None
+    if config.data.eod_mask_loss and not tokenizer.has("eod"):
+        raise ConfigError(f"--eod-mask-loss needs an end-of-document token, which {tokenizer.name} "
+                          f"lacks (--tokenizer-type {kind})")
     return tokenizer
 
 

@@ -119,3 +119,18 @@ def test_megatron_flags_refused_with_the_reason(extra, expected):
 def test_checkpoint_num_layers_sets_the_chunk():
     config, _ = parse_config([*TINY, "--checkpoint-activations", "--checkpoint-num-layers", "2"])
     assert (config.recompute.granularity, config.recompute.num_layers) == ("full", 2)
+
+
+def test_eod_mask_loss_needs_gpt_and_an_end_of_document_token(monkeypatch):
+    from megatron_2bw.data import tokenizers
+    from megatron_2bw.training import build_checked_tokenizer
+    with pytest.raises(ConfigError, match="--eod-mask-loss applies to GPT pretraining only"):
+        parse_config([*TINY, "--eod-mask-loss"], model_type="bert")
+    config, _ = parse_config([*TINY, "--eod-mask-loss"])
+    assert config.data.eod_mask_loss
+    no_eod = tokenizers.NullTokenizer(63)
+    no_eod._special_ids["eod"] = None
+    monkeypatch.setattr(tokenizers, "build_tokenizer", lambda data, vocab_size: no_eod)
+    with pytest.raises(ConfigError, match="--eod-mask-loss needs an end-of-document token, "
+                                          "which NullTokenizer lacks"):
+        build_checked_tokenizer(config)

@@ -103,3 +103,19 @@ class GPTDataset:
             needed -= take
             position, offset = position + 1, 0
         return {"tokens": np.concatenate(pieces).astype(np.int64)}
+
+
+class EodLossMask:
+    """--eod-mask-loss (Megatron-LM's flag): each sample gets a `loss_mask` that leaves out the
+    targets following an end-of-document token, i.e. the first token of the next document, which
+    nothing in the window before it can predict."""
+
+    def __init__(self, dataset, eod: int):
+        self.dataset, self.eod = dataset, eod
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+        sample = self.dataset[index]
+        return {**sample, "loss_mask": (sample["tokens"][:-1] != self.eod).astype(np.float32)}

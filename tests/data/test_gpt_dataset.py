@@ -89,3 +89,26 @@ def test_too_little_data_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match=r"the train split of .*small has 5 tokens, fewer than "
                                          r"--seq-length \+ 1 = 9"):
         GPTDataset(indexed, 10, 8, seed=0, cache_dir=str(tmp_path))
+
+
+def test_eod_mask_loss_leaves_out_the_first_target_of_each_document(tmp_path):
+    """--eod-mask-loss: a sample's loss_mask is 0 exactly where the input is the end-of-document
+    token, i.e. at the target that starts the next document, and 1 everywhere else."""
+    eod = 10_000
+    lengths = np.random.RandomState(1).randint(1, 30, size=40)
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    documents = [[list(range(start, start + n)) + [eod]] for start, n in zip(starts, lengths)]
+    indexed = IndexedDataset(write_dataset(tmp_path / "eod", documents))
+    plain = GPTDataset(indexed, 30, SEQ, seed=5, cache_dir=str(tmp_path))
+    masked = gpt_dataset.EodLossMask(plain, eod)
+    assert len(masked) == len(plain)
+    document_starts, masked_targets = set(starts.tolist()), 0
+    for i in range(len(masked)):
+        sample = masked[i]
+        tokens, mask = sample["tokens"], sample["loss_mask"]
+        assert np.array_equal(tokens, plain[i]["tokens"])
+        assert mask.dtype == np.float32 and mask.shape == (SEQ,)
+        assert np.array_equal(mask == 0, tokens[:-1] == eod)
+        assert all(int(target) in document_starts for target in tokens[1:][mask == 0])
+        masked_targets += int((mask == 0).sum())
+    assert masked_targets > 0
