@@ -55,6 +55,10 @@ def build_parser(description: str = "", extra_args_provider=None) -> argparse.Ar
     _flag(g, "--init-method-std", "model", "init_method_std", type=float)
     _flag(g, "--layernorm-epsilon", "model", "layernorm_epsilon", type=float)
     g.add_argument("--bert-no-binary-head", action="store_true", help="BERT without the SOP head")
+    for fusion in ("masked-softmax", "bias-gelu", "bias-dropout", "gradient-accumulation"):
+        g.add_argument(f"--no-{fusion}-fusion", action="store_true",
+                       help="Megatron-LM's switch off a fused kernel: accepted, megatron_2bw runs "
+                            "torch's unfused ops")
     g.add_argument("--attention-backend", default=None,
                    help="only 'auto' (Megatron-LM's default): torch's scaled_dot_product_attention "
                         "picks its kernel itself")
@@ -116,6 +120,10 @@ def build_parser(description: str = "", extra_args_provider=None) -> argparse.Ar
                "--lr-warmup-iters")
     _flag(g, "--lr-decay-style", "optimizer", "lr_decay_style", choices=["constant", "linear", "cosine"])
     _flag(g, "--lr-decay-iters", "optimizer", "lr_decay_iters", type=int)
+    _flag(g, "--lr-warmup-samples", "optimizer", "lr_warmup_samples", type=int,
+          help="with --train-samples: warm-up in samples")
+    _flag(g, "--lr-decay-samples", "optimizer", "lr_decay_samples", type=int,
+          help="with --train-samples: decay length in samples (default --train-samples)")
     _flag(g, "--weight-decay", "optimizer", "weight_decay", type=float)
     _flag(g, "--adam-beta1", "optimizer", "adam_beta1", type=float)
     _flag(g, "--adam-beta2", "optimizer", "adam_beta2", type=float)
@@ -127,6 +135,8 @@ def build_parser(description: str = "", extra_args_provider=None) -> argparse.Ar
     _flag(g, "--micro-batch-size", "training", "micro_batch_size", type=int)
     _flag(g, "--global-batch-size", "training", "global_batch_size", type=int)
     _flag(g, "--train-iters", "training", "train_iters", type=int)
+    _flag(g, "--train-samples", "training", "train_samples", type=int,
+          help="instead of --train-iters: train for this many samples (whole global batches)")
     _flag(g, "--eval-interval", "training", "eval_interval", type=int)
     _flag(g, "--eval-iters", "training", "eval_iters", type=int)
     _flag(g, "--log-interval", "training", "log_interval", type=int)
@@ -208,6 +218,9 @@ def config_from_args(args: argparse.Namespace, model_type: str = "gpt",
         config.model.bert_binary_head = False
     if getattr(args, "recompute_activations", False):
         config.recompute.granularity = "selective"
+    if getattr(args, "train_samples", None) is not None and getattr(args, "train_iters", None) \
+            is not None:
+        raise ConfigError("give --train-iters or --train-samples, not both")
     _legacy_megatron_flags(args, config)
     if config.model.model_type == "bert" and config.model.num_tokentypes == 0:
         config.model.num_tokentypes = 2
@@ -238,6 +251,29 @@ def _legacy_megatron_flags(args: argparse.Namespace, config: Config) -> None:
         raise ConfigError("--rampup-batch-size is not supported: the pipeline schedules run a fixed "
                           "number of microbatches per batch; drop it to train with "
                           "--global-batch-size from the first iteration")
+
+
+def _validate_schedule_units(tr, opt) -> None:
+    """Megatron-LM's rule: a run counts in iterations (--train-iters, --lr-decay-iters,
+    --lr-warmup-iters) or in samples (--train-samples, --lr-decay-samples, --lr-warmup-samples);
+    --lr-warmup-fraction goes with either."""
+    if tr.train_samples is None:
+        _require(opt.lr_decay_samples is None and opt.lr_warmup_samples == 0,
+                 "--lr-decay-samples and --lr-warmup-samples go with --train-samples; with "
+                 "--train-iters use --lr-decay-iters and --lr-warmup-iters")
+        warmup_flag, warmup = "--lr-warmup-iters", opt.lr_warmup_iters
+    else:
+        _require(tr.train_samples > 0,
+                 f"--train-samples must be a positive integer, got {tr.train_samples}")
+        _require(opt.lr_decay_iters is None and opt.lr_warmup_iters == 0,
+                 "with --train-samples give the schedule in samples (--lr-decay-samples, "
+                 "--lr-warmup-samples) or --lr-warmup-fraction, not --lr-decay-iters or "
+                 "--lr-warmup-iters")
+        warmup_flag, warmup = "--lr-warmup-samples", opt.lr_warmup_samples
+    if opt.lr_warmup_fraction is not None:
+        _require(warmup == 0, f"give --lr-warmup-fraction or {warmup_flag}, not both")
+        _require(0.0 <= opt.lr_warmup_fraction <= 1.0,
+                 f"--lr-warmup-fraction must be in [0, 1], got {opt.lr_warmup_fraction}")
 
 
 def _require(condition: bool, message: str):
@@ -283,11 +319,7 @@ def validate(config: Config, require_data: bool = True) -> None:
                  f"positive layer counts summing to --num-layers {m.num_layers}")
     _require(not (config.precision.fp16 and config.precision.bf16), "--fp16 and --bf16 exclude each other")
     _require(opt.lr >= 0 and opt.min_lr >= 0, "--lr and --min-lr must be >= 0")
-    if opt.lr_warmup_fraction is not None:
-        _require(opt.lr_warmup_iters == 0,
-                 "give --lr-warmup-fraction or --lr-warmup-iters, not both")
-        _require(0.0 <= opt.lr_warmup_fraction <= 1.0,
-                 f"--lr-warmup-fraction must be in [0, 1], got {opt.lr_warmup_fraction}")
+    _validate_schedule_units(tr, opt)
     _require(opt.clip_grad >= 0, f"--clip-grad must be >= 0 (0 disables), got {opt.clip_grad}")
     if config.recompute.granularity == "full":
         _require(config.recompute.method is not None,
@@ -314,6 +346,11 @@ def validate_for_world(config: Config, world_size: int) -> int:
              f"--global-batch-size {tr.global_batch_size} must be divisible by --micro-batch-size "
              f"{tr.micro_batch_size} x data-parallel size {d}")
     m = tr.global_batch_size // (tr.micro_batch_size * d)
+    if tr.train_samples is not None:  # Megatron-LM's count: whole global batches
+        _require(tr.train_samples >= tr.global_batch_size,
+                 f"--train-samples {tr.train_samples} is less than one --global-batch-size "
+                 f"{tr.global_batch_size}")
+        tr.train_iters = tr.train_samples // tr.global_batch_size
     schedule = config.parallel.pipeline_schedule
     if schedule in ("2bw", "flush") and p > 1:
         _require(m >= p, f"--pipeline-schedule {schedule} needs at least as many microbatches per "

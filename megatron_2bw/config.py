@@ -99,9 +99,11 @@ class OptimizerConfig:
     lr: float = 1e-4
     min_lr: float = 0.0
     lr_warmup_iters: int = 0
-    lr_warmup_fraction: float | None = None  # of lr_decay_iters (or train_iters), as Megatron's
+    lr_warmup_samples: int = 0  # with TrainingConfig.train_samples
+    lr_warmup_fraction: float | None = None  # of the decay, instead of the two above
     lr_decay_style: str = "linear"  # constant | linear | cosine
     lr_decay_iters: int | None = None  # default train_iters
+    lr_decay_samples: int | None = None  # with train_samples; default train_samples
     weight_decay: float = 0.01
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
@@ -115,6 +117,7 @@ class TrainingConfig:
     micro_batch_size: int = 1
     global_batch_size: int | None = None  # default micro * d
     train_iters: int = 100
+    train_samples: int | None = None  # instead of train_iters: train_samples // global batch
     eval_interval: int = 1000
     eval_iters: int = 10
     log_interval: int = 10

@@ -86,7 +86,7 @@ def build_stage(config: Config, layout: ParallelLayout, device: torch.device, ti
     train = config.training
     updater = GradientUpdater(
         versions, optimizer, scaler,
-        lambda b: learning_rate(b, config.optimizer, train.train_iters), config.optimizer,
+        lambda b: learning_rate(b, config.optimizer, train), config.optimizer,
         layout.group("data"), layout.group("embedding"), layout.group("model"),
         layout.group("tensor"), par.ddp_bucket_size, par.timeout_minutes, timers)
     d = layout.data

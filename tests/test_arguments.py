@@ -54,7 +54,8 @@ def test_missing_data_flag_is_named():
 
 
 # The flags of Megatron-LM's own example scripts (examples/pretrain_gpt.sh, the 345M GPT, and
-# examples/bert/train_bert_340m_distributed.sh), paths aside: such a script must carry over.
+# examples/bert/train_bert_340m_distributed.sh), paths aside: such a script must carry over. The
+# GPT list adds the switches that turn Megatron-LM's fused kernels off, common in users' scripts.
 MEGATRON_GPT_345M = [
     "--num-layers", "24", "--hidden-size", "1024", "--num-attention-heads", "16",
     "--micro-batch-size", "4", "--global-batch-size", "8", "--seq-length", "1024",
@@ -64,6 +65,8 @@ MEGATRON_GPT_345M = [
     "--split", "949,50,1", "--distributed-backend", "nccl", "--lr", "0.00015", "--min-lr", "1.0e-5",
     "--lr-decay-style", "cosine", "--weight-decay", "1e-2", "--clip-grad", "1.0",
     "--lr-warmup-fraction", ".01", "--checkpoint-activations", "--log-interval", "100",
+    "--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion",
+    "--no-gradient-accumulation-fusion",
     "--save-interval", "10000", "--eval-interval", "1000", "--eval-iters", "10", "--fp16"]
 MEGATRON_BERT_340M = [
     "--num-layers", "24", "--hidden-size", "1024", "--num-attention-heads", "16",
@@ -134,3 +137,35 @@ def test_eod_mask_loss_needs_gpt_and_an_end_of_document_token(monkeypatch):
     with pytest.raises(ConfigError, match="--eod-mask-loss needs an end-of-document token, "
                                           "which NullTokenizer lacks"):
         build_checked_tokenizer(config)
+
+
+WITHOUT_ITERS = TINY[:TINY.index("--train-iters")] + TINY[TINY.index("--train-iters") + 2:]
+
+
+def test_train_samples_count_whole_global_batches():
+    config, _ = parse_config([*WITHOUT_ITERS, "--train-samples", "70", "--global-batch-size", "8",
+                              "--lr-decay-samples", "60", "--lr-warmup-samples", "12"])
+    validate_for_world(config, 2)
+    assert config.training.train_iters == 8  # 70 // 8: Megatron-LM's count
+    assert (config.optimizer.lr_decay_samples, config.optimizer.lr_warmup_samples) == (60, 12)
+
+
+@pytest.mark.parametrize("extra,expected", [
+    (["--train-samples", "64", "--train-iters", "3"], "give --train-iters or --train-samples, not both"),
+    (["--lr-decay-samples", "64"], "--lr-decay-samples and --lr-warmup-samples go with --train-samples"),
+    (["--train-samples", "64", "--lr-decay-iters", "3"],
+     "with --train-samples give the schedule in samples"),
+    (["--train-samples", "64", "--lr-warmup-samples", "8", "--lr-warmup-fraction", "0.1"],
+     "give --lr-warmup-fraction or --lr-warmup-samples, not both"),
+    (["--train-samples", "0"], "--train-samples must be a positive integer, got 0"),
+])
+def test_sample_based_flags_are_checked(extra, expected):
+    with pytest.raises(ConfigError) as error:
+        parse_config([*WITHOUT_ITERS, *extra])
+    assert expected in str(error.value)
+
+
+def test_train_samples_below_one_batch_is_named():
+    config, _ = parse_config([*WITHOUT_ITERS, "--train-samples", "3", "--global-batch-size", "4"])
+    with pytest.raises(ConfigError, match="--train-samples 3 is less than one --global-batch-size 4"):
+        validate_for_world(config, 1)

@@ -106,6 +106,9 @@ def finetune_config(args, pretrained: PretrainedBert) -> Config:
     base = Config(model=copy.deepcopy(saved.model),
                   data=DataConfig(**{f: getattr(saved.data, f) for f in TOKENIZER_FIELDS}))
     config = config_from_args(args, "bert", base=base, require_data=False)
+    if config.training.train_samples is not None:
+        raise ConfigError("fine-tuning runs --epochs over the task's training set; --train-samples "
+                          "does not apply")
     par = config.parallel
     if par.pipeline_parallel != 1 or par.auto_parallel:
         raise ConfigError(f"fine-tuning runs without pipeline parallelism or --auto-parallel: use "
@@ -207,7 +210,7 @@ class ClassifierTrainer:
                 coefficient *= clip / (grad_norm + 1e-6)
             for p in self.params:
                 p.grad.mul_(coefficient)
-            lr = learning_rate(step, self.config.optimizer, self.config.training.train_iters)
+            lr = learning_rate(step, self.config.optimizer, self.config.training)
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             self.optimizer.step()

@@ -203,6 +203,12 @@ def test_pipeline_parallelism_is_refused(workspace):
         finetune_glue.main([*args, "--pipeline-model-parallel-size", "2"])
 
 
+def test_train_samples_is_refused(workspace):
+    args = main_args(workspace, workspace["base"] / "SST-2")
+    with pytest.raises(ConfigError, match="fine-tuning runs --epochs"):
+        finetune_glue.main([*args, "--train-samples", "64"])
+
+
 def test_command_line_error_is_one_line_with_exit_code_2(workspace, tmp_path):
     process = subprocess.run([sys.executable, str(TOOL), *main_args(workspace, tmp_path)],
                              capture_output=True, text=True, timeout=120)
