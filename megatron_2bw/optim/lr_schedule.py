@@ -35,7 +35,7 @@ def learning_rate(iteration: int, opt: OptimizerConfig, train: TrainingConfig) -
         return opt.lr
     if step >= decay:
         return opt.min_lr
-    ratio = (step - warmup) / max(decay - warmup, 1)
+    ratio = (step - warmup) / (decay - warmup)  # warmup < step < decay here
     if opt.lr_decay_style == "linear":
         coefficient = 1.0 - ratio
     else:

@@ -72,3 +72,13 @@ def test_fractional_warmup_reaches_the_peak_between_iterations():
 def test_warmup_iters_without_a_fraction():
     opt = OptimizerConfig(lr=1.0, lr_warmup_iters=4, lr_decay_style="constant")
     assert [learning_rate(i, opt, iterations(10)) for i in range(5)] == [0.25, 0.5, 0.75, 1.0, 1.0]
+
+
+def test_a_decay_shorter_than_an_iteration_after_warmup():
+    """40 samples of 16 per iteration: the decay ends at 2.5 iterations, a 0.7 warm-up at 1.75,
+    so iteration 2 sits 0.25 into a 0.75-iteration decay."""
+    train = TrainingConfig(train_iters=2, train_samples=40, global_batch_size=GLOBAL_BATCH)
+    opt = OptimizerConfig(lr=1.0, min_lr=0.0, lr_warmup_fraction=0.7)
+    assert learning_rate(1, opt, train) == pytest.approx(
+        megatron_lr(32, 1.0, 0.0, 0.7 * 40, 40, "linear"))
+    assert learning_rate(1, opt, train) == pytest.approx(1.0 - 0.25 / 0.75)
