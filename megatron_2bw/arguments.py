@@ -167,6 +167,10 @@ def build_parser(description: str = "", extra_args_provider=None) -> argparse.Ar
     _flag(g, "--short-seq-prob", "data", "short_seq_prob", type=float)
     _bool_flag(g, "--eod-mask-loss", "data", "eod_mask_loss",
                "GPT: no loss on the targets that follow an end-of-document token")
+    _bool_flag(g, "--reset-position-ids", "data", "reset_position_ids",
+               "GPT: positions restart at 0 after each end-of-document token")
+    _bool_flag(g, "--reset-attention-mask", "data", "reset_attention_mask",
+               "GPT: a token attends only to its own document within the sample")
     g.add_argument("--data-impl", choices=["mmap", "infer"], default=None,
                    help="older Megatron-LM scripts' flag; the .bin/.idx files are always read "
                         "memory-mapped")
@@ -324,8 +328,9 @@ def validate(config: Config, require_data: bool = True) -> None:
     if config.recompute.granularity == "full":
         _require(config.recompute.method is not None,
                  "--recompute-granularity full needs --recompute-method uniform|block")
-    _require(not config.data.eod_mask_loss or m.model_type == "gpt",
-             "--eod-mask-loss applies to GPT pretraining only")
+    _require(not config.data.uses_document_boundaries or m.model_type == "gpt",
+             "--eod-mask-loss, --reset-position-ids and --reset-attention-mask apply to GPT "
+             "pretraining only")
     if config.data.mock_data:
         _require(m.vocab_size > 0, "--mock-data needs --vocab-size N (N > 0)")
     elif require_data and config.data.data_path is None and config.data.train_data_path is None:

@@ -143,7 +143,14 @@ class DataConfig:
     tokenizer_model: str | None = None
     mask_prob: float = 0.15
     short_seq_prob: float = 0.1
-    eod_mask_loss: bool = False  # GPT: no loss on the targets after an end-of-document token
+    # GPT, from the end-of-document tokens (Megatron-LM's flags; data/gpt_dataset.py)
+    eod_mask_loss: bool = False  # no loss on the targets after an end-of-document token
+    reset_position_ids: bool = False  # positions restart after each one
+    reset_attention_mask: bool = False  # attention stays within a document
+
+    @property
+    def uses_document_boundaries(self) -> bool:
+        return self.eod_mask_loss or self.reset_position_ids or self.reset_attention_mask
 
 
 @dataclass

@@ -427,8 +427,8 @@ def check_inputs(config: Config) -> None:
 
 def build_checked_tokenizer(config: Config):
     """The run's tokenizer; a tokenizer the flags cannot build, a BERT run's tokenizer without
-    BERT's special tokens, or one without an end-of-document token under --eod-mask-loss, is a
-    ConfigError naming the flag."""
+    BERT's special tokens, or one without an end-of-document token where the GPT data flags need
+    it, is a ConfigError naming the flags."""
     from megatron_2bw.data.bert_dataset import BertSpecialTokens
     from megatron_2bw.data.tokenizers import build_tokenizer
     kind = config.data.tokenizer_type
@@ -440,9 +440,10 @@ def build_checked_tokenizer(config: Config):
         message = str(error).strip() or type(error).__name__
         raise ConfigError(message if message.startswith("--") or kind is None
                           else f"--tokenizer-type {kind}: {message}") from None
-    if config.data.eod_mask_loss and not tokenizer.has("eod"):
-        raise ConfigError(f"--eod-mask-loss needs an end-of-document token, which {tokenizer.name} "
-                          f"lacks (--tokenizer-type {kind})")
+    if config.data.uses_document_boundaries and not tokenizer.has("eod"):
+        raise ConfigError(f"--eod-mask-loss, --reset-position-ids and --reset-attention-mask need "
+                          f"an end-of-document token, which {tokenizer.name} lacks "
+                          f"(--tokenizer-type {kind})")
     return tokenizer
 
 

@@ -124,17 +124,19 @@ def test_checkpoint_num_layers_sets_the_chunk():
     assert (config.recompute.granularity, config.recompute.num_layers) == ("full", 2)
 
 
-def test_eod_mask_loss_needs_gpt_and_an_end_of_document_token(monkeypatch):
+@pytest.mark.parametrize("flag", ["--eod-mask-loss", "--reset-position-ids",
+                                  "--reset-attention-mask"])
+def test_document_flags_need_gpt_and_an_end_of_document_token(monkeypatch, flag):
     from megatron_2bw.data import tokenizers
     from megatron_2bw.training import build_checked_tokenizer
-    with pytest.raises(ConfigError, match="--eod-mask-loss applies to GPT pretraining only"):
-        parse_config([*TINY, "--eod-mask-loss"], model_type="bert")
-    config, _ = parse_config([*TINY, "--eod-mask-loss"])
-    assert config.data.eod_mask_loss
+    with pytest.raises(ConfigError, match="--reset-attention-mask apply to GPT pretraining only"):
+        parse_config([*TINY, flag], model_type="bert")
+    config, _ = parse_config([*TINY, flag])
+    assert config.data.uses_document_boundaries
     no_eod = tokenizers.NullTokenizer(63)
     no_eod._special_ids["eod"] = None
     monkeypatch.setattr(tokenizers, "build_tokenizer", lambda data, vocab_size: no_eod)
-    with pytest.raises(ConfigError, match="--eod-mask-loss needs an end-of-document token, "
+    with pytest.raises(ConfigError, match="--reset-attention-mask need an end-of-document token, "
                                           "which NullTokenizer lacks"):
         build_checked_tokenizer(config)
 

@@ -17,7 +17,7 @@ import numpy as np
 from megatron_2bw.config import Config, ConfigError, DataConfig
 from megatron_2bw.data.bert_dataset import BERTDataset, BertSampleSettings, BertSpecialTokens
 from megatron_2bw.data.blended import BlendedDataset, normalize_weights, samples_needed
-from megatron_2bw.data.gpt_dataset import EodLossMask, GPTDataset
+from megatron_2bw.data.gpt_dataset import DocumentBoundaries, GPTDataset
 from megatron_2bw.data.index_cache import build_or_load, cache_directory
 from megatron_2bw.data.indexed import IndexedDataset, bin_path, missing_dataset_files
 from megatron_2bw.data.mock import MockBERTDataset, MockGPTDataset
@@ -182,9 +182,12 @@ def build_pretraining_datasets(config: Config, tokenizer, num_samples: tuple[int
     if config.model.model_type not in ("gpt", "bert"):
         raise ValueError(f"model_type must be 'gpt' or 'bert', got {config.model.model_type!r}")
     datasets = _build_splits(config, tokenizer, num_samples)
-    if not config.data.eod_mask_loss:  # GPT only (arguments.validate)
+    data = config.data
+    if not data.uses_document_boundaries:  # GPT only (arguments.validate)
         return datasets
-    return tuple(None if d is None else EodLossMask(d, tokenizer.eod) for d in datasets)
+    return tuple(None if d is None else DocumentBoundaries(
+        d, tokenizer.eod, data.eod_mask_loss, data.reset_position_ids, data.reset_attention_mask)
+        for d in datasets)
 
 
 def _build_splits(config: Config, tokenizer, num_samples: tuple[int, int, int]):

@@ -105,17 +105,32 @@ class GPTDataset:
         return {"tokens": np.concatenate(pieces).astype(np.int64)}
 
 
-class EodLossMask:
-    """--eod-mask-loss (Megatron-LM's flag): each sample gets a `loss_mask` that leaves out the
-    targets following an end-of-document token, i.e. the first token of the next document, which
-    nothing in the window before it can predict."""
+class DocumentBoundaries:
+    """What Megatron-LM's GPT data flags derive from the end-of-document tokens in a sample's
+    inputs, added to the sample:
+    - `loss_mask` (--eod-mask-loss): 0 where the input is an end-of-document token, so the target
+      after it, the next document's first token, which nothing in the window predicts, is left out;
+    - `position_ids` (--reset-position-ids): positions that restart at 0 after each such token;
+    - `document_ids` (--reset-attention-mask): each input's document within the window, so that
+      attention stays inside one (an end-of-document token belongs to the document it ends)."""
 
-    def __init__(self, dataset, eod: int):
+    def __init__(self, dataset, eod: int, loss_mask: bool = False, position_ids: bool = False,
+                 document_ids: bool = False):
         self.dataset, self.eod = dataset, eod
+        self.loss_mask, self.position_ids, self.document_ids = loss_mask, position_ids, document_ids
 
     def __len__(self) -> int:
         return len(self.dataset)
 
     def __getitem__(self, index: int) -> dict[str, np.ndarray]:
-        sample = self.dataset[index]
-        return {**sample, "loss_mask": (sample["tokens"][:-1] != self.eod).astype(np.float32)}
+        sample = dict(self.dataset[index])
+        ends = sample["tokens"][:-1] == self.eod
+        document = np.concatenate([[0], np.cumsum(ends[:-1])]).astype(np.int64)
+        if self.loss_mask:
+            sample["loss_mask"] = (~ends).astype(np.float32)
+        if self.position_ids:
+            starts = np.concatenate([[0], np.flatnonzero(ends[:-1]) + 1])
+            sample["position_ids"] = np.arange(len(ends), dtype=np.int64) - starts[document]
+        if self.document_ids:
+            sample["document_ids"] = document
+        return sample

@@ -5,11 +5,21 @@ the head and the loss; in between a stage holds its range of layers. With p = 1 
 """
 from __future__ import annotations
 
+import torch
+
 from megatron_2bw.config import ModelConfig
 from megatron_2bw.models.transformer import LanguageModelStage, LayerNorm
 from megatron_2bw.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron_2bw.tensor_parallel.layers import parallel_lm_logits
 from megatron_2bw.tensor_parallel.mappings import gather_from_tensor_parallel
+
+
+def document_causal_mask(document_ids):
+    """[b, 1, s, s], True where query i may attend key j: j <= i, within i's document
+    (--reset-attention-mask)."""
+    s = document_ids.shape[1]
+    causal = torch.ones(s, s, dtype=torch.bool, device=document_ids.device).tril()
+    return (causal & (document_ids[:, :, None] == document_ids[:, None, :]))[:, None]
 
 
 class GPTModel(LanguageModelStage):
@@ -21,8 +31,10 @@ class GPTModel(LanguageModelStage):
     def forward(self, hidden, batch: dict):
         tokens = batch["tokens"]
         if self.pre_process:
-            hidden = self.embedding(tokens[:, :-1])
-        hidden = self.transformer(hidden)
+            hidden = self.embedding(tokens[:, :-1], position_ids=batch.get("position_ids"))
+        documents = batch.get("document_ids")
+        hidden = self.transformer(hidden, None if documents is None else
+                                  document_causal_mask(documents))
         if not self.post_process:
             return hidden
         logits = parallel_lm_logits(self.final_norm(hidden), self.head_weight(), self.group)

@@ -47,8 +47,9 @@ class Embedding(nn.Module):
                                      if config.num_tokentypes else None)
         self.dropout = nn.Dropout(config.hidden_dropout)
 
-    def forward(self, ids, tokentype_ids=None):
-        positions = torch.arange(ids.shape[1], device=ids.device)
+    def forward(self, ids, tokentype_ids=None, position_ids=None):
+        positions = torch.arange(ids.shape[1], device=ids.device) if position_ids is None \
+            else position_ids
         x = self.word_embeddings(ids) + F.embedding(positions, self.position_embeddings)
         if self.tokentype_embeddings is not None and tokentype_ids is not None:
             x = x + F.embedding(tokentype_ids, self.tokentype_embeddings)

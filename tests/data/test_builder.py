@@ -138,7 +138,7 @@ def test_vocabulary_check_reads_the_data_once(tmp_path, monkeypatch):
     assert len(train) >= 10
 
 
-def test_eod_mask_loss_reaches_every_split(tmp_path):
+def test_document_flags_reach_every_split(tmp_path):
     ids = _documents(0, count=60, length=5)
     prefix = write_dataset(tmp_path / "docs", [[doc[0] + [TOKENIZER.eod]] for doc in ids])
     config = _config(tmp_path, data_path=[prefix], split="80,20,0", eod_mask_loss=True)
@@ -148,3 +148,9 @@ def test_eod_mask_loss_reaches_every_split(tmp_path):
         sample = dataset[0]
         assert np.array_equal(sample["loss_mask"] == 0, sample["tokens"][:-1] == TOKENIZER.eod)
         assert (sample["loss_mask"] == 0).any()  # 6-token documents in 9-token windows
+    config.data.reset_position_ids = config.data.reset_attention_mask = True
+    train, _, _ = build_pretraining_datasets(config, TOKENIZER, (20, 4, 0))
+    assert set(train[0]) == {"tokens", "loss_mask", "position_ids", "document_ids"}
+    config.data.eod_mask_loss = False
+    train, _, _ = build_pretraining_datasets(config, TOKENIZER, (20, 4, 0))
+    assert set(train[0]) == {"tokens", "position_ids", "document_ids"}

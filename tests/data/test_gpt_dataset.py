@@ -100,15 +100,30 @@ def test_eod_mask_loss_leaves_out_the_first_target_of_each_document(tmp_path):
     documents = [[list(range(start, start + n)) + [eod]] for start, n in zip(starts, lengths)]
     indexed = IndexedDataset(write_dataset(tmp_path / "eod", documents))
     plain = GPTDataset(indexed, 30, SEQ, seed=5, cache_dir=str(tmp_path))
-    masked = gpt_dataset.EodLossMask(plain, eod)
+    masked = gpt_dataset.DocumentBoundaries(plain, eod, loss_mask=True)
     assert len(masked) == len(plain)
     document_starts, masked_targets = set(starts.tolist()), 0
     for i in range(len(masked)):
         sample = masked[i]
         tokens, mask = sample["tokens"], sample["loss_mask"]
-        assert np.array_equal(tokens, plain[i]["tokens"])
+        assert np.array_equal(tokens, plain[i]["tokens"]) and set(sample) == {"tokens", "loss_mask"}
         assert mask.dtype == np.float32 and mask.shape == (SEQ,)
         assert np.array_equal(mask == 0, tokens[:-1] == eod)
         assert all(int(target) in document_starts for target in tokens[1:][mask == 0])
         masked_targets += int((mask == 0).sum())
     assert masked_targets > 0
+
+
+def test_document_boundaries_of_a_hand_made_sample():
+    eod = 99
+    sample = {"tokens": np.array([5, 6, eod, 7, 8, 9, eod, 10, 11])}  # inputs: all but the last
+    boundaries = gpt_dataset.DocumentBoundaries([sample], eod, loss_mask=True, position_ids=True,
+                                                document_ids=True)
+    result = boundaries[0]
+    assert result["loss_mask"].tolist() == [1, 1, 0, 1, 1, 1, 0, 1]
+    assert result["position_ids"].tolist() == [0, 1, 2, 0, 1, 2, 3, 0]
+    assert result["document_ids"].tolist() == [0, 0, 0, 1, 1, 1, 1, 2]  # eod ends its document
+    assert result["position_ids"].dtype == result["document_ids"].dtype == np.int64
+    assert np.array_equal(result["tokens"], sample["tokens"])
+    only_positions = gpt_dataset.DocumentBoundaries([sample], eod, position_ids=True)[0]
+    assert set(only_positions) == {"tokens", "position_ids"}

@@ -44,7 +44,8 @@ def gpt_feed(config: Config, layout: ParallelLayout, dataset=None):
     def feed(k: int) -> dict:
         idx = microbatch_samples(k, m, tr.micro_batch_size, layout.data, layout.coords.dp,
                                  tr.global_batch_size)
-        return {"tokens": torch.stack([torch.from_numpy(dataset[i]["tokens"]) for i in idx])}
+        samples = [dataset[i] for i in idx]
+        return {key: torch.stack([torch.from_numpy(s[key]) for s in samples]) for key in samples[0]}
     return feed
 
 

@@ -1,5 +1,7 @@
 """Pipelines against independent references (fp32, dropout 0):
-- Flush and GPipe (p = 2, 4; t=2 x p=2; p=2 x d=2) reach the weights of one process after 3 steps.
+- Flush and GPipe (p = 2, 4; t=2 x p=2; p=2 x d=2) reach the weights of one process after 3 steps,
+  also with Megatron-LM's document flags (loss mask, position and attention resets), which every
+  stage reads from its own copy of the microbatch.
 - 2BW (p=2; t=2 x p=2; p=2 x d=2) reaches the weights of a single-process delayed-update
   implementation (tests/pipeline/reference.py) after 5 steps, for SGD and Adam, with clipping.
 - The tied word embeddings are bit-identical on the first and last stage after training."""
@@ -8,6 +10,8 @@ import functools
 import pytest
 import torch
 
+from megatron_2bw.data.gpt_dataset import DocumentBoundaries
+from megatron_2bw.data.mock import MockGPTDataset
 from megatron_2bw.distributed.layout import ParallelLayout
 from tests.distributed_helpers import run_ranks
 from tests.pipeline.harness import full_weights, gpt_feed, max_difference, tiny_config, train_on_ranks
@@ -62,3 +66,38 @@ def test_losses_agree_across_layouts():
     for (b1, _, norm1, m1), (b2, _, norm2, m2) in zip(single, last):
         assert b1 == b2
         assert abs(m1["lm loss"] - m2["lm loss"]) < 1e-5 and abs(norm1 - norm2) < 1e-5
+
+
+class PackedDocuments:
+    """Mock samples with an end-of-document token at a place that varies by sample."""
+    EOD = VOCAB - 1
+
+    def __init__(self, config):
+        self.mock = MockGPTDataset(10_000, config.model.seq_length, VOCAB, 7)
+
+    def __len__(self) -> int:
+        return len(self.mock)
+
+    def __getitem__(self, index: int) -> dict:
+        tokens = self.mock[index]["tokens"].copy()
+        tokens[1 + index % 6] = self.EOD
+        return {"tokens": tokens}
+
+
+def document_feed(config, layout):
+    return gpt_feed(config, layout, DocumentBoundaries(PackedDocuments(config), PackedDocuments.EOD,
+                                                       loss_mask=True, position_ids=True,
+                                                       document_ids=True))
+
+
+@pytest.mark.parametrize("t,p,world", [(1, 2, 2), (2, 2, 4)])
+def test_document_flags_through_the_pipeline_match_one_process(t, p, world):
+    c = config("adam", schedule="flush")
+    single = run_ranks(1, train_on_ranks, c, 3, document_feed)
+    results = run_ranks(world, train_on_ranks, config("adam", t=t, p=p, schedule="flush"), 3,
+                        document_feed)
+    assert max_difference(full_weights(results), full_weights(single), VOCAB) < 1e-5
+    # and the flags changed training: the same samples without them take another trajectory
+    plain = run_ranks(1, train_on_ranks, c, 3,
+                      lambda c_, layout: gpt_feed(c_, layout, PackedDocuments(c_)))
+    assert max_difference(full_weights(plain), full_weights(single), VOCAB) > 1e-4
