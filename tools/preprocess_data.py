@@ -53,7 +53,9 @@ def get_args(argv=None):
                    help="one sequence per sentence (BERT data)")
     g = parser.add_argument_group("tokenizer")
     g.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
-    g.add_argument("--vocab-file", help="vocab.json (GPT2BPETokenizer) or vocab.txt (WordPiece)")
+    g.add_argument("--vocab-file", "--vocab",
+                   help="vocab.json (GPT2BPETokenizer) or vocab.txt (WordPiece); --vocab is the "
+                        "name in older Megatron-LM scripts")
     g.add_argument("--merge-file", help="merges.txt (GPT2BPETokenizer)")
     g.add_argument("--tokenizer-model", help="SentencePiece .model, or a local HF tokenizer directory")
     g.add_argument("--vocab-size", type=int, default=0, help="ids per NullTokenizer (eod is added)")
@@ -66,6 +68,11 @@ def get_args(argv=None):
     g.add_argument("--partitions", type=int, default=1,
                    help="process this many slices of the input concurrently (workers are shared "
                         "among them), then merge")
+    g = parser.add_argument_group("Megatron-LM flags that name what this tool does anyway")
+    g.add_argument("--dataset-impl", choices=["mmap"],
+                   help="older scripts' flag; the output is always the memory-mapped format")
+    g.add_argument("--log-interval", type=int,
+                   help="accepted; progress shows as a tqdm bar, updated as documents finish")
     args = parser.parse_args(argv)
     if args.workers < 1:
         parser.error(f"--workers must be >= 1, got {args.workers}")

@@ -136,6 +136,17 @@ def test_cli_errors_are_one_line_with_exit_code_2(tmp_path, corpus_jsonl):
     assert _files(tmp_path) == ["corpus.jsonl"]
 
 
+def test_megatron_scripts_flags_are_accepted(tmp_path, corpus_jsonl):
+    """Older Megatron-LM scripts' --vocab and --dataset-impl mmap, and --log-interval."""
+    args = preprocess.get_args(["--input", str(corpus_jsonl), "--output-prefix", "o",
+                                "--tokenizer-type", "BertWordPieceLowerCase", "--vocab", "v.txt",
+                                "--dataset-impl", "mmap", "--log-interval", "100"])
+    assert args.vocab_file == "v.txt"
+    with pytest.raises(SystemExit):
+        preprocess.get_args(["--input", str(corpus_jsonl), "--output-prefix", "o",
+                             "--tokenizer-type", "NullTokenizer", "--dataset-impl", "lazy"])
+
+
 def test_missing_input_and_unsupported_type(tmp_path, spm_model):
     with pytest.raises(FileNotFoundError, match="--input .*nothing.jsonl"):
         _run([tmp_path / "nothing.jsonl"], tmp_path / "o", spm_model)
