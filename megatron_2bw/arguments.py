@@ -55,6 +55,9 @@ def build_parser(description: str = "", extra_args_provider=None) -> argparse.Ar
     _flag(g, "--init-method-std", "model", "init_method_std", type=float)
     _flag(g, "--layernorm-epsilon", "model", "layernorm_epsilon", type=float)
     g.add_argument("--bert-no-binary-head", action="store_true", help="BERT without the SOP head")
+    _bool_flag(g, "--untie-embeddings-and-output-weights", "model",
+               "untie_embeddings_and_output_weights",
+               "GPT: the output layer gets its own weights instead of the word embeddings'")
     for fusion in ("masked-softmax", "bias-gelu", "bias-dropout", "gradient-accumulation"):
         g.add_argument(f"--no-{fusion}-fusion", action="store_true",
                        help="Megatron-LM's switch off a fused kernel: accepted, megatron_2bw runs "
@@ -328,6 +331,9 @@ def validate(config: Config, require_data: bool = True) -> None:
     if config.recompute.granularity == "full":
         _require(config.recompute.method is not None,
                  "--recompute-granularity full needs --recompute-method uniform|block")
+    _require(not m.untie_embeddings_and_output_weights or m.model_type == "gpt",
+             "--untie-embeddings-and-output-weights applies to GPT only (BERT's masked-LM head "
+             "stays tied)")
     _require(not config.data.uses_document_boundaries or m.model_type == "gpt",
              "--eod-mask-loss, --reset-position-ids and --reset-attention-mask apply to GPT "
              "pretraining only")

@@ -28,6 +28,8 @@ class ModelConfig:
     attention_dropout: float = 0.1
     init_method_std: float = 0.02
     layernorm_epsilon: float = 1e-5
+    # GPT only: the output layer's own weights instead of the word embeddings' (Megatron-LM's flag)
+    untie_embeddings_and_output_weights: bool = False
     # BERT only
     bert_binary_head: bool = True
     num_tokentypes: int = 0

@@ -171,3 +171,10 @@ def test_train_samples_below_one_batch_is_named():
     config, _ = parse_config([*WITHOUT_ITERS, "--train-samples", "3", "--global-batch-size", "4"])
     with pytest.raises(ConfigError, match="--train-samples 3 is less than one --global-batch-size 4"):
         validate_for_world(config, 1)
+
+
+def test_untied_output_layer_is_gpt_only():
+    config, _ = parse_config([*TINY, "--untie-embeddings-and-output-weights"])
+    assert config.model.untie_embeddings_and_output_weights
+    with pytest.raises(ConfigError, match="--untie-embeddings-and-output-weights applies to GPT"):
+        parse_config([*TINY, "--untie-embeddings-and-output-weights"], model_type="bert")

@@ -85,6 +85,8 @@ BERT_LAYER_RULES = [*_linear("transformer.layers.{i}.input_norm", "bert.encoder.
 def _rules(model: ModelConfig) -> list[Rule]:
     if model.model_type == "gpt":
         fixed, per_layer = GPT_RULES, GPT_LAYER_RULES
+        if model.untie_embeddings_and_output_weights:
+            fixed = fixed + [Rule("output_layer", "lm_head.weight")]
     else:
         fixed, per_layer = BERT_RULES + BERT_BINARY_RULES, BERT_LAYER_RULES
     return fixed + [Rule(r.ours.format(i=i), r.theirs.format(i=i), r.conv1d)
@@ -160,7 +162,8 @@ def to_hf_config(model: ModelConfig, special_ids: dict[str, int | None]):
             resid_pdrop=model.hidden_dropout, embd_pdrop=model.hidden_dropout,
             attn_pdrop=model.attention_dropout, layer_norm_epsilon=model.layernorm_epsilon,
             initializer_range=model.init_method_std, scale_attn_weights=True,
-            scale_attn_by_inverse_layer_idx=False, tie_word_embeddings=True,
+            scale_attn_by_inverse_layer_idx=False,
+            tie_word_embeddings=not model.untie_embeddings_and_output_weights,
             bos_token_id=special_ids.get("eod"), eos_token_id=special_ids.get("eod"))
         config.architectures = ["GPT2LMHeadModel"]
     else:
@@ -207,7 +210,8 @@ def from_hf_config(config) -> ModelConfig:
             seq_length=config.n_positions, max_position_embeddings=config.n_positions,
             vocab_size=config.vocab_size, hidden_dropout=config.resid_pdrop,
             attention_dropout=config.attn_pdrop, init_method_std=config.initializer_range,
-            layernorm_epsilon=config.layer_norm_epsilon)
+            layernorm_epsilon=config.layer_norm_epsilon,
+            untie_embeddings_and_output_weights=not config.tie_word_embeddings)
     if config.model_type == "megatron-bert":
         _require(config.hidden_act in EXACT_GELU, "hidden_act", config.hidden_act,
                  'the exact erf GELU ("gelu")')
@@ -340,10 +344,12 @@ def import_from_hf(path: str) -> FullState:
     output, embeddings = ("lm_head.weight", "transformer.wte.weight") \
         if model_config.model_type == "gpt" else \
         ("cls.predictions.decoder.weight", "bert.embeddings.word_embeddings.weight")
-    if not _tied(hf_model, output, embeddings):
+    if not model_config.untie_embeddings_and_output_weights and \
+            not _tied(hf_model, output, embeddings):
         raise ConversionError(f"{path}: the output layer {output} differs from the word embeddings "
                               f"(tie_word_embeddings = {hf_config.tie_word_embeddings}); "
-                              f"megatron_2bw ties them")
+                              + ("megatron_2bw ties BERT's" if model_config.model_type == "bert"
+                                 else "a tied config needs them equal"))
     if model_config.model_type == "bert" and not _tied(hf_model, "cls.predictions.decoder.bias",
                                                        "cls.predictions.bias"):
         raise ConversionError(f"{path}: cls.predictions.decoder.bias differs from "

@@ -24,7 +24,7 @@ from megatron_2bw.pipeline.partition import layer_ranges
 
 WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
 # Parameters with one row per vocabulary entry (padded per layout).
-VOCAB_PARAMETERS = (WORD_EMBEDDINGS, "output_embedding", "heads.lm_bias")
+VOCAB_PARAMETERS = (WORD_EMBEDDINGS, "output_embedding", "output_layer", "heads.lm_bias")
 
 
 @dataclass

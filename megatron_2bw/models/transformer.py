@@ -154,6 +154,11 @@ def _run_layers(layers):
     return run
 
 
+def untied_output_layer(padded_vocab_size: int, hidden_size: int, group) -> nn.Parameter:
+    """The output layer's own vocabulary-parallel weights (--untie-embeddings-and-output-weights)."""
+    return make_param((padded_vocab_size, hidden_size), group, 0, "normal")
+
+
 def tied_output_embedding(padded_vocab_size: int, hidden_size: int, group) -> nn.Parameter:
     """The last stage's copy of the word embeddings (kept identical to the first stage's)."""
     weight = make_param((padded_vocab_size, hidden_size), group, 0, "normal")
@@ -165,7 +170,8 @@ def tied_output_embedding(padded_vocab_size: int, hidden_size: int, group) -> nn
 class LanguageModelStage(nn.Module):
     """What every pipeline stage of GPT and BERT shares: the first stage owns the embeddings, every
     stage its range of layers, the last stage the heads (`build_heads`) and, when it is not also
-    the first, a tied copy of the word embeddings for the output layer."""
+    the first, a tied copy of the word embeddings for the output layer (or, untied, the output
+    layer's own weights on the last stage in any case)."""
 
     causal: bool
 
@@ -175,14 +181,18 @@ class LanguageModelStage(nn.Module):
         super().__init__()
         self.config, self.group = config, group
         self.pre_process, self.post_process = pre_process, post_process
+        self.untied = config.untie_embeddings_and_output_weights
         if pre_process:
             self.embedding = Embedding(config, padded_vocab_size, group)
-            if not post_process:
+            if not post_process and not self.untied:
                 self.embedding.word_embeddings.weight.spec.tied = True
         self.transformer = TransformerStack(config, group, layers, self.causal, recompute)
         if post_process:
             self.build_heads(config, padded_vocab_size, group)
-            if not pre_process:
+            if self.untied:
+                self.output_layer = untied_output_layer(padded_vocab_size, config.hidden_size,
+                                                        group)
+            elif not pre_process:
                 self.output_embedding = tied_output_embedding(padded_vocab_size,
                                                               config.hidden_size, group)
 
@@ -190,5 +200,7 @@ class LanguageModelStage(nn.Module):
         raise NotImplementedError
 
     def head_weight(self) -> torch.Tensor:
+        if self.untied:
+            return self.output_layer
         return self.embedding.word_embeddings.weight if self.pre_process else self.output_embedding
 

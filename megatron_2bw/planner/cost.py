@@ -333,7 +333,8 @@ def stage_costs(model: ModelConfig, hardware: HardwareSpec, costs: ComputeCosts,
     memory_rate = hardware.memory_bandwidth * hardware.efficiency
     stats_ar = net.allreduce_time("model", 4)
     tied_bytes = 4 * model.padded_vocab_size(t) // t * model.hidden_size  # fp32 master gradients
-    tied_ar = net.allreduce_time("embedding", tied_bytes) if p > 1 else 0.0
+    tied = p > 1 and not model.untie_embeddings_and_output_weights
+    tied_ar = net.allreduce_time("embedding", tied_bytes) if tied else 0.0
     separate_master = e != 4 or g != 4 or candidate.schedule == "2bw"
     shards = d if parallel.use_distributed_optimizer else 1
     layer_counts = list(candidate.layer_split) if candidate.layer_split else \

@@ -72,17 +72,22 @@ def _tiny_hf(kind: str, **overrides):
     return model
 
 
-@pytest.mark.parametrize("kind", ["gpt", "bert"])
-def test_import_then_export_gives_back_the_same_tensors(kind, tmp_path):
-    _tiny_hf(kind).save_pretrained(tmp_path / "source")
+@pytest.mark.parametrize("kind,tied", [("gpt", True), ("gpt", False), ("bert", True)])
+def test_import_then_export_gives_back_the_same_tensors(kind, tied, tmp_path):
+    """An untied GPT-2 (tie_word_embeddings false) comes in with
+    --untie-embeddings-and-output-weights and goes back out with its own lm_head."""
+    _tiny_hf(kind, tie_word_embeddings=tied).save_pretrained(tmp_path / "source")
     load_tool("import_from_hf").main(["--hf-path", str(tmp_path / "source"), "--save",
                                       str(tmp_path / "ckpt"), "--tensor-model-parallel-size", "2",
                                       "--pipeline-model-parallel-size", "2"])
-    assert read_full_state(str(tmp_path / "ckpt")).config.parallel.tensor_parallel == 2
+    config = read_full_state(str(tmp_path / "ckpt")).config
+    assert config.parallel.tensor_parallel == 2
+    assert config.model.untie_embeddings_and_output_weights == (not tied)
     _export(tmp_path / "ckpt", tmp_path / "exported")
     source = load_file(tmp_path / "source" / "model.safetensors")
     exported = load_file(tmp_path / "exported" / "model.safetensors")
     assert source.keys() == exported.keys()
+    assert ("lm_head.weight" in source) == (not tied)  # save_pretrained leaves tied copies out
     for name, tensor in source.items():
         assert torch.equal(tensor, exported[name]), name
 
@@ -95,10 +100,10 @@ def test_gpt2_default_tanh_gelu_is_refused_by_name(tmp_path):
     assert not (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").exists()
 
 
-def test_untied_output_layer_is_refused(tmp_path):
-    model = _tiny_hf("gpt", tie_word_embeddings=False)
-    model.save_pretrained(tmp_path / "source")
-    with pytest.raises(ConversionError, match="differs from the word embeddings"):
+def test_bert_with_an_untied_decoder_is_refused(tmp_path):
+    _tiny_hf("bert", tie_word_embeddings=False).save_pretrained(tmp_path / "source")
+    with pytest.raises(ConversionError, match="differs from the word embeddings .*"
+                                              "megatron_2bw ties BERT's"):
         load_tool("import_from_hf").main(["--hf-path", str(tmp_path / "source"), "--save",
                                           str(tmp_path / "ckpt")])
 

@@ -101,3 +101,22 @@ def test_document_flags_through_the_pipeline_match_one_process(t, p, world):
     plain = run_ranks(1, train_on_ranks, c, 3,
                       lambda c_, layout: gpt_feed(c_, layout, PackedDocuments(c_)))
     assert max_difference(full_weights(plain), full_weights(single), VOCAB) > 1e-4
+
+
+@pytest.mark.parametrize("t,p,world", [(1, 2, 2), (2, 2, 4)])
+def test_untied_output_layer_through_the_pipeline(t, p, world):
+    """--untie-embeddings-and-output-weights: Flush reaches one process's weights and 2BW the
+    delayed-update reference's, with no embedding all-reduce between first and last stage; the
+    output layer then trains apart from the word embeddings."""
+    untied = {"untie_embeddings_and_output_weights": True}
+    single = full_weights(run_ranks(1, train_on_ranks, config("adam", schedule="flush", **untied), 3))
+    flushed = run_ranks(world, train_on_ranks, config("adam", t=t, p=p, schedule="flush", **untied), 3)
+    assert max_difference(full_weights(flushed), single, VOCAB) < 1e-5
+    c = config("sgd", **untied)
+    reference = delayed_update_reference(c, 5, gpt_feed(c, ParallelLayout(1, 1, 1)), 4)
+    two_bw = full_weights(run_ranks(world, train_on_ranks, config("sgd", t=t, p=p, schedule="2bw",
+                                                                  **untied), 5))
+    assert max_difference(two_bw, reference, VOCAB) < 1e-5
+    assert "tied_copy:output_embedding" not in two_bw
+    output, embeddings = two_bw["output_layer"], two_bw["embedding.word_embeddings.weight"]
+    assert output.shape == embeddings.shape and (output - embeddings).abs().max() > 1e-2

@@ -95,6 +95,16 @@ def test_stage_durations_add_up_the_pieces():
     assert first.reduce_async_s == last.reduce_async_s == pytest.approx(2 * 1 / 2 * 4 / 100 + 2)
 
 
+def test_an_untied_output_layer_has_no_embedding_all_reduce():
+    hw = toy_hardware(devices_per_node=8, nodes=1)
+    candidate = Candidate(1, 2, 1, 1, None, "flush", layer_split=(1, 3))
+    untied = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32,
+                         vocab_size=1000, untie_embeddings_and_output_weights=True)
+    first, last = stage_costs(untied, hw, COSTS, candidate, PrecisionConfig(), "adam")
+    assert first.tied_async_s == 0.0 == last.tied_async_s
+    assert costs_of()[0].tied_async_s > 0.0
+
+
 def test_the_data_parallel_reduction_runs_on_after_reduce():
     """pipeline/update.py leaves the all-reduce of the gradient buffer (the distributed
     optimizer's reduce-scatter) running after reduce; reduce itself is the local work."""

@@ -20,6 +20,10 @@ def test_parameter_counts_follow_the_model_code():
     assert stage_parameters(MODEL, 1, 2, False, True) == 2 * LAYER + HEAD
     assert stage_parameters(MODEL, 1, 4, True, True) == EMBEDDING + 4 * LAYER + 2 * H  # tied once
     assert stage_parameters(MODEL, 2, 0, True, False) == V * H // 2 + S * H  # positions replicated
+    untied = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32,
+                         vocab_size=1000, untie_embeddings_and_output_weights=True)
+    assert stage_parameters(untied, 1, 4, True, True) == EMBEDDING + 4 * LAYER + HEAD  # its own
+    assert stage_parameters(untied, 1, 2, False, True) == 2 * LAYER + HEAD
     bert = ModelConfig(model_type="bert", num_layers=2, hidden_size=64, num_attention_heads=4,
                        seq_length=32, vocab_size=1000, num_tokentypes=2)
     # final norm, LM transform, LM norm, LM bias, pooler, sentence-order head, tied embedding copy
