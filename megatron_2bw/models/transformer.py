@@ -154,11 +154,6 @@ def _run_layers(layers):
     return run
 
 
-def untied_output_layer(padded_vocab_size: int, hidden_size: int, group) -> nn.Parameter:
-    """The output layer's own vocabulary-parallel weights (--untie-embeddings-and-output-weights)."""
-    return make_param((padded_vocab_size, hidden_size), group, 0, "normal")
-
-
 def tied_output_embedding(padded_vocab_size: int, hidden_size: int, group) -> nn.Parameter:
     """The last stage's copy of the word embeddings (kept identical to the first stage's)."""
     weight = make_param((padded_vocab_size, hidden_size), group, 0, "normal")
@@ -181,17 +176,17 @@ class LanguageModelStage(nn.Module):
         super().__init__()
         self.config, self.group = config, group
         self.pre_process, self.post_process = pre_process, post_process
-        self.untied = config.untie_embeddings_and_output_weights
+        untied = config.untie_embeddings_and_output_weights
         if pre_process:
             self.embedding = Embedding(config, padded_vocab_size, group)
-            if not post_process and not self.untied:
+            if not post_process and not untied:
                 self.embedding.word_embeddings.weight.spec.tied = True
         self.transformer = TransformerStack(config, group, layers, self.causal, recompute)
         if post_process:
             self.build_heads(config, padded_vocab_size, group)
-            if self.untied:
-                self.output_layer = untied_output_layer(padded_vocab_size, config.hidden_size,
-                                                        group)
+            if untied:  # the output layer's own vocabulary-parallel weights
+                self.output_layer = make_param((padded_vocab_size, config.hidden_size), group, 0,
+                                               "normal")
             elif not pre_process:
                 self.output_embedding = tied_output_embedding(padded_vocab_size,
                                                               config.hidden_size, group)
@@ -200,7 +195,7 @@ class LanguageModelStage(nn.Module):
         raise NotImplementedError
 
     def head_weight(self) -> torch.Tensor:
-        if self.untied:
+        if self.config.untie_embeddings_and_output_weights:
             return self.output_layer
         return self.embedding.word_embeddings.weight if self.pre_process else self.output_embedding
 
