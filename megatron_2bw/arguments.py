@@ -54,6 +54,30 @@ def build_parser(description: str = "", extra_args_provider=None) -> argparse.Ar
     _flag(g, "--attention-dropout", "model", "attention_dropout", type=float)
     _flag(g, "--init-method-std", "model", "init_method_std", type=float)
     _flag(g, "--layernorm-epsilon", "model", "layernorm_epsilon", type=float)
+    _flag(g, "--norm-epsilon", "model", "layernorm_epsilon", type=float,
+          help="Megatron-LM's newer name of --layernorm-epsilon")
+    _flag(g, "--normalization", "model", "normalization", choices=["LayerNorm", "RMSNorm"])
+    g.add_argument("--disable-bias-linear", action="store_true",
+                   help="no biases in the layers' linear projections (Llama)")
+    _bool_flag(g, "--add-qkv-bias", "model", "add_qkv_bias",
+               "keep the qkv projection's bias under --disable-bias-linear (Qwen)")
+    _bool_flag(g, "--swiglu", "model", "swiglu",
+               "gated SiLU MLP; --ffn-hidden-size then defaults to 2/3 of 4h, a multiple of 64")
+    _flag(g, "--position-embedding-type", "model", "position_embedding_type",
+          choices=["learned_absolute", "rope", "none"])
+    g.add_argument("--use-rotary-position-embeddings", action="store_true",
+                   help="older name of --position-embedding-type rope")
+    g.add_argument("--no-position-embedding", action="store_true",
+                   help="no learned absolute positions (with rope: rotary positions only)")
+    _flag(g, "--rotary-percent", "model", "rotary_percent", type=float,
+          help="share of each head's channels rotated (default 1.0)")
+    _flag(g, "--rotary-base", "model", "rotary_base", type=float)
+    _bool_flag(g, "--rotary-interleaved", "model", "rotary_interleaved",
+               "rotate adjacent channel pairs instead of the two halves of a head")
+    g.add_argument("--group-query-attention", action="store_true",
+                   help="grouped-query attention with --num-query-groups key/value heads")
+    g.add_argument("--num-query-groups", type=int, default=None,
+                   help="key/value heads under --group-query-attention (default 1)")
     g.add_argument("--bert-no-binary-head", action="store_true", help="BERT without the SOP head")
     _bool_flag(g, "--untie-embeddings-and-output-weights", "model",
                "untie_embeddings_and_output_weights",
@@ -62,6 +86,9 @@ def build_parser(description: str = "", extra_args_provider=None) -> argparse.Ar
         g.add_argument(f"--no-{fusion}-fusion", action="store_true",
                        help="Megatron-LM's switch off a fused kernel: accepted, megatron_2bw runs "
                             "torch's unfused ops")
+    g.add_argument("--use-flash-attn", action="store_true",
+                   help="accepted: torch's scaled_dot_product_attention runs its flash kernel "
+                        "wherever the device, dtype and mask allow it")
     g.add_argument("--attention-backend", default=None,
                    help="only 'auto' (Megatron-LM's default): torch's scaled_dot_product_attention "
                         "picks its kernel itself")
@@ -229,11 +256,12 @@ def config_from_args(args: argparse.Namespace, model_type: str = "gpt",
             is not None:
         raise ConfigError("give --train-iters or --train-samples, not both")
     _legacy_megatron_flags(args, config)
+    _architecture_switches(args, config.model)
     if config.model.model_type == "bert" and config.model.num_tokentypes == 0:
         config.model.num_tokentypes = 2
     # derived defaults the dataclasses compute from other fields
     if getattr(args, "ffn_hidden_size", None) is None and base is None:
-        config.model.ffn_hidden_size = 4 * config.model.hidden_size
+        config.model.ffn_hidden_size = config.model.default_ffn_hidden_size()
     if getattr(args, "max_position_embeddings", None) is None and base is None:
         config.model.max_position_embeddings = config.model.seq_length
     validate(config, require_data)
@@ -283,6 +311,42 @@ def _validate_schedule_units(tr, opt) -> None:
                  f"--lr-warmup-fraction must be in [0, 1], got {opt.lr_warmup_fraction}")
 
 
+def _architecture_switches(args: argparse.Namespace, model) -> None:
+    """Megatron-LM's switches that turn a field off or combine two flags."""
+    if getattr(args, "disable_bias_linear", False):
+        model.add_bias_linear = False
+    if getattr(args, "use_rotary_position_embeddings", False):
+        model.position_embedding_type = "rope"
+    if getattr(args, "no_position_embedding", False) \
+            and model.position_embedding_type == "learned_absolute":
+        model.position_embedding_type = "none"
+    if getattr(args, "group_query_attention", False):
+        model.num_query_groups = args.num_query_groups or 1
+    elif getattr(args, "num_query_groups", None) is not None:
+        raise ConfigError("--num-query-groups takes effect only with --group-query-attention")
+
+
+def _validate_architecture(m, t: int) -> None:
+    groups = m.query_groups
+    _require(0 < groups <= m.num_attention_heads and m.num_attention_heads % groups == 0,
+             f"--num-query-groups {groups} must divide --num-attention-heads "
+             f"{m.num_attention_heads}")
+    _require(groups % t == 0,
+             f"--tensor-model-parallel-size {t} must divide the query groups ({groups}, "
+             f"--num-query-groups): each rank holds whole groups")
+    _require(m.normalization in ("LayerNorm", "RMSNorm"),
+             f"--normalization expects LayerNorm or RMSNorm, got {m.normalization!r}")
+    _require(m.position_embedding_type in ("learned_absolute", "rope", "none"),
+             f"--position-embedding-type expects learned_absolute, rope or none, got "
+             f"{m.position_embedding_type!r}")
+    if m.position_embedding_type == "rope":
+        rotated = int(m.head_dim * m.rotary_percent)
+        _require(0 < m.rotary_percent <= 1 and rotated >= 2 and rotated % 2 == 0,
+                 f"--rotary-percent {m.rotary_percent} of the head size {m.head_dim} must rotate "
+                 f"a positive even number of channels (got {rotated})")
+        _require(m.rotary_base > 0, f"--rotary-base must be > 0, got {m.rotary_base}")
+
+
 def _require(condition: bool, message: str):
     if not condition:
         raise ConfigError(message)
@@ -309,6 +373,10 @@ def validate(config: Config, require_data: bool = True) -> None:
              f"{m.num_attention_heads}")
     _require(m.hidden_size % t == 0,
              f"--tensor-model-parallel-size {t} must divide --hidden-size {m.hidden_size}")
+    _require(m.ffn_hidden_size > 0,
+             f"--ffn-hidden-size must be a positive integer, got {m.ffn_hidden_size} (with "
+             f"--swiglu its default is 2/3 of 4 * --hidden-size rounded down to a multiple of 64)")
+    _validate_architecture(m, t)
     _require(m.ffn_hidden_size % t == 0,
              f"--tensor-model-parallel-size {t} must divide --ffn-hidden-size {m.ffn_hidden_size}")
     _require(m.max_position_embeddings >= m.seq_length,

@@ -28,6 +28,16 @@ class ModelConfig:
     attention_dropout: float = 0.1
     init_method_std: float = 0.02
     layernorm_epsilon: float = 1e-5
+    # Llama-style architecture switches (Megatron-LM's flags); the defaults are GPT-2/BERT's
+    normalization: str = "LayerNorm"  # "LayerNorm" | "RMSNorm"
+    add_bias_linear: bool = True  # False: --disable-bias-linear (every linear layer of the layers)
+    add_qkv_bias: bool = False  # the qkv projection keeps its bias under --disable-bias-linear
+    swiglu: bool = False  # gated SiLU MLP; fc1 rows ordered (ffn unit, gate/up)
+    position_embedding_type: str = "learned_absolute"  # | "rope" | "none"
+    rotary_percent: float = 1.0  # share of each head's channels that rotary embeddings rotate
+    rotary_base: float = 10000.0
+    rotary_interleaved: bool = False  # rotate channel pairs (2i, 2i+1) instead of (i, i + d/2)
+    num_query_groups: int | None = None  # grouped-query attention; None: one group per head
     # GPT only: the output layer's own weights instead of the word embeddings' (Megatron-LM's flag)
     untie_embeddings_and_output_weights: bool = False
     # BERT only
@@ -36,13 +46,30 @@ class ModelConfig:
 
     def __post_init__(self):
         if self.ffn_hidden_size is None:
-            self.ffn_hidden_size = 4 * self.hidden_size
+            self.ffn_hidden_size = self.default_ffn_hidden_size()
         if self.max_position_embeddings is None:
             self.max_position_embeddings = self.seq_length
+
+    def default_ffn_hidden_size(self) -> int:
+        """Megatron-LM's rule: 4h, or with SwiGLU two thirds of it (as many MLP weights in three
+        matrices as in two) rounded down to a multiple of 64."""
+        if self.swiglu:
+            return int(4 * self.hidden_size * 2 / 3 / 64) * 64
+        return 4 * self.hidden_size
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
+
+    @property
+    def query_groups(self) -> int:
+        """Key/value heads: each serves num_attention_heads / query_groups query heads."""
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def qkv_size(self) -> int:
+        """Output features of the fused qkv projection."""
+        return (self.num_attention_heads + 2 * self.query_groups) * self.head_dim
 
     def padded_vocab_size(self, tensor_parallel: int) -> int:
         """Megatron's rule: pad to a multiple of make_vocab_size_divisible_by * t."""

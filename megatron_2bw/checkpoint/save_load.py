@@ -37,7 +37,12 @@ CONVERT_HINT = ("convert it with tools/convert_checkpoint.py --load {root} --sav
 # Model fields that fix the parameters' shapes: a checkpoint only loads into the same architecture.
 ARCHITECTURE_FIELDS = ("model_type", "num_layers", "hidden_size", "num_attention_heads",
                        "ffn_hidden_size", "max_position_embeddings", "vocab_size", "num_tokentypes",
-                       "bert_binary_head")
+                       "bert_binary_head", "untie_embeddings_and_output_weights", "normalization",
+                       "add_bias_linear", "add_qkv_bias", "swiglu", "position_embedding_type",
+                       "rotary_percent", "rotary_base", "rotary_interleaved", "num_query_groups")
+# the flag that sets a field, where it is not the field's name
+ARCHITECTURE_FLAGS = {"add_bias_linear": "--disable-bias-linear",
+                      "num_query_groups": "--group-query-attention --num-query-groups"}
 
 
 class CheckpointError(ConfigError):
@@ -280,7 +285,7 @@ def check_architecture(saved: Config, current: Config, root: str) -> None:
     for field in ARCHITECTURE_FIELDS:
         old, new = getattr(saved.model, field), getattr(current.model, field)
         if old != new:
-            flag = "--" + field.replace("_", "-")
+            flag = ARCHITECTURE_FLAGS.get(field, "--" + field.replace("_", "-"))
             raise CheckpointError(f"checkpoint {root} holds a model with {field} = {old!r}, this run "
                                   f"has {new!r} (set by {flag} or the tokenizer): the weights do not "
                                   f"fit")

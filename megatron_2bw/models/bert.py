@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_2bw.config import ModelConfig
-from megatron_2bw.models.transformer import LanguageModelStage, LayerNorm
+from megatron_2bw.models.transformer import LanguageModelStage, LayerNorm, build_norm
 from megatron_2bw.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron_2bw.tensor_parallel.layers import ReplicatedLinear, make_param, parallel_lm_logits
 
@@ -24,7 +24,7 @@ class BertHeads(nn.Module):
     def __init__(self, config: ModelConfig, padded_vocab_size: int, group):
         super().__init__()
         h = config.hidden_size
-        self.final_norm = LayerNorm(h, config.layernorm_epsilon)
+        self.final_norm = build_norm(config)
         self.lm_transform = ReplicatedLinear(h, h)
         self.lm_norm = LayerNorm(h, config.layernorm_epsilon)
         self.lm_bias = make_param((padded_vocab_size,), group, 0, "zeros")

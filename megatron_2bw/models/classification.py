@@ -18,7 +18,7 @@ from torch import nn
 
 from megatron_2bw.config import ModelConfig, RecomputeConfig
 from megatron_2bw.models.bert import BertModel
-from megatron_2bw.models.transformer import LayerNorm
+from megatron_2bw.models.transformer import build_norm
 from megatron_2bw.tensor_parallel.layers import ReplicatedLinear, initialize_parameters
 
 # our parameter-name prefix -> the pretrained BERT's
@@ -50,7 +50,7 @@ class BertClassifier(nn.Module):
         # BertModel marks a first stage's embeddings as tied to a later stage's head: not here
         self.encoder.embedding.word_embeddings.weight.spec.tied = False
         h = config.hidden_size
-        self.final_norm = LayerNorm(h, config.layernorm_epsilon)
+        self.final_norm = build_norm(config)
         self.pooler = ReplicatedLinear(h, h)
         self.dropout = nn.Dropout(config.hidden_dropout)
         self.classifier = ReplicatedLinear(h, num_classes)

@@ -1,4 +1,6 @@
-"""GPT: pre-LayerNorm decoder, learned positions, causal attention, embeddings tied to the head.
+"""GPT: pre-norm decoder with causal attention: GPT-2's layout by default (LayerNorm, GELU, learned
+positions, embeddings tied to the head), Llama's with the RMSNorm, SwiGLU, rotary, grouped-query
+and untied-head flags.
 
 One class serves every pipeline stage: the first stage owns the embeddings, the last the final norm,
 the head and the loss; in between a stage holds its range of layers. With p = 1 it is the whole model.
@@ -8,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from megatron_2bw.config import ModelConfig
-from megatron_2bw.models.transformer import LanguageModelStage, LayerNorm
+from megatron_2bw.models.transformer import LanguageModelStage, build_norm
 from megatron_2bw.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron_2bw.tensor_parallel.layers import parallel_lm_logits
 from megatron_2bw.tensor_parallel.mappings import gather_from_tensor_parallel
@@ -26,15 +28,16 @@ class GPTModel(LanguageModelStage):
     causal = True
 
     def build_heads(self, config: ModelConfig, padded_vocab_size: int, group) -> None:
-        self.final_norm = LayerNorm(config.hidden_size, config.layernorm_epsilon)
+        self.final_norm = build_norm(config)
 
     def forward(self, hidden, batch: dict):
         tokens = batch["tokens"]
+        position_ids = batch.get("position_ids")
         if self.pre_process:
-            hidden = self.embedding(tokens[:, :-1], position_ids=batch.get("position_ids"))
+            hidden = self.embedding(tokens[:, :-1], position_ids=position_ids)
         documents = batch.get("document_ids")
         hidden = self.transformer(hidden, None if documents is None else
-                                  document_causal_mask(documents))
+                                  document_causal_mask(documents), position_ids)
         if not self.post_process:
             return hidden
         logits = parallel_lm_logits(self.final_norm(hidden), self.head_weight(), self.group)

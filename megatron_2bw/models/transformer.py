@@ -35,40 +35,121 @@ class LayerNorm(nn.Module):
         return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
 
 
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x^2) + eps) * weight, computed in fp32 (Llama's norm: no centring, no bias)."""
+
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = replicated_param((hidden_size,), "ones")
+
+    def forward(self, x):
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.to(x.dtype) * self.weight
+
+
+def build_norm(config: ModelConfig) -> nn.Module:
+    """The norm --normalization names, for the layers' and the final norm."""
+    norm = RMSNorm if config.normalization == "RMSNorm" else LayerNorm
+    return norm(config.hidden_size, config.layernorm_epsilon)
+
+
 class Embedding(nn.Module):
-    """Word (vocabulary-parallel), learned position and optional token-type embeddings."""
+    """Word (vocabulary-parallel), learned position (unless rotary or none) and optional
+    token-type embeddings."""
 
     def __init__(self, config: ModelConfig, padded_vocab_size: int, group):
         super().__init__()
         h = config.hidden_size
         self.word_embeddings = VocabParallelEmbedding(padded_vocab_size, h, group)
-        self.position_embeddings = replicated_param((config.max_position_embeddings, h), "normal")
+        self.position_embeddings = (
+            replicated_param((config.max_position_embeddings, h), "normal")
+            if config.position_embedding_type == "learned_absolute" else None)
         self.tokentype_embeddings = (replicated_param((config.num_tokentypes, h), "normal")
                                      if config.num_tokentypes else None)
         self.dropout = nn.Dropout(config.hidden_dropout)
 
     def forward(self, ids, tokentype_ids=None, position_ids=None):
-        positions = torch.arange(ids.shape[1], device=ids.device) if position_ids is None \
-            else position_ids
-        x = self.word_embeddings(ids) + F.embedding(positions, self.position_embeddings)
+        x = self.word_embeddings(ids)
+        if self.position_embeddings is not None:
+            positions = torch.arange(ids.shape[1], device=ids.device) if position_ids is None \
+                else position_ids
+            x = x + F.embedding(positions, self.position_embeddings)
         if self.tokentype_embeddings is not None and tokentype_ids is not None:
             x = x + F.embedding(tokentype_ids, self.tokentype_embeddings)
         return self.dropout(x)
 
 
+class RotaryEmbedding(nn.Module):
+    """Rotary position embeddings (RoFormer; Megatron-LM's --position-embedding-type rope): the
+    first `rotary_percent` of each head's channels are rotated by angles position * base^(-2i/d)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.dim = int(config.head_dim * config.rotary_percent)
+        self.base, self.interleaved = config.rotary_base, config.rotary_interleaved
+
+    def forward(self, seq_length: int, position_ids=None, device=None):
+        """(cos, sin), each [b or 1, 1, s, dim] in fp32, for the positions of the sequence."""
+        positions = torch.arange(seq_length, device=device)[None] if position_ids is None \
+            else position_ids
+        inverse_frequencies = self.base ** -(
+            torch.arange(0, self.dim, 2, device=positions.device, dtype=torch.float32) / self.dim)
+        angles = positions[..., None].float() * inverse_frequencies
+        # channel i pairs with i + dim/2 (Megatron's and Llama's default) or with its neighbour
+        angles = angles.repeat_interleave(2, dim=-1) if self.interleaved \
+            else torch.cat((angles, angles), dim=-1)
+        return angles.cos()[:, None], angles.sin()[:, None]
+
+
+def apply_rotary(x, rotary, interleaved: bool):
+    """x [b, heads, s, head_dim] with its first cos.shape[-1] channels rotated."""
+    cos, sin = rotary
+    dim = cos.shape[-1]
+    rotated, passed = x[..., :dim], x[..., dim:]
+    if interleaved:
+        pairs = rotated.unflatten(-1, (-1, 2))
+        half_turn = torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
+    else:
+        first, second = rotated.chunk(2, dim=-1)
+        half_turn = torch.cat((-second, first), dim=-1)
+    rotated = rotated * cos.to(x.dtype) + half_turn * sin.to(x.dtype)
+    return torch.cat((rotated, passed), dim=-1) if passed.shape[-1] else rotated
+
+
 class ParallelAttention(nn.Module):
-    """Self-attention with heads split over the tensor-parallel group."""
+    """Self-attention with query groups (and their heads) split over the tensor-parallel group."""
 
     def __init__(self, config: ModelConfig, group, causal: bool, recompute_core: bool):
         super().__init__()
-        h = config.hidden_size
-        self.local_heads = config.num_attention_heads // group_size(group)
+        h, t = config.hidden_size, group_size(group)
+        self.local_heads = config.num_attention_heads // t
+        self.local_groups = config.query_groups // t
+        self.heads_per_group = config.num_attention_heads // config.query_groups
         self.head_dim = config.head_dim
         self.causal, self.recompute_core = causal, recompute_core
+        self.rotary_interleaved = config.rotary_interleaved
         self.dropout_p = config.attention_dropout
-        # rows ordered (head, q/k/v, head_dim) so a contiguous shard holds whole heads
-        self.qkv = ColumnParallelLinear(h, 3 * h, group)
-        self.dense = RowParallelLinear(h, h, group, init="output")
+        # rows ordered (query group, its query heads then k then v, head_dim), so a contiguous
+        # shard holds whole groups; with one group per head that is (head, q/k/v, head_dim)
+        self.qkv = ColumnParallelLinear(h, config.qkv_size, group,
+                                        bias=config.add_bias_linear or config.add_qkv_bias)
+        self.dense = RowParallelLinear(h, h, group, bias=config.add_bias_linear, init="output")
+
+    def project_qkv(self, x, rotary=None):
+        """q [b, local heads, s, head_dim]; k and v repeated to one per query head."""
+        b, s, _ = x.shape
+        qkv = self.qkv(x).view(b, s, self.local_groups, self.heads_per_group + 2, self.head_dim)
+        q, k, v = qkv.split([self.heads_per_group, 1, 1], dim=3)
+        q = q.reshape(b, s, self.local_heads, self.head_dim).transpose(1, 2)
+        k, v = (t.squeeze(3).transpose(1, 2) for t in (k, v))
+        if rotary is not None:
+            q = apply_rotary(q, rotary, self.rotary_interleaved)
+            k = apply_rotary(k, rotary, self.rotary_interleaved)
+        if self.heads_per_group > 1:
+            k, v = (t.repeat_interleave(self.heads_per_group, dim=1) for t in (k, v))
+        return q, k, v
 
     def core(self, q, k, v, mask):
         dropout = self.dropout_p if self.training else 0.0
@@ -76,10 +157,9 @@ class ParallelAttention(nn.Module):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
                                                   is_causal=self.causal and mask is None)
 
-    def forward(self, x, mask=None):
+    def forward(self, x, mask=None, rotary=None):
         b, s, _ = x.shape
-        qkv = self.qkv(x).view(b, s, self.local_heads, 3, self.head_dim)
-        q, k, v = (t.transpose(1, 2) for t in qkv.unbind(dim=3))
+        q, k, v = self.project_qkv(x, rotary)
         if self.recompute_core and self.training:
             context = checkpoint(self.core, q, k, v, mask)
         else:
@@ -88,26 +168,36 @@ class ParallelAttention(nn.Module):
 
 
 class ParallelMLP(nn.Module):
+    """GELU MLP, or with --swiglu silu(gate) * up, gate and up from one fused column-parallel
+    projection whose rows alternate (gate, up) per unit so any contiguous shard holds both."""
+
     def __init__(self, config: ModelConfig, group):
         super().__init__()
-        self.fc1 = ColumnParallelLinear(config.hidden_size, config.ffn_hidden_size, group)
-        self.fc2 = RowParallelLinear(config.ffn_hidden_size, config.hidden_size, group, init="output")
+        self.swiglu = config.swiglu
+        f, bias = config.ffn_hidden_size, config.add_bias_linear
+        self.fc1 = ColumnParallelLinear(config.hidden_size, 2 * f if self.swiglu else f, group,
+                                        bias=bias)
+        self.fc2 = RowParallelLinear(f, config.hidden_size, group, bias=bias, init="output")
 
     def forward(self, x):
-        return self.fc2(F.gelu(self.fc1(x)))
+        hidden = self.fc1(x)
+        if self.swiglu:
+            gate, up = hidden.unflatten(-1, (-1, 2)).unbind(-1)
+            return self.fc2(F.silu(gate) * up)
+        return self.fc2(F.gelu(hidden))
 
 
 class TransformerLayer(nn.Module):
     def __init__(self, config: ModelConfig, group, causal: bool, recompute_core: bool = False):
         super().__init__()
-        self.input_norm = LayerNorm(config.hidden_size, config.layernorm_epsilon)
+        self.input_norm = build_norm(config)
         self.attention = ParallelAttention(config, group, causal, recompute_core)
-        self.post_attention_norm = LayerNorm(config.hidden_size, config.layernorm_epsilon)
+        self.post_attention_norm = build_norm(config)
         self.mlp = ParallelMLP(config, group)
         self.dropout = nn.Dropout(config.hidden_dropout)
 
-    def forward(self, x, mask=None):
-        x = x + self.dropout(self.attention(self.input_norm(x), mask))
+    def forward(self, x, mask=None, rotary=None):
+        x = x + self.dropout(self.attention(self.input_norm(x), mask, rotary))
         return x + self.dropout(self.mlp(self.post_attention_norm(x)))
 
 
@@ -123,6 +213,7 @@ class TransformerStack(nn.Module):
         selective = recompute.granularity == "selective"
         self.layers = nn.ModuleDict({str(i): TransformerLayer(config, group, causal, selective)
                                      for i in layers})
+        self.rotary = RotaryEmbedding(config) if config.position_embedding_type == "rope" else None
 
     def _recomputed(self, position: int) -> bool:
         r = self.recompute
@@ -130,26 +221,28 @@ class TransformerStack(nn.Module):
             return False
         return r.method == "uniform" or position < r.num_layers
 
-    def forward(self, x, mask=None):
+    def forward(self, x, mask=None, position_ids=None):
+        """`position_ids` [b, s] (default 0..s-1) place the tokens for rotary embeddings."""
+        rotary = None if self.rotary is None else self.rotary(x.shape[1], position_ids, x.device)
         layers = list(self.layers.values())
         position = 0
         while position < len(layers):
             if not self._recomputed(position):
-                x = layers[position](x, mask)
+                x = layers[position](x, mask, rotary)
                 position += 1
                 continue
             # uniform: chunks of num_layers layers; block: each of the first num_layers alone
             chunk = self.recompute.num_layers if self.recompute.method == "uniform" else 1
             group = layers[position:position + chunk]
-            x = checkpoint(_run_layers(group), x, mask)
+            x = checkpoint(_run_layers(group), x, mask, rotary)
             position += len(group)
         return x
 
 
 def _run_layers(layers):
-    def run(x, mask):
+    def run(x, mask, rotary):
         for layer in layers:
-            x = layer(x, mask)
+            x = layer(x, mask, rotary)
         return x
     return run
 
