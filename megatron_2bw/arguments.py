@@ -78,6 +78,8 @@ def build_parser(description: str = "", extra_args_provider=None) -> argparse.Ar
                    help="grouped-query attention with --num-query-groups key/value heads")
     g.add_argument("--num-query-groups", type=int, default=None,
                    help="key/value heads under --group-query-attention (default 1)")
+    g.add_argument("--kv-channels", type=int, default=None,
+                   help="the head size; only --hidden-size / --num-attention-heads is supported")
     g.add_argument("--bert-no-binary-head", action="store_true", help="BERT without the SOP head")
     _bool_flag(g, "--untie-embeddings-and-output-weights", "model",
                "untie_embeddings_and_output_weights",
@@ -324,6 +326,11 @@ def _architecture_switches(args: argparse.Namespace, model) -> None:
         model.num_query_groups = args.num_query_groups or 1
     elif getattr(args, "num_query_groups", None) is not None:
         raise ConfigError("--num-query-groups takes effect only with --group-query-attention")
+    kv_channels = getattr(args, "kv_channels", None)
+    if kv_channels is not None and kv_channels * model.num_attention_heads != model.hidden_size:
+        raise ConfigError(f"--kv-channels {kv_channels}: megatron_2bw's head size is --hidden-size "
+                          f"/ --num-attention-heads = {model.hidden_size} / "
+                          f"{model.num_attention_heads}; other head sizes are not supported")
 
 
 def _validate_architecture(m, t: int) -> None:

@@ -81,6 +81,61 @@ MEGATRON_BERT_340M = [
     "--eval-iters", "10", "--tensorboard-dir", "tb"]
 
 
+# The model block of Megatron-LM's examples/llama/train_llama3_8b_h100_fp8.sh (its Transformer
+# Engine and fused-attention switches left out) with its sample-based schedule.
+MEGATRON_LLAMA3_8B = [
+    "--num-layers", "32", "--hidden-size", "4096", "--ffn-hidden-size", "14336",
+    "--num-attention-heads", "32", "--group-query-attention", "--num-query-groups", "8",
+    "--kv-channels", "128", "--seq-length", "8192", "--max-position-embeddings", "8192",
+    "--position-embedding-type", "rope", "--rotary-base", "1000000", "--rotary-percent", "1.0",
+    "--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--swiglu", "--init-method-std",
+    "0.0134", "--normalization", "RMSNorm", "--disable-bias-linear",
+    "--untie-embeddings-and-output-weights", "--micro-batch-size", "1", "--global-batch-size",
+    "128", "--train-samples", "1953125000", "--lr-decay-samples", "1949218748",
+    "--lr-warmup-samples", "3906252", "--lr", "0.00015", "--min-lr", "0.00001",
+    "--lr-decay-style", "cosine", "--clip-grad", "1.0", "--weight-decay", "0.1",
+    "--adam-beta1", "0.9", "--adam-beta2", "0.95", "--bf16", "--mock-data", "--vocab-size",
+    "128256"]
+
+
+def test_megatron_llama_script_carries_over():
+    config, _ = parse_config(MEGATRON_LLAMA3_8B)
+    m = config.model
+    assert (m.normalization, m.add_bias_linear, m.swiglu, m.position_embedding_type) \
+        == ("RMSNorm", False, True, "rope")
+    assert (m.query_groups, m.head_dim, m.rotary_base, m.ffn_hidden_size) == (8, 128, 1e6, 14336)
+    assert m.untie_embeddings_and_output_weights and config.precision.bf16
+    assert validate_for_world(config, 64) == 64  # t = 1, d = 64
+    assert config.training.train_iters == 1953125000 // 128
+
+
+@pytest.mark.parametrize("extra,expected", [
+    (["--num-query-groups", "2"], "--num-query-groups takes effect only with --group-query-attention"),
+    (["--group-query-attention", "--num-query-groups", "3"],
+     "--num-query-groups 3 must divide --num-attention-heads 4"),
+    (["--group-query-attention", "--tensor-model-parallel-size", "2"],
+     "--tensor-model-parallel-size 2 must divide the query groups (1, --num-query-groups)"),
+    (["--position-embedding-type", "rope", "--rotary-percent", "0.2"],
+     "--rotary-percent 0.2 of the head size 8 must rotate a positive even number of channels"),
+    (["--kv-channels", "16"], "--kv-channels 16: megatron_2bw's head size is --hidden-size / "
+                              "--num-attention-heads = 32 / 4"),
+    (["--swiglu", "--hidden-size", "16"], "--ffn-hidden-size must be a positive integer, got 0"),
+])
+def test_architecture_flags_refused_with_the_reason(extra, expected):
+    with pytest.raises(ConfigError) as error:
+        parse_config([*TINY, *extra])
+    assert expected in str(error.value)
+
+
+def test_rope_flags_and_their_older_names():
+    rope, _ = parse_config([*TINY, "--use-rotary-position-embeddings", "--no-position-embedding"])
+    assert rope.model.position_embedding_type == "rope"
+    none, _ = parse_config([*TINY, "--no-position-embedding"])
+    assert none.model.position_embedding_type == "none"
+    mqa, _ = parse_config([*TINY, "--group-query-attention", "--norm-epsilon", "1e-6"])
+    assert mqa.model.query_groups == 1 and mqa.model.layernorm_epsilon == 1e-6
+
+
 def test_megatron_gpt_example_script_carries_over():
     config, _ = parse_config(MEGATRON_GPT_345M)
     opt = config.optimizer

@@ -42,13 +42,15 @@ def logged_losses(path) -> list[tuple[int, float]]:
 
 
 def random_model_state(model_type: str, iteration: int = 7, num_layers: int = 2,
-                       vocab_size: int = VOCAB, data: DataConfig | None = None) -> FullState:
+                       vocab_size: int = VOCAB, data: DataConfig | None = None,
+                       **model_fields) -> FullState:
     """An unsharded model with every parameter random (so swapped or untransposed weights show),
-    by default of a --mock-data run (token ids are the text; eod = VOCAB - 1)."""
+    by default of a --mock-data run (token ids are the text; eod = VOCAB - 1); `model_fields`
+    set further ModelConfig fields (e.g. Llama's switches)."""
     model = ModelConfig(model_type=model_type, num_layers=num_layers, hidden_size=32,
                         num_attention_heads=4, seq_length=16, vocab_size=vocab_size,
                         make_vocab_size_divisible_by=8, hidden_dropout=0.0, attention_dropout=0.0,
-                        num_tokentypes=2 if model_type == "bert" else 0)
+                        num_tokentypes=2 if model_type == "bert" else 0, **model_fields)
     module = build_stage_model(model, None, 1, range(num_layers), True, True, seed=3)
     generator = torch.Generator().manual_seed(11)
     weights = {name: merge_shards([torch.randn(p.shape, generator=generator) * 0.3], None, name,

@@ -1,14 +1,17 @@
 """Resharding: the trained t=2 x p=2 checkpoint converted to t=1 x p=1 computes the same loss, and
-converted back it holds the same weights, 2BW versions and optimizer state."""
+converted back it holds the same weights, 2BW versions and optimizer state; a Llama-style model
+reshards too."""
 import pytest
 import torch
 
 from megatron_2bw.checkpoint.reshard import (VOCAB_PARAMETERS, check_layout_fits, shard_of,
                                              write_full_state)
-from megatron_2bw.checkpoint.save_load import CheckpointError, load_file, model_file
+from megatron_2bw.checkpoint.save_load import (CheckpointError, check_architecture, load_file,
+                                               model_file)
 from tests.checkpoint.conftest import N
-from tests.checkpoint.helpers import (VOCAB, evaluate_checkpoint, pretrain_flags,
-                                      random_model_state)
+from tests.checkpoint.helpers import (VOCAB, config_from_flags, eval_tokens, evaluate_checkpoint,
+                                      pretrain_flags, random_model_state, save_random_checkpoint,
+                                      whole_model)
 from tests.data.helpers import load_tool
 from tests.distributed_helpers import run_ranks
 
@@ -72,3 +75,33 @@ def test_shards_pad_the_vocabulary_with_zeros_and_cut_along_the_partition_dim():
     assert torch.equal(column, full[:, 2:])
     with pytest.raises(CheckpointError, match="shape"):
         shard_of(full, "final_norm.weight", (12, 4), None, 0, 1)
+
+
+LLAMA_FIELDS = dict(normalization="RMSNorm", add_bias_linear=False, swiglu=True, ffn_hidden_size=64,
+                    position_embedding_type="rope", num_query_groups=2,
+                    untie_embeddings_and_output_weights=True)
+LLAMA_FLAGS = ["--normalization", "RMSNorm", "--disable-bias-linear", "--swiglu",
+               "--position-embedding-type", "rope", "--group-query-attention", "--num-query-groups",
+               "2", "--untie-embeddings-and-output-weights"]
+
+
+def test_llama_layout_reshards_by_whole_query_groups_and_gate_up_pairs(tmp_path):
+    """Grouped qkv rows and alternating gate/up rows cut into contiguous shards: a random Llama-style
+    model written at t=2 x p=2, and converted to t=1 x p=1, computes one process's loss."""
+    state = save_random_checkpoint(tmp_path / "t2p2", "gpt", 2, 2, **LLAMA_FIELDS)
+    tokens = eval_tokens()
+    model = whole_model(state)
+    with torch.no_grad():
+        expected = sum(float(model(None, {"tokens": tokens[2 * k:2 * k + 2]})[0]) for k in range(2)) / 2
+    sharded = run_ranks(4, evaluate_checkpoint, pretrain_flags(2, 2, 8, *LLAMA_FLAGS),
+                        str(tmp_path / "t2p2"))
+    assert next(loss for loss in sharded if loss is not None) == pytest.approx(expected, abs=1e-5)
+    _convert(tmp_path / "t2p2", tmp_path / "t1p1", 1, 1)
+    single = run_ranks(1, evaluate_checkpoint, pretrain_flags(1, 1, 8, *LLAMA_FLAGS),
+                       str(tmp_path / "t1p1"))[0]
+    assert single == pytest.approx(expected, abs=1e-5)
+    # without --normalization RMSNorm it does not load, and the message names the flag
+    layer_norm = config_from_flags(pretrain_flags(1, 1, 8, *LLAMA_FLAGS[2:]))
+    with pytest.raises(CheckpointError, match="normalization = 'RMSNorm', this run has 'LayerNorm' "
+                                              "\\(set by --normalization"):
+        check_architecture(state.config, layer_norm, "ckpt")

@@ -1,7 +1,7 @@
 """Pipelines against independent references (fp32, dropout 0):
 - Flush and GPipe (p = 2, 4; t=2 x p=2; p=2 x d=2) reach the weights of one process after 3 steps,
   also with Megatron-LM's document flags (loss mask, position and attention resets), which every
-  stage reads from its own copy of the microbatch.
+  stage reads from its own copy of the microbatch, and with Llama's architecture switches.
 - 2BW (p=2; t=2 x p=2; p=2 x d=2) reaches the weights of a single-process delayed-update
   implementation (tests/pipeline/reference.py) after 5 steps, for SGD and Adam, with clipping.
 - The tied word embeddings are bit-identical on the first and last stage after training."""
@@ -84,10 +84,16 @@ class PackedDocuments:
         return {"tokens": tokens}
 
 
-def document_feed(config, layout):
+def document_feed(config, layout, document_ids=True):
     return gpt_feed(config, layout, DocumentBoundaries(PackedDocuments(config), PackedDocuments.EOD,
                                                        loss_mask=True, position_ids=True,
-                                                       document_ids=True))
+                                                       document_ids=document_ids))
+
+
+def position_reset_feed(config, layout):
+    """Positions reset, attention not: rotary embeddings depend on position differences only, so
+    under --reset-attention-mask a reset would change nothing they compute."""
+    return document_feed(config, layout, document_ids=False)
 
 
 @pytest.mark.parametrize("t,p,world", [(1, 2, 2), (2, 2, 4)])
@@ -103,19 +109,29 @@ def test_document_flags_through_the_pipeline_match_one_process(t, p, world):
     assert max_difference(full_weights(plain), full_weights(single), VOCAB) > 1e-4
 
 
+UNTIED = {"untie_embeddings_and_output_weights": True}
+# Llama's layout: RMSNorm, no biases, SwiGLU, rotary positions, 2 query groups of 2 heads, untied
+LLAMA = {**UNTIED, "normalization": "RMSNorm", "add_bias_linear": False, "swiglu": True,
+         "ffn_hidden_size": 64, "position_embedding_type": "rope", "num_query_groups": 2}
+
+
+@pytest.mark.parametrize("architecture,feed", [(UNTIED, gpt_feed), (LLAMA, position_reset_feed)],
+                         ids=["untied", "llama-position-resets"])
 @pytest.mark.parametrize("t,p,world", [(1, 2, 2), (2, 2, 4)])
-def test_untied_output_layer_through_the_pipeline(t, p, world):
-    """--untie-embeddings-and-output-weights: Flush reaches one process's weights and 2BW the
+def test_architecture_switches_through_the_pipeline(architecture, feed, t, p, world):
+    """--untie-embeddings-and-output-weights, and Llama's switches with --reset-position-ids (every
+    stage rotates by the batch's positions): Flush reaches one process's weights and 2BW the
     delayed-update reference's, with no embedding all-reduce between first and last stage; the
     output layer then trains apart from the word embeddings."""
-    untied = {"untie_embeddings_and_output_weights": True}
-    single = full_weights(run_ranks(1, train_on_ranks, config("adam", schedule="flush", **untied), 3))
-    flushed = run_ranks(world, train_on_ranks, config("adam", t=t, p=p, schedule="flush", **untied), 3)
+    single = full_weights(run_ranks(1, train_on_ranks, config("adam", schedule="flush",
+                                                              **architecture), 3, feed))
+    flushed = run_ranks(world, train_on_ranks, config("adam", t=t, p=p, schedule="flush",
+                                                      **architecture), 3, feed)
     assert max_difference(full_weights(flushed), single, VOCAB) < 1e-5
-    c = config("sgd", **untied)
-    reference = delayed_update_reference(c, 5, gpt_feed(c, ParallelLayout(1, 1, 1)), 4)
+    c = config("sgd", **architecture)
+    reference = delayed_update_reference(c, 5, feed(c, ParallelLayout(1, 1, 1)), 4)
     two_bw = full_weights(run_ranks(world, train_on_ranks, config("sgd", t=t, p=p, schedule="2bw",
-                                                                  **untied), 5))
+                                                                  **architecture), 5, feed))
     assert max_difference(two_bw, reference, VOCAB) < 1e-5
     assert "tied_copy:output_embedding" not in two_bw
     output, embeddings = two_bw["output_layer"], two_bw["embedding.word_embeddings.weight"]
