@@ -74,6 +74,9 @@ def build_parser(description: str = "", extra_args_provider=None) -> argparse.Ar
     _flag(g, "--rotary-base", "model", "rotary_base", type=float)
     _bool_flag(g, "--rotary-interleaved", "model", "rotary_interleaved",
                "rotate adjacent channel pairs instead of the two halves of a head")
+    _bool_flag(g, "--use-rope-scaling", "model", "rope_scaling",
+               "Llama 3.1's rotary frequencies: long wavelengths divided by --rope-scaling-factor")
+    _flag(g, "--rope-scaling-factor", "model", "rope_scaling_factor", type=float)
     g.add_argument("--group-query-attention", action="store_true",
                    help="grouped-query attention with --num-query-groups key/value heads")
     g.add_argument("--num-query-groups", type=int, default=None,
@@ -352,6 +355,10 @@ def _validate_architecture(m, t: int) -> None:
                  f"--rotary-percent {m.rotary_percent} of the head size {m.head_dim} must rotate "
                  f"a positive even number of channels (got {rotated})")
         _require(m.rotary_base > 0, f"--rotary-base must be > 0, got {m.rotary_base}")
+        _require(m.rope_scaling_factor >= 1,
+                 f"--rope-scaling-factor must be >= 1, got {m.rope_scaling_factor}")
+    else:
+        _require(not m.rope_scaling, "--use-rope-scaling needs --position-embedding-type rope")
 
 
 def _require(condition: bool, message: str):

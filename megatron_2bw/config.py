@@ -37,6 +37,8 @@ class ModelConfig:
     rotary_percent: float = 1.0  # share of each head's channels that rotary embeddings rotate
     rotary_base: float = 10000.0
     rotary_interleaved: bool = False  # rotate channel pairs (2i, 2i+1) instead of (i, i + d/2)
+    rope_scaling: bool = False  # Llama 3.1's long-context frequencies (--use-rope-scaling)
+    rope_scaling_factor: float = 8.0
     num_query_groups: int | None = None  # grouped-query attention; None: one group per head
     # GPT only: the output layer's own weights instead of the word embeddings' (Megatron-LM's flag)
     untie_embeddings_and_output_weights: bool = False

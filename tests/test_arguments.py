@@ -120,6 +120,7 @@ def test_megatron_llama_script_carries_over():
     (["--kv-channels", "16"], "--kv-channels 16: megatron_2bw's head size is --hidden-size / "
                               "--num-attention-heads = 32 / 4"),
     (["--swiglu", "--hidden-size", "16"], "--ffn-hidden-size must be a positive integer, got 0"),
+    (["--use-rope-scaling"], "--use-rope-scaling needs --position-embedding-type rope"),
 ])
 def test_architecture_flags_refused_with_the_reason(extra, expected):
     with pytest.raises(ConfigError) as error:

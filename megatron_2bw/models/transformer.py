@@ -5,6 +5,8 @@ reads like a single-device model.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -89,18 +91,35 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.dim = int(config.head_dim * config.rotary_percent)
         self.base, self.interleaved = config.rotary_base, config.rotary_interleaved
+        self.scaling_factor = config.rope_scaling_factor if config.rope_scaling else None
+
+    def inverse_frequencies(self, device) -> torch.Tensor:
+        frequencies = self.base ** -(
+            torch.arange(0, self.dim, 2, device=device, dtype=torch.float32) / self.dim)
+        if self.scaling_factor is None:
+            return frequencies
+        return llama3_scaled(frequencies, self.scaling_factor)
 
     def forward(self, seq_length: int, position_ids=None, device=None):
         """(cos, sin), each [b or 1, 1, s, dim] in fp32, for the positions of the sequence."""
         positions = torch.arange(seq_length, device=device)[None] if position_ids is None \
             else position_ids
-        inverse_frequencies = self.base ** -(
-            torch.arange(0, self.dim, 2, device=positions.device, dtype=torch.float32) / self.dim)
-        angles = positions[..., None].float() * inverse_frequencies
+        angles = positions[..., None].float() * self.inverse_frequencies(positions.device)
         # channel i pairs with i + dim/2 (Megatron's and Llama's default) or with its neighbour
         angles = angles.repeat_interleave(2, dim=-1) if self.interleaved \
             else torch.cat((angles, angles), dim=-1)
         return angles.cos()[:, None], angles.sin()[:, None]
+
+
+def llama3_scaled(frequencies: torch.Tensor, factor: float, low: float = 1.0, high: float = 4.0,
+                  original_context: int = 8192) -> torch.Tensor:
+    """Llama 3.1's frequencies (Megatron-LM's --use-rope-scaling, with its fixed constants): a
+    frequency that turns more than `high` times within the original context is kept, one that
+    turns less than `low` times is divided by `factor`, and in between the two are blended linearly
+    in the number of turns."""
+    turns = original_context * frequencies / (2 * math.pi)
+    kept = ((turns - low) / (high - low)).clamp(0.0, 1.0)
+    return frequencies * (kept + (1.0 - kept) / factor)
 
 
 def apply_rotary(x, rotary, interleaved: bool):

@@ -127,3 +127,22 @@ def test_grouped_queries_shrink_the_kv_projection():
     names = {name for name, _ in model.named_parameters()}
     assert not any(name.endswith("bias") for name in names)
     assert "embedding.position_embeddings" not in names
+
+
+def test_rope_scaling_gives_llama31_frequencies():
+    """--use-rope-scaling: transformers' llama3 rope type computes the same inverse frequencies,
+    here with one kept, one blended and one divided by the factor."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    config = llama_like(rope_scaling=True, rope_scaling_factor=8.0, seq_length=8192)
+    hf_config = transformers.LlamaConfig(
+        hidden_size=HIDDEN, num_attention_heads=HEADS, max_position_embeddings=8192 * 8,
+        rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
+                         "rope_theta": 500000.0})
+    theirs, _ = ROPE_INIT_FUNCTIONS["llama3"](hf_config, "cpu")
+    ours = RotaryEmbedding(config).inverse_frequencies("cpu")
+    assert torch.allclose(ours, theirs.float(), rtol=1e-6)
+    plain = RotaryEmbedding(llama_like()).inverse_frequencies("cpu")
+    ratios = (plain / ours).tolist()
+    assert ratios[0] == pytest.approx(1.0) and ratios[-1] == pytest.approx(8.0)
+    assert any(1.01 < r < 7.99 for r in ratios)
