@@ -11,6 +11,7 @@ import sys
 from contextlib import contextmanager
 
 from megatron_2bw.config import Config, ConfigError  # noqa: F401 - ConfigError is re-exported
+from megatron_2bw.data.tokenizers import TOKENIZER_TYPES
 
 
 class _Parser(argparse.ArgumentParser):
@@ -192,9 +193,7 @@ def build_parser(description: str = "", extra_args_provider=None) -> argparse.Ar
     _flag(g, "--split", "data", "split", type=str)
     _flag(g, "--data-cache-path", "data", "data_cache_path", type=str)
     _flag(g, "--num-workers", "data", "num_workers", type=int)
-    _flag(g, "--tokenizer-type", "data", "tokenizer_type", type=str, choices=[
-        "GPT2BPETokenizer", "BertWordPieceLowerCase", "BertWordPieceCase",
-        "SentencePieceTokenizer", "HuggingFaceTokenizer", "NullTokenizer"])
+    _flag(g, "--tokenizer-type", "data", "tokenizer_type", type=str, choices=TOKENIZER_TYPES)
     _flag(g, "--vocab-file", "data", "vocab_file", type=str)
     _flag(g, "--merge-file", "data", "merge_file", type=str)
     _flag(g, "--tokenizer-model", "data", "tokenizer_model", type=str)

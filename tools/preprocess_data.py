@@ -32,10 +32,8 @@ from megatron_2bw.data.documents import (Source, describe, find_sources, iter_ra
                                          parse_record, partition_sources)
 from megatron_2bw.data.indexed import (IndexedDatasetBuilder, bin_path, idx_path,  # noqa: E402
                                        token_dtype)
-from megatron_2bw.data.tokenizers import build_tokenizer  # noqa: E402
+from megatron_2bw.data.tokenizers import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
 
-TOKENIZER_TYPES = ["GPT2BPETokenizer", "BertWordPieceLowerCase", "BertWordPieceCase",
-                   "SentencePieceTokenizer", "HuggingFaceTokenizer", "NullTokenizer"]
 CHUNK_BYTES = 1 << 20  # raw input per task sent to a worker
 CHUNKS_IN_FLIGHT_PER_WORKER = 4
 

@@ -13,6 +13,11 @@ from typing import Callable
 from megatron_2bw.config import DataConfig
 
 SPECIAL_ROLES = ("eod", "cls", "sep", "mask", "pad")
+# Megatron-LM's names of a SentencePiece model: GPTSentencePieceTokenizer encodes as is,
+# Llama2Tokenizer puts the model's <s> before every document.
+SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
+TOKENIZER_TYPES = ("GPT2BPETokenizer", "BertWordPieceLowerCase", "BertWordPieceCase",
+                   *SENTENCEPIECE_TYPES, "HuggingFaceTokenizer", "NullTokenizer")
 
 # Conventional spellings of each special token, looked up in this order.
 _SPECIAL_SPELLINGS = {
@@ -83,11 +88,19 @@ class _RustTokenizer(Tokenizer):
 
 
 class SentencePieceTokenizer(Tokenizer):
-    def __init__(self, model_file: str):
+    """A SentencePiece model. Megatron-LM's Llama2Tokenizer is the same with the model's
+    beginning-of-sequence id put before every text (`prepend_bos`)."""
+
+    def __init__(self, model_file: str, name: str = "SentencePieceTokenizer",
+                 prepend_bos: bool = False):
         import sentencepiece
 
-        self.name = "SentencePieceTokenizer"
+        self.name = name
         self._model = sentencepiece.SentencePieceProcessor(model_file=model_file)
+        self._bos = [self._model.bos_id()] if prepend_bos else []
+        if prepend_bos and self._model.bos_id() < 0:
+            raise ValueError(f"--tokenizer-type {name}: {model_file} has no beginning-of-sequence "
+                             f"piece to put before each document")
         self.vocab_size = self._model.get_piece_size()
         unk = self._model.unk_id()
 
@@ -103,7 +116,7 @@ class SentencePieceTokenizer(Tokenizer):
                 self._special_ids[role] = token_id
 
     def tokenize(self, text: str) -> list[int]:
-        return self._model.encode(text)
+        return self._bos + self._model.encode(text)
 
     def detokenize(self, ids) -> str:
         return self._model.decode([int(i) for i in ids])
@@ -192,9 +205,10 @@ def build_tokenizer(data: DataConfig, vocab_size: int = 0) -> Tokenizer:
         return _RustTokenizer(kind, BertWordPieceTokenizer(vocab, lowercase=lowercase,
                                                            strip_accents=lowercase),
                               eod_fallback="sep")
-    if kind == "SentencePieceTokenizer":
+    if kind in SENTENCEPIECE_TYPES:
         return SentencePieceTokenizer(_existing_file("--tokenizer-model", data.tokenizer_model, kind,
-                                                     "a SentencePiece .model file"))
+                                                     "a SentencePiece .model file"), kind,
+                                      prepend_bos=kind == "Llama2Tokenizer")
     if kind == "HuggingFaceTokenizer":
         directory = data.tokenizer_model
         if directory is None:

@@ -121,3 +121,17 @@ def test_missing_merge_file_names_the_flag(tmp_path):
         build_tokenizer(DataConfig(tokenizer_type="GPT2BPETokenizer",
                                    vocab_file=str(tmp_path / "vocab.json"),
                                    merge_file=str(tmp_path / "merges.txt")))
+
+
+def test_megatron_sentencepiece_names(spm_model):
+    """Megatron-LM's Llama2Tokenizer puts <s> before every text; GPTSentencePieceTokenizer encodes
+    as SentencePieceTokenizer does. Both end documents with the model's </s>."""
+    def build(kind):
+        return build_tokenizer(DataConfig(tokenizer_type=kind, tokenizer_model=str(spm_model)))
+
+    plain, gpt, llama = (build(kind) for kind in ("SentencePieceTokenizer",
+                                                  "GPTSentencePieceTokenizer", "Llama2Tokenizer"))
+    ids = plain.tokenize(TEXT)
+    assert gpt.tokenize(TEXT) == ids and llama.tokenize(TEXT) == [1] + ids  # <s> is id 1
+    assert llama.detokenize(llama.tokenize(TEXT)) == TEXT
+    assert plain.eod == gpt.eod == llama.eod == 2
