@@ -133,7 +133,8 @@ def test_rope_flags_and_their_older_names():
     assert rope.model.position_embedding_type == "rope"
     none, _ = parse_config([*TINY, "--no-position-embedding"])
     assert none.model.position_embedding_type == "none"
-    mqa, _ = parse_config([*TINY, "--group-query-attention", "--norm-epsilon", "1e-6"])
+    mqa, _ = parse_config([*TINY, "--group-query-attention", "--norm-epsilon", "1e-6",
+                           "--use-flash-attn"])  # SDPA picks flash where it can anyway
     assert mqa.model.query_groups == 1 and mqa.model.layernorm_epsilon == 1e-6
 
 
