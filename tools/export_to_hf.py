@@ -1,5 +1,7 @@
-"""Export a checkpoint as a Hugging Face transformers model directory: GPT as GPT2LMHeadModel, BERT
-as MegatronBertForPreTraining (config.json, model.safetensors and the run's tokenizer files).
+"""Export a checkpoint as a Hugging Face transformers model directory: GPT as GPT2LMHeadModel, or with
+Llama's switches (RMSNorm, SwiGLU, rotary positions) as LlamaForCausalLM (Qwen2ForCausalLM with
+--add-qkv-bias), BERT as MegatronBertForPreTraining (config.json, model.safetensors and the run's
+tokenizer files). A model none of them computes is refused, naming the fields.
 
     python tools/export_to_hf.py --load checkpoints/gpt --output hf/gpt
     python -c "import transformers; transformers.AutoModelForCausalLM.from_pretrained('hf/gpt')"

@@ -1,6 +1,6 @@
-"""Import a Hugging Face transformers model directory (GPT2LMHeadModel or
-MegatronBertForPreTraining, read offline) as a megatron_2bw checkpoint of any layout, to continue
-pretraining or fine-tune it:
+"""Import a Hugging Face transformers model directory (GPT2LMHeadModel, LlamaForCausalLM,
+Qwen2ForCausalLM or MegatronBertForPreTraining, read offline) as a megatron_2bw checkpoint of any
+layout, to continue pretraining or fine-tune it:
 
     python tools/import_from_hf.py --hf-path hf/gpt2 --save checkpoints/gpt2 \\
         --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2

@@ -1,9 +1,13 @@
-"""Hugging Face transformers <-> megatron_2bw weights: GPT as GPT2LMHeadModel, BERT as
-MegatronBertForPreTraining (pre-LayerNorm BERT, the same layout as ours).
+"""Hugging Face transformers <-> megatron_2bw weights: a GPT of GPT-2's layout as GPT2LMHeadModel,
+one of Llama's (RMSNorm, SwiGLU, rotary positions) as LlamaForCausalLM, or as Qwen2ForCausalLM when
+only the qkv projection has biases; BERT as MegatronBertForPreTraining (pre-LayerNorm BERT, the
+same layout as ours). Any other combination of the architecture switches is refused by field.
 
 Both directions work on unsharded state (reshard.FullState, true vocabulary). What differs:
-- Our fused qkv rows are ordered (head, q/k/v, head_dim), so a tensor-parallel shard holds whole
-  heads; GPT-2's c_attn is [q_all | k_all | v_all] and MegatronBert has separate query/key/value.
+- Our fused qkv rows are ordered (query group, [its query heads, k, v], head_dim), so a
+  tensor-parallel shard holds whole groups; GPT-2's c_attn is [q_all | k_all | v_all],
+  MegatronBert and Llama have separate query/key/value projections.
+- Our SwiGLU fc1 rows alternate (gate, up) per unit; Llama has gate_proj and up_proj.
 - GPT-2's c_attn, c_proj and c_fc are Conv1D layers: weights stored [in, out], ours [out, in].
 - Our activation is the exact (erf) GELU, transformers' "gelu". A model using another function
   ("gelu_new", GPT-2's tanh approximation, by default) is refused rather than silently changed.
@@ -20,8 +24,15 @@ import torch
 
 from megatron_2bw.checkpoint.reshard import FullState
 from megatron_2bw.config import Config, DataConfig, ModelConfig
+from megatron_2bw.data.tokenizers import SENTENCEPIECE_TYPES
 
 EXACT_GELU = ("gelu", "gelu_python")  # transformers' names of erf GELU
+SILU = ("silu", "swish")  # transformers' names of x * sigmoid(x)
+WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
+# transformers' "llama3" rope type with the constants Megatron-LM's --use-rope-scaling fixes
+# (models.transformer.llama3_scaled); the factor is --rope-scaling-factor
+LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
 # Files whose presence means a directory carries a transformers tokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt",
                    "tokenizer.model", "spiece.model")
@@ -31,17 +42,19 @@ class ConversionError(ValueError):
     """The model cannot be converted without changing what it computes; the message says why."""
 
 
-# -- qkv layouts -------------------------------------------------------------------------------------
+# -- fused layouts -----------------------------------------------------------------------------------
 
-def split_qkv(qkv: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Our rows (head, q/k/v, head_dim) -> q, k, v, each with rows (head, head_dim)."""
-    per_head = qkv.reshape(heads, 3, -1, *qkv.shape[1:])
-    return tuple(per_head[:, j].reshape(-1, *qkv.shape[1:]).clone() for j in range(3))
+def split_rows(fused: torch.Tensor, blocks: int, sizes: list[int]) -> list[torch.Tensor]:
+    """Rows made of `blocks` blocks, each `sizes` rows of one part after another -> the parts, each
+    with its rows of every block in order."""
+    per_block = fused.reshape(blocks, sum(sizes), *fused.shape[1:])
+    return [part.reshape(-1, *fused.shape[1:]).clone() for part in per_block.split(sizes, dim=1)]
 
 
-def join_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int) -> torch.Tensor:
-    stacked = torch.stack([t.reshape(heads, -1, *t.shape[1:]) for t in (q, k, v)], dim=1)
-    return stacked.reshape(-1, *q.shape[1:]).clone()
+def join_rows(parts: list[torch.Tensor], blocks: int) -> torch.Tensor:
+    """The inverse of split_rows."""
+    per_block = [part.reshape(blocks, -1, *part.shape[1:]) for part in parts]
+    return torch.cat(per_block, dim=1).reshape(-1, *parts[0].shape[1:]).clone()
 
 
 # -- name mappings -----------------------------------------------------------------------------------
@@ -57,7 +70,7 @@ def _linear(ours: str, theirs: str, conv1d: bool = False) -> list[Rule]:
     return [Rule(f"{ours}.weight", f"{theirs}.weight", conv1d), Rule(f"{ours}.bias", f"{theirs}.bias")]
 
 
-GPT_RULES = [Rule("embedding.word_embeddings.weight", "transformer.wte.weight"),
+GPT_RULES = [Rule(WORD_EMBEDDINGS, "transformer.wte.weight"),
              Rule("embedding.position_embeddings", "transformer.wpe.weight"),
              *_linear("final_norm", "transformer.ln_f")]
 GPT_LAYER_RULES = [*_linear("transformer.layers.{i}.input_norm", "transformer.h.{i}.ln_1"),
@@ -65,7 +78,7 @@ GPT_LAYER_RULES = [*_linear("transformer.layers.{i}.input_norm", "transformer.h.
                    *_linear("transformer.layers.{i}.post_attention_norm", "transformer.h.{i}.ln_2"),
                    *_linear("transformer.layers.{i}.mlp.fc1", "transformer.h.{i}.mlp.c_fc", True),
                    *_linear("transformer.layers.{i}.mlp.fc2", "transformer.h.{i}.mlp.c_proj", True)]
-BERT_RULES = [Rule("embedding.word_embeddings.weight", "bert.embeddings.word_embeddings.weight"),
+BERT_RULES = [Rule(WORD_EMBEDDINGS, "bert.embeddings.word_embeddings.weight"),
               Rule("embedding.position_embeddings", "bert.embeddings.position_embeddings.weight"),
               Rule("embedding.tokentype_embeddings", "bert.embeddings.token_type_embeddings.weight"),
               *_linear("heads.final_norm", "bert.encoder.ln"),
@@ -80,29 +93,122 @@ BERT_LAYER_RULES = [*_linear("transformer.layers.{i}.input_norm", "bert.encoder.
                     *_linear("transformer.layers.{i}.post_attention_norm", "bert.encoder.layer.{i}.ln"),
                     *_linear("transformer.layers.{i}.mlp.fc1", "bert.encoder.layer.{i}.intermediate.dense"),
                     *_linear("transformer.layers.{i}.mlp.fc2", "bert.encoder.layer.{i}.output.dense")]
+# Llama and Qwen2 (the qkv projection and, with SwiGLU, fc1 are split in the layer loops below)
+LLAMA_RULES = [Rule(WORD_EMBEDDINGS, "model.embed_tokens.weight"),
+               Rule("final_norm.weight", "model.norm.weight")]
+LLAMA_LAYER_RULES = [Rule("transformer.layers.{i}.input_norm.weight",
+                          "model.layers.{i}.input_layernorm.weight"),
+                     Rule("transformer.layers.{i}.post_attention_norm.weight",
+                          "model.layers.{i}.post_attention_layernorm.weight"),
+                     *_linear("transformer.layers.{i}.attention.dense", "model.layers.{i}.self_attn.o_proj"),
+                     *_linear("transformer.layers.{i}.mlp.fc2", "model.layers.{i}.mlp.down_proj")]
+LLAMA_CLASSES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
 
 
-def _rules(model: ModelConfig) -> list[Rule]:
-    if model.model_type == "gpt":
-        fixed, per_layer = GPT_RULES, GPT_LAYER_RULES
+# -- which transformers class ------------------------------------------------------------------------
+
+def _unlike(fields: dict[str, tuple]) -> list[str]:
+    """'field = wanted (the model has actual)' for each field whose (actual, wanted) differ."""
+    return [f"{field} = {wanted!r} (the model has {actual!r})"
+            for field, (actual, wanted) in fields.items() if actual != wanted]
+
+
+def _unlike_gpt2(model: ModelConfig) -> list[str]:
+    """What keeps `model` from GPT-2's (and MegatronBert's) layout."""
+    return _unlike({"normalization": (model.normalization, "LayerNorm"),
+                    "swiglu": (model.swiglu, False),
+                    "position_embedding_type": (model.position_embedding_type, "learned_absolute"),
+                    "add_bias_linear": (model.add_bias_linear, True),
+                    "num_query_groups": (model.query_groups, model.num_attention_heads)})
+
+
+def _unlike_llama(model: ModelConfig) -> list[str]:
+    """What keeps `model` from Llama's layout (biases and query groups may be anything)."""
+    return _unlike({"normalization": (model.normalization, "RMSNorm"),
+                    "swiglu": (model.swiglu, True),
+                    "position_embedding_type": (model.position_embedding_type, "rope"),
+                    "rotary_percent": (model.rotary_percent, 1.0),  # Llama rotates every channel
+                    "rotary_interleaved": (model.rotary_interleaved, False)})
+
+
+def hf_architecture(model: ModelConfig) -> str:
+    """The transformers class that computes what `model` computes, or a ConversionError naming
+    every field that rules each candidate out. Llama's attention_bias and mlp_bias are both
+    add_bias_linear; biases on the qkv projection only (add_qkv_bias) are Qwen2's layout."""
+    gpt2 = _unlike_gpt2(model)
+    if model.model_type == "bert":
+        if gpt2:
+            raise ConversionError(f"MegatronBertForPreTraining needs {'; '.join(gpt2)}")
+        return "MegatronBertForPreTraining"
+    if model.num_tokentypes:
+        raise ConversionError(f"a GPT with token-type embeddings (num_tokentypes = "
+                              f"{model.num_tokentypes}) has no transformers equivalent")
+    if not gpt2:
+        return "GPT2LMHeadModel"
+    llama = _unlike_llama(model)
+    if llama:
+        raise ConversionError(f"this GPT has no transformers equivalent: GPT2LMHeadModel needs "
+                              f"{'; '.join(gpt2)}. LlamaForCausalLM needs {'; '.join(llama)}")
+    return "Qwen2ForCausalLM" if model.add_qkv_bias and not model.add_bias_linear \
+        else "LlamaForCausalLM"
+
+
+# -- weights -----------------------------------------------------------------------------------------
+
+def _rules(model: ModelConfig, architecture: str) -> list[Rule]:
+    if architecture == "MegatronBertForPreTraining":
+        fixed, per_layer = BERT_RULES + BERT_BINARY_RULES, BERT_LAYER_RULES
+    else:
+        fixed, per_layer = (GPT_RULES, GPT_LAYER_RULES) if architecture == "GPT2LMHeadModel" \
+            else (LLAMA_RULES, LLAMA_LAYER_RULES)
         if model.untie_embeddings_and_output_weights:
             fixed = fixed + [Rule("output_layer", "lm_head.weight")]
-    else:
-        fixed, per_layer = BERT_RULES + BERT_BINARY_RULES, BERT_LAYER_RULES
+    if not model.add_bias_linear:
+        per_layer = [r for r in per_layer if not r.ours.endswith(".bias")]
     return fixed + [Rule(r.ours.format(i=i), r.theirs.format(i=i), r.conv1d)
                     for i in range(model.num_layers) for r in per_layer]
 
 
-def _qkv_names(model: ModelConfig, i: int) -> tuple[str, list[str]]:
+def _qkv_names(architecture: str, i: int) -> tuple[str, list[str]]:
     ours = f"transformer.layers.{i}.attention.qkv"
-    if model.model_type == "gpt":
+    if architecture == "GPT2LMHeadModel":
         return ours, [f"transformer.h.{i}.attn.c_attn"]
+    if architecture in LLAMA_CLASSES:
+        return ours, [f"model.layers.{i}.self_attn.{x}_proj" for x in "qkv"]
     return ours, [f"bert.encoder.layer.{i}.attention.self.{x}" for x in ("query", "key", "value")]
+
+
+@dataclass(frozen=True)
+class Fused:
+    """One of our fused projections and their separate ones: its rows are `blocks` blocks, each
+    `sizes` rows of one part after another (GPT-2's c_attn fuses the parts again, one name)."""
+    ours: str
+    theirs: list[str]
+    blocks: int
+    sizes: list[int]
+    parts: tuple[str, ...]  # "weight" and perhaps "bias"
+
+
+def _fused(model: ModelConfig, architecture: str) -> list[Fused]:
+    """Every layer's qkv projection and, with SwiGLU, fc1 (their gate_proj and up_proj)."""
+    d, per_group = model.head_dim, model.num_attention_heads // model.query_groups
+    qkv_parts = ("weight", "bias") if model.add_bias_linear or model.add_qkv_bias else ("weight",)
+    linear_parts = ("weight", "bias") if model.add_bias_linear else ("weight",)
+    fused = []
+    for i in range(model.num_layers):
+        fused.append(Fused(*_qkv_names(architecture, i), model.query_groups,
+                           [per_group * d, d, d], qkv_parts))
+        if model.swiglu:  # rows alternate gate, up
+            fused.append(Fused(f"transformer.layers.{i}.mlp.fc1",
+                               [f"model.layers.{i}.mlp.{x}_proj" for x in ("gate", "up")],
+                               model.ffn_hidden_size, [1, 1], linear_parts))
+    return fused
 
 
 def to_hf_weights(model: ModelConfig, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Our unsharded weights -> the transformers state dict (tied output weights left out, as
     save_pretrained does)."""
+    architecture = hf_architecture(model)
     weights = dict(weights)
     if model.model_type == "bert":
         if model.num_tokentypes == 0:  # no token types: a zero table adds nothing
@@ -113,37 +219,36 @@ def to_hf_weights(model: ModelConfig, weights: dict[str, torch.Tensor]) -> dict[
                             "heads.binary_head.weight": torch.zeros(2, h),
                             "heads.binary_head.bias": torch.zeros(2)})
     out = {}
-    for rule in _rules(model):
+    for rule in _rules(model, architecture):
         tensor = weights[rule.ours]
         out[rule.theirs] = (tensor.t() if rule.conv1d else tensor).contiguous().clone()
-    for i in range(model.num_layers):
-        ours, theirs = _qkv_names(model, i)
-        for part in ("weight", "bias"):
-            q, k, v = split_qkv(weights[f"{ours}.{part}"], model.num_attention_heads)
-            if model.model_type == "gpt":
-                joined = torch.cat([q, k, v])
-                out[f"{theirs[0]}.{part}"] = (joined.t() if part == "weight" else joined).contiguous()
+    for f in _fused(model, architecture):
+        for part in f.parts:
+            split = split_rows(weights[f"{f.ours}.{part}"], f.blocks, f.sizes)
+            if architecture == "GPT2LMHeadModel":  # c_attn: [q_all | k_all | v_all], Conv1D
+                joined = torch.cat(split)
+                out[f"{f.theirs[0]}.{part}"] = (joined.t() if part == "weight" else joined).contiguous()
             else:
-                for name, tensor in zip(theirs, (q, k, v)):
+                for name, tensor in zip(f.theirs, split):
                     out[f"{name}.{part}"] = tensor
     return out
 
 
 def from_hf_weights(model: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The inverse of to_hf_weights."""
+    architecture = hf_architecture(model)
     out = {}
-    for rule in _rules(model):
+    for rule in _rules(model, architecture):
         tensor = hf[rule.theirs]
         out[rule.ours] = (tensor.t() if rule.conv1d else tensor).contiguous().clone()
-    for i in range(model.num_layers):
-        ours, theirs = _qkv_names(model, i)
-        for part in ("weight", "bias"):
-            if model.model_type == "gpt":
-                fused = hf[f"{theirs[0]}.{part}"]
-                q, k, v = (fused.t() if part == "weight" else fused).chunk(3)
+    for f in _fused(model, architecture):
+        for part in f.parts:
+            if architecture == "GPT2LMHeadModel":
+                c_attn = hf[f"{f.theirs[0]}.{part}"]
+                split = (c_attn.t() if part == "weight" else c_attn).chunk(3)
             else:
-                q, k, v = (hf[f"{name}.{part}"] for name in theirs)
-            out[f"{ours}.{part}"] = join_qkv(q, k, v, model.num_attention_heads)
+                split = [hf[f"{name}.{part}"] for name in f.theirs]
+            out[f"{f.ours}.{part}"] = join_rows(split, f.blocks)
     return out
 
 
@@ -152,9 +257,8 @@ def from_hf_weights(model: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str
 def to_hf_config(model: ModelConfig, special_ids: dict[str, int | None]):
     import transformers
 
-    if model.model_type == "gpt":
-        if model.num_tokentypes:
-            raise ConversionError("a GPT with token-type embeddings has no GPT2LMHeadModel equivalent")
+    architecture = hf_architecture(model)
+    if architecture == "GPT2LMHeadModel":
         config = transformers.GPT2Config(
             vocab_size=model.vocab_size, n_positions=model.max_position_embeddings,
             n_embd=model.hidden_size, n_layer=model.num_layers, n_head=model.num_attention_heads,
@@ -165,7 +269,21 @@ def to_hf_config(model: ModelConfig, special_ids: dict[str, int | None]):
             scale_attn_by_inverse_layer_idx=False,
             tie_word_embeddings=not model.untie_embeddings_and_output_weights,
             bos_token_id=special_ids.get("eod"), eos_token_id=special_ids.get("eod"))
-        config.architectures = ["GPT2LMHeadModel"]
+    elif architecture in LLAMA_CLASSES:
+        llama = architecture == "LlamaForCausalLM"
+        config = (transformers.LlamaConfig if llama else transformers.Qwen2Config)(
+            vocab_size=model.vocab_size, hidden_size=model.hidden_size,
+            num_hidden_layers=model.num_layers, num_attention_heads=model.num_attention_heads,
+            num_key_value_heads=model.query_groups, head_dim=model.head_dim,
+            intermediate_size=model.ffn_hidden_size, hidden_act="silu",
+            max_position_embeddings=model.max_position_embeddings,
+            rope_parameters=_rope_parameters(model),
+            rms_norm_eps=model.layernorm_epsilon, attention_dropout=model.attention_dropout,
+            initializer_range=model.init_method_std,
+            tie_word_embeddings=not model.untie_embeddings_and_output_weights,
+            bos_token_id=special_ids.get("eod"), eos_token_id=special_ids.get("eod"),
+            **({"attention_bias": model.add_bias_linear, "mlp_bias": model.add_bias_linear}
+               if llama else {}))
     else:
         config = transformers.MegatronBertConfig(
             vocab_size=model.vocab_size, hidden_size=model.hidden_size,
@@ -177,9 +295,16 @@ def to_hf_config(model: ModelConfig, special_ids: dict[str, int | None]):
             type_vocab_size=model.num_tokentypes or 2, initializer_range=model.init_method_std,
             layer_norm_eps=model.layernorm_epsilon, pad_token_id=special_ids.get("pad"),
             tie_word_embeddings=True)
-        config.architectures = ["MegatronBertForPreTraining"]
+    config.architectures = [architecture]
     config.dtype = "float32"
     return config
+
+
+def _rope_parameters(model: ModelConfig) -> dict:
+    if not model.rope_scaling:
+        return {"rope_type": "default", "rope_theta": model.rotary_base}
+    return {"rope_type": "llama3", "rope_theta": model.rotary_base,
+            "factor": model.rope_scaling_factor, **LLAMA3_ROPE}
 
 
 def _require(condition: bool, field: str, value, expected: str) -> None:
@@ -228,8 +353,51 @@ def from_hf_config(config) -> ModelConfig:
             attention_dropout=config.attention_probs_dropout_prob,
             init_method_std=config.initializer_range, layernorm_epsilon=config.layer_norm_eps,
             bert_binary_head=True, num_tokentypes=config.type_vocab_size)
+    if config.model_type in ("llama", "qwen2"):
+        return _from_llama_config(config)
     raise ConversionError(f"config.json has model_type = {config.model_type!r}; supported are "
-                          f"'gpt2' (GPT2LMHeadModel) and 'megatron-bert' (MegatronBertForPreTraining)")
+                          f"'gpt2' (GPT2LMHeadModel), 'llama' (LlamaForCausalLM), 'qwen2' "
+                          f"(Qwen2ForCausalLM) and 'megatron-bert' (MegatronBertForPreTraining)")
+
+
+def _from_llama_config(config) -> ModelConfig:
+    """LlamaForCausalLM and Qwen2ForCausalLM (Llama with biases on q, k and v only)."""
+    _require(config.hidden_act in SILU, "hidden_act", config.hidden_act,
+             'SwiGLU, silu(gate) * up ("silu")')
+    rope = config.rope_parameters  # transformers folds an older rope_theta and rope_scaling in
+    _require(rope.get("rope_type", "default") in ("default", "llama3"),
+             "rope_parameters (rope_scaling)", rope, 'rotary embeddings unscaled (rope_type '
+             '"default") or scaled as Llama 3.1\'s ("llama3", --use-rope-scaling)')
+    scaling = {}
+    if rope.get("rope_type") == "llama3":
+        for key, value in LLAMA3_ROPE.items():
+            _require(rope.get(key) == value, f"rope_parameters[{key!r}]", rope.get(key),
+                     f"--use-rope-scaling with Megatron-LM's fixed {key} = {value}")
+        scaling = {"rope_scaling": True, "rope_scaling_factor": float(rope["factor"])}
+    head_dim = config.hidden_size // config.num_attention_heads
+    _require((getattr(config, "head_dim", None) or head_dim) == head_dim, "head_dim",
+             getattr(config, "head_dim", None), f"hidden_size / num_attention_heads = {head_dim}")
+    if config.model_type == "llama":
+        _require(config.mlp_bias == config.attention_bias, "mlp_bias", config.mlp_bias,
+                 f"biases in the MLP exactly when attention has them (attention_bias = "
+                 f"{config.attention_bias}): --disable-bias-linear removes both")
+        biases = {"add_bias_linear": config.attention_bias}
+    else:
+        _require(all(kind == "full_attention" for kind in config.layer_types), "layer_types",
+                 config.layer_types, "full causal attention in every layer (no sliding window)")
+        biases = {"add_bias_linear": False, "add_qkv_bias": True}
+    groups = config.num_key_value_heads
+    return ModelConfig(
+        model_type="gpt", num_layers=config.num_hidden_layers, hidden_size=config.hidden_size,
+        num_attention_heads=config.num_attention_heads, ffn_hidden_size=config.intermediate_size,
+        seq_length=config.max_position_embeddings,
+        max_position_embeddings=config.max_position_embeddings, vocab_size=config.vocab_size,
+        hidden_dropout=0.0, attention_dropout=config.attention_dropout,
+        init_method_std=config.initializer_range, layernorm_epsilon=config.rms_norm_eps,
+        normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
+        rotary_base=float(rope["rope_theta"]),
+        num_query_groups=None if groups == config.num_attention_heads else groups,
+        untie_embeddings_and_output_weights=not config.tie_word_embeddings, **scaling, **biases)
 
 
 # -- tokenizers --------------------------------------------------------------------------------------
@@ -244,12 +412,14 @@ def export_tokenizer(data: DataConfig, output: str) -> str | None:
         transformers.AutoTokenizer.from_pretrained(data.tokenizer_model, local_files_only=True) \
             .save_pretrained(output)
         return f"the HuggingFaceTokenizer of {data.tokenizer_model}"
-    if kind == "SentencePieceTokenizer":
+    if kind in SENTENCEPIECE_TYPES:
         shutil.copyfile(data.tokenizer_model, os.path.join(output, "tokenizer.model"))
+        bos = " (pass --tokenizer-type Llama2Tokenizer to put <s> before each text again)" \
+            if kind == "Llama2Tokenizer" else ""
         return (f"{data.tokenizer_model} copied as tokenizer.model, a raw SentencePiece model: "
                 f"load it with sentencepiece.SentencePieceProcessor (AutoTokenizer would guess "
                 f"another class from config.json); import_from_hf.py reads it back as "
-                f"SentencePieceTokenizer")
+                f"SentencePieceTokenizer{bos}")
     if kind == "GPT2BPETokenizer":
         from tokenizers import ByteLevelBPETokenizer
 
@@ -297,6 +467,7 @@ def export_to_hf(state: FullState, output: str, data: DataConfig | None = None) 
     from safetensors.torch import save_file
 
     model = state.config.model
+    hf_architecture(model)  # refuse before writing anything
     os.makedirs(output, exist_ok=True)
     weights = to_hf_weights(model, state.model)
     save_file({k: v.float().contiguous() for k, v in weights.items()},
@@ -329,8 +500,8 @@ def import_from_hf(path: str) -> FullState:
                                 f"by save_pretrained)")
     hf_config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
     model_config = from_hf_config(hf_config)
-    cls = (transformers.GPT2LMHeadModel if model_config.model_type == "gpt"
-           else transformers.MegatronBertForPreTraining)
+    architecture = hf_architecture(model_config)
+    cls = getattr(transformers, architecture)
     hf_model, info = cls.from_pretrained(path, local_files_only=True, output_loading_info=True,
                                          dtype=torch.float32)
     if info["missing_keys"]:
@@ -341,9 +512,10 @@ def import_from_hf(path: str) -> FullState:
     if unexpected:
         raise ConversionError(f"{path} holds weights {cls.__name__} does not use: "
                               f"{sorted(unexpected)[:4]}")
-    output, embeddings = ("lm_head.weight", "transformer.wte.weight") \
-        if model_config.model_type == "gpt" else \
-        ("cls.predictions.decoder.weight", "bert.embeddings.word_embeddings.weight")
+    embeddings = next(r.theirs for r in _rules(model_config, architecture)
+                      if r.ours == WORD_EMBEDDINGS)
+    output = "lm_head.weight" if model_config.model_type == "gpt" \
+        else "cls.predictions.decoder.weight"
     if not model_config.untie_embeddings_and_output_weights and \
             not _tied(hf_model, output, embeddings):
         raise ConversionError(f"{path}: the output layer {output} differs from the word embeddings "

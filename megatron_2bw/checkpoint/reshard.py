@@ -123,7 +123,8 @@ def check_layout_fits(model: ModelConfig, tensor: int, pipeline: int,
                       tensor_flag: str = "--tensor-model-parallel-size",
                       pipeline_flag: str = "--pipeline-model-parallel-size") -> None:
     for what, size in (("--num-attention-heads", model.num_attention_heads),
-                       ("--hidden-size", model.hidden_size), ("--ffn-hidden-size", model.ffn_hidden_size)):
+                       ("--hidden-size", model.hidden_size), ("--ffn-hidden-size", model.ffn_hidden_size),
+                       ("--num-query-groups", model.query_groups)):
         if tensor < 1 or size % tensor:
             raise CheckpointError(f"{tensor_flag} {tensor} must be positive and divide the model's "
                                   f"{what} {size}")

@@ -1,6 +1,7 @@
-"""Hugging Face export/import: the exported transformers model computes our logits (GPT and BERT,
-a vocabulary that needed padding, a t=2 x p=2 checkpoint), import then export gives back the same
-tensors, and a model we cannot reproduce is refused by name. Models are built locally (no hub)."""
+"""Hugging Face export/import: the exported transformers model computes our logits (GPT-2, Llama
+and Qwen2 layouts, BERT, a vocabulary that needed padding, a t=2 x p=2 checkpoint), import then
+export gives back the same tensors, an imported Llama computes the transformers logits, and a
+model we cannot reproduce is refused by name. Models are built locally (no hub)."""
 import pytest
 import torch
 import transformers
@@ -8,30 +9,31 @@ from safetensors.torch import load_file
 from tokenizers import ByteLevelBPETokenizer
 
 from megatron_2bw.checkpoint import saved_config
-from megatron_2bw.checkpoint.huggingface import ConversionError, join_qkv, split_qkv
-from megatron_2bw.checkpoint.reshard import read_full_state
-from megatron_2bw.config import DataConfig
+from megatron_2bw.checkpoint.huggingface import (ConversionError, export_to_hf, from_hf_config,
+                                                 import_from_hf, join_rows, split_rows)
+from megatron_2bw.checkpoint.reshard import FullState, read_full_state
+from megatron_2bw.config import Config, DataConfig, ModelConfig
 from megatron_2bw.data.tokenizers import build_tokenizer
+from megatron_2bw.models.transformer import RotaryEmbedding
 from tests.checkpoint.helpers import VOCAB, save_random_checkpoint, whole_model
 from tests.data.helpers import load_tool
+
+# Llama's layout: untied, no biases, 4 heads in 2 query groups, a rotary base other than the default
+LLAMA = dict(normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
+             rotary_base=500.0, add_bias_linear=False, num_query_groups=2,
+             untie_embeddings_and_output_weights=True)
+# Llama 3.1's rotary scaling; with this base it keeps some frequencies and changes others
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
 
 
 def _export(checkpoint, output):
     load_tool("export_to_hf").main(["--load", str(checkpoint), "--output", str(output)])
 
 
-def test_exported_gpt_computes_our_logits(tmp_path):
-    state = save_random_checkpoint(tmp_path / "ckpt", "gpt", t=2, p=2)
-    _export(tmp_path / "ckpt", tmp_path / "hf")
-    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True)
-    assert type(hf).__name__ == "GPT2LMHeadModel"
-    assert hf.config.vocab_size == VOCAB and hf.config.activation_function == "gelu"
-    tokens = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        ours = whole_model(state).logits(tokens)
-        theirs = hf.eval()(tokens).logits
-    assert ours.shape == theirs.shape == (2, 16, VOCAB)
-    assert (ours - theirs).abs().max() < 1e-4
+def _tokens(seed: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(seed))
 
 
 def test_exported_bert_computes_our_logits(tmp_path):
@@ -54,6 +56,39 @@ def test_exported_bert_computes_our_logits(tmp_path):
     assert (binary_logits - theirs.seq_relationship_logits).abs().max() < 1e-4
 
 
+@pytest.mark.parametrize("switches,architecture", [
+    ({}, "GPT2LMHeadModel"),
+    (LLAMA, "LlamaForCausalLM"),
+    ({**LLAMA, "untie_embeddings_and_output_weights": False}, "LlamaForCausalLM"),
+    ({**LLAMA, "add_bias_linear": True}, "LlamaForCausalLM"),  # attention_bias and mlp_bias
+    ({**LLAMA, "add_qkv_bias": True}, "Qwen2ForCausalLM"),  # biases on q, k and v only
+    ({**LLAMA, "rope_scaling": True, "rotary_base": 500000.0}, "LlamaForCausalLM"),  # llama3 rope
+], ids=["gpt2", "llama-untied", "llama-tied", "llama-biases", "qwen2", "llama-rope-scaling"])
+def test_exported_gpt_computes_our_logits(switches, architecture, tmp_path):
+    """GPT-2's layout, and Llama's: RMSNorm (random weights), SwiGLU, rotary positions and
+    grouped-query attention; from a t=2 x p=2 checkpoint."""
+    state = save_random_checkpoint(tmp_path / "ckpt", "gpt", t=2, p=2, **switches)
+    _export(tmp_path / "ckpt", tmp_path / "hf")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True)
+    assert type(hf).__name__ == architecture and hf.config.architectures == [architecture]
+    assert hf.config.vocab_size == VOCAB
+    model = state.config.model
+    assert hf.config.tie_word_embeddings == (not model.untie_embeddings_and_output_weights)
+    if architecture == "GPT2LMHeadModel":
+        assert hf.config.activation_function == "gelu"
+    else:
+        assert hf.config.num_key_value_heads == 2 and hf.config.num_attention_heads == 4
+        assert not torch.equal(hf.model.norm.weight, torch.ones(32))  # the norms' weights travelled
+        assert torch.allclose(hf.model.rotary_emb.inv_freq,
+                              RotaryEmbedding(model).inverse_frequencies("cpu"), rtol=1e-6)
+    tokens = _tokens(1)
+    with torch.no_grad():
+        ours = whole_model(state).logits(tokens)
+        theirs = hf.eval()(tokens).logits
+    assert ours.shape == theirs.shape == (2, 16, VOCAB)
+    assert (ours - theirs).abs().max() < 1e-5
+
+
 def _tiny_hf(kind: str, **overrides):
     torch.manual_seed(0)
     if kind == "gpt":
@@ -61,6 +96,15 @@ def _tiny_hf(kind: str, **overrides):
                                          n_head=4, bos_token_id=100, eos_token_id=100,
                                          **{"activation_function": "gelu", **overrides})
         model = transformers.GPT2LMHeadModel(config)
+    elif kind in ("llama", "qwen2"):  # 8 heads in 2 key/value groups
+        config_class = transformers.LlamaConfig if kind == "llama" else transformers.Qwen2Config
+        config = config_class(vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
+                              num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+                              max_position_embeddings=16, rms_norm_eps=1e-5,
+                              bos_token_id=100, eos_token_id=100, **{
+                                  "rope_parameters": {"rope_type": "default", "rope_theta": 500.0},
+                                  **overrides})
+        model = transformers.AutoModelForCausalLM.from_config(config)
     else:
         config = transformers.MegatronBertConfig(
             vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
@@ -72,10 +116,12 @@ def _tiny_hf(kind: str, **overrides):
     return model
 
 
-@pytest.mark.parametrize("kind,tied", [("gpt", True), ("gpt", False), ("bert", True)])
+@pytest.mark.parametrize("kind,tied", [("gpt", True), ("gpt", False), ("bert", True),
+                                       ("llama", True), ("llama", False), ("qwen2", False)])
 def test_import_then_export_gives_back_the_same_tensors(kind, tied, tmp_path):
-    """An untied GPT-2 (tie_word_embeddings false) comes in with
-    --untie-embeddings-and-output-weights and goes back out with its own lm_head."""
+    """An untied GPT-2 or Llama (tie_word_embeddings false) comes in with
+    --untie-embeddings-and-output-weights and goes back out with its own lm_head; q, k, v of a
+    grouped-query Llama come back out of the fused qkv, gate and up out of the fused fc1."""
     _tiny_hf(kind, tie_word_embeddings=tied).save_pretrained(tmp_path / "source")
     load_tool("import_from_hf").main(["--hf-path", str(tmp_path / "source"), "--save",
                                       str(tmp_path / "ckpt"), "--tensor-model-parallel-size", "2",
@@ -108,15 +154,88 @@ def test_bert_with_an_untied_decoder_is_refused(tmp_path):
                                           str(tmp_path / "ckpt")])
 
 
-def test_qkv_rows_are_reordered_between_head_major_and_q_k_v_blocks():
-    heads, head_dim = 2, 3
-    # our rows: (head, q/k/v, head_dim); label each row by 100*head + 10*part + dim
-    ours = torch.tensor([100 * h + 10 * j + d for h in range(heads) for j in range(3)
-                         for d in range(head_dim)], dtype=torch.float32)
-    q, k, v = split_qkv(ours, heads)
-    assert q.tolist() == [0, 1, 2, 100, 101, 102]
-    assert v.tolist() == [20, 21, 22, 120, 121, 122]
-    assert torch.equal(join_qkv(q, k, v, heads), ours)
+@pytest.mark.parametrize("kind,overrides", [
+    ("llama", {"tie_word_embeddings": False}), ("llama", {"tie_word_embeddings": True}),
+    ("llama", {"attention_bias": True, "mlp_bias": True}), ("qwen2", {"tie_word_embeddings": True}),
+    ("llama", {"rope_parameters": LLAMA3_ROPE}),
+], ids=["untied", "tied", "biases", "qwen2", "llama3-rope"])
+def test_imported_llama_computes_the_transformers_logits(kind, overrides, tmp_path):
+    hf = _tiny_hf(kind, **overrides)
+    hf.save_pretrained(tmp_path / "source")
+    state = import_from_hf(str(tmp_path / "source"))
+    model, rope = state.config.model, hf.config.rope_parameters
+    assert (model.normalization, model.swiglu, model.position_embedding_type) == \
+        ("RMSNorm", True, "rope")
+    assert (model.num_query_groups, model.ffn_hidden_size) == (2, 96)
+    assert model.rotary_base == rope["rope_theta"]
+    assert model.rope_scaling == (rope["rope_type"] == "llama3")
+    assert model.add_bias_linear == overrides.get("attention_bias", False)
+    assert model.add_qkv_bias == (kind == "qwen2")
+    assert model.untie_embeddings_and_output_weights == (not hf.config.tie_word_embeddings)
+    assert model.seq_length == model.max_position_embeddings == 16
+    tokens = _tokens(3)
+    with torch.no_grad():
+        ours = whole_model(state).logits(tokens)
+        theirs = hf.eval()(tokens).logits
+    assert (ours - theirs).abs().max() < 1e-5
+
+
+def test_fused_rows_split_into_grouped_q_k_v_and_alternating_gate_up():
+    groups, per_group, head_dim = 2, 2, 3
+    # our qkv rows: (group, [its query heads, k, v], head_dim); label 100*group + 10*slot + dim
+    qkv = torch.tensor([100 * g + 10 * j + d for g in range(groups) for j in range(per_group + 2)
+                        for d in range(head_dim)], dtype=torch.float32)
+    q, k, v = split_rows(qkv, groups, [per_group * head_dim, head_dim, head_dim])
+    assert q.tolist() == [0, 1, 2, 10, 11, 12, 100, 101, 102, 110, 111, 112]
+    assert k.tolist() == [20, 21, 22, 120, 121, 122]
+    assert v.tolist() == [30, 31, 32, 130, 131, 132]
+    assert torch.equal(join_rows([q, k, v], groups), qkv)
+    fc1 = torch.arange(12.0).reshape(6, 2)  # rows: gate 0, up 0, gate 1, up 1, ...
+    gate, up = split_rows(fc1, 3, [1, 1])
+    assert gate[:, 0].tolist() == [0, 4, 8] and up[:, 0].tolist() == [2, 6, 10]
+    assert torch.equal(join_rows([gate, up], 3), fc1)
+
+
+@pytest.mark.parametrize("model_type,switches,fields", [
+    ("gpt", {"normalization": "RMSNorm"},  # RMSNorm with GELU: neither GPT-2 nor Llama
+     ["GPT2LMHeadModel needs normalization = 'LayerNorm'", "LlamaForCausalLM needs swiglu = True"]),
+    ("gpt", {"num_query_groups": 2},  # grouped-query attention with learned positions
+     ["GPT2LMHeadModel needs num_query_groups = 4 \\(the model has 2\\)",
+      "position_embedding_type = 'rope'"]),
+    ("gpt", {**LLAMA, "rotary_interleaved": True}, ["rotary_interleaved = False"]),
+    ("gpt", {**LLAMA, "rotary_percent": 0.5}, ["rotary_percent = 1.0"]),
+    ("gpt", {**LLAMA, "position_embedding_type": "none"}, ["position_embedding_type = 'rope'"]),
+    ("gpt", {**LLAMA, "num_tokentypes": 2}, ["num_tokentypes = 2"]),
+    ("bert", {"normalization": "RMSNorm"}, ["MegatronBertForPreTraining needs normalization"]),
+    ("bert", {"add_bias_linear": False}, ["add_bias_linear = True"]),
+])
+def test_an_architecture_without_a_transformers_equivalent_is_refused_by_field(
+        model_type, switches, fields, tmp_path):
+    model = ModelConfig(model_type=model_type, hidden_size=32, num_attention_heads=4,
+                        vocab_size=VOCAB, **switches)
+    with pytest.raises(ConversionError) as refusal:
+        export_to_hf(FullState(Config(model=model), {}), str(tmp_path / "hf"))
+    for field in fields:
+        assert refusal.match(field)
+    assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize("kind,overrides,message", [
+    ("llama", {"hidden_act": "gelu"}, "hidden_act = 'gelu'"),
+    ("llama", {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0}},
+     "rope_parameters \\(rope_scaling\\) = .*'linear'"),
+    ("llama", {"rope_parameters": {**LLAMA3_ROPE, "original_max_position_embeddings": 4096}},
+     "rope_parameters\\['original_max_position_embeddings'\\] = 4096"),
+    ("llama", {"attention_bias": True}, "mlp_bias = False"),
+    ("llama", {"head_dim": 16}, "head_dim = 16"),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1},
+     "layer_types = .*'sliding_attention'"),
+])
+def test_a_llama_we_cannot_reproduce_is_refused_by_field(kind, overrides, message):
+    config_class = transformers.LlamaConfig if kind == "llama" else transformers.Qwen2Config
+    config = config_class(hidden_size=64, num_attention_heads=8, **overrides)
+    with pytest.raises(ConversionError, match=message):
+        from_hf_config(config)
 
 
 def test_the_model_directory_tokenizer_travels_through_import_and_export(tmp_path):

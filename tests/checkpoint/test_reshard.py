@@ -65,6 +65,9 @@ def test_a_layout_the_model_cannot_take_is_refused(tmp_path):
         check_layout_fits(full.config.model, 3, 1, "--target-tensor-parallel-size")
     with pytest.raises(CheckpointError, match="--pipeline-model-parallel-size 3 .*--num-layers 2"):
         write_full_state(full, str(tmp_path), 1, 3)
+    grouped = random_model_state("gpt", num_query_groups=2)  # 4 heads in 2 groups
+    with pytest.raises(CheckpointError, match="--target-tensor-parallel-size 4 .* --num-query-groups 2"):
+        check_layout_fits(grouped.config.model, 4, 1, "--target-tensor-parallel-size")
 
 
 def test_shards_pad_the_vocabulary_with_zeros_and_cut_along_the_partition_dim():
