@@ -85,25 +85,38 @@ def _model_key(model: ModelConfig) -> tuple:
 
 
 @lru_cache(maxsize=256)
-def _shard_parameters(model_key: tuple, tensor_parallel: int, layers: int, pre_process: bool,
-                      post_process: bool) -> int:
+def _shard_sizes(model_key: tuple, tensor_parallel: int, layers: int, pre_process: bool,
+                 post_process: bool) -> tuple[int, ...]:
+    """Elements of each parameter tensor of one rank's shard of the stage, from its ParamSpecs."""
     from megatron_2bw.models import MODELS  # the models import torch layers: keep import lazy
     model = ModelConfig(**dict(model_key))
     with torch.device("meta"):
         module = MODELS[model.model_type](model, None, model.padded_vocab_size(tensor_parallel),
                                           range(layers), pre_process, post_process)
-    return sum(math.prod(p.spec.full_shape) // (1 if p.spec.replicated else tensor_parallel)
-               for p in module.parameters())
+    return tuple(math.prod(p.spec.full_shape) // (1 if p.spec.replicated else tensor_parallel)
+                 for p in module.parameters())
+
+
+def _count(model: ModelConfig, tensor_parallel: int, layers: int, first: bool, last: bool,
+           measure) -> int:
+    """`measure` (sum: parameters, len: parameter tensors) of the shard's tensors."""
+    key = _model_key(model)
+    edges = measure(_shard_sizes(key, tensor_parallel, 0, first, last))
+    per_layer = measure(_shard_sizes(key, tensor_parallel, 1, False, False)) - \
+        measure(_shard_sizes(key, tensor_parallel, 0, False, False))
+    return edges + layers * per_layer
 
 
 def stage_parameters(model: ModelConfig, tensor_parallel: int, layers: int, first: bool,
                      last: bool) -> int:
     """Parameters of one rank's shard of a stage with `layers` transformer layers."""
-    key = _model_key(model)
-    edges = _shard_parameters(key, tensor_parallel, 0, first, last)
-    per_layer = _shard_parameters(key, tensor_parallel, 1, False, False) - \
-        _shard_parameters(key, tensor_parallel, 0, False, False)
-    return edges + layers * per_layer
+    return _count(model, tensor_parallel, layers, first, last, sum)
+
+
+def stage_parameter_tensors(model: ModelConfig, tensor_parallel: int, layers: int, first: bool,
+                            last: bool) -> int:
+    """How many parameter tensors that shard holds (each gradient is accumulated by a kernel)."""
+    return _count(model, tensor_parallel, layers, first, last, len)
 
 
 def layer_parameters(model: ModelConfig, tensor_parallel: int) -> int:
@@ -114,32 +127,71 @@ def layer_parameters(model: ModelConfig, tensor_parallel: int) -> int:
 # ---------------------------------------------------------------------------------------------
 # Activations (analytic)
 
+def norm_stash_bytes(model: ModelConfig, element_bytes: int) -> int:
+    """Bytes per element one norm keeps for its backward besides its output: LayerNorm its input;
+    RMSNorm (computed in fp32) its input cast to fp32 and the normalised value before the weight."""
+    return element_bytes if model.normalization == "LayerNorm" else 4 + element_bytes
+
+
+def ffn_wide_tensors(model: ModelConfig) -> int:
+    """ffn-wide tensors (f/t per token) a layer's MLP stashes, and about as many ffn-wide gradients
+    are alive in its backward: GELU's input and output; SwiGLU's fused gate/up output (two wide),
+    silu(gate) and the product."""
+    return 4 if model.swiglu else 2
+
+
+def core_input_elements(model: ModelConfig, tensor_parallel: int) -> float:
+    """Elements per token of one rank's q, k and v storages, what the attention core's input holds
+    (ParallelAttention.project_qkv): each is h/t when copied (rotated, repeated to every query head
+    of its group, or q reshaped out of several groups); a view keeps the whole QKV output
+    (qkv_size/t) alive instead."""
+    m, t = model, tensor_parallel
+    rope = m.position_embedding_type == "rope"
+    one_per_head = m.query_groups == m.num_attention_heads
+    q_view = not rope and (one_per_head or m.query_groups == t)
+    k_view = not rope and one_per_head
+    copies = 3 - q_view - k_view - one_per_head  # v is a view with one group per head
+    viewed = m.qkv_size if q_view or one_per_head else 0
+    return (copies * m.hidden_size + viewed) / t
+
+
 def layer_activation_bytes(model: ModelConfig, tensor_parallel: int, micro_batch_size: int,
                            element_bytes: int, selective: bool = False) -> float:
-    """Bytes one pre-LayerNorm layer stashes for its backward per microbatch (one rank).
+    """Bytes one pre-norm layer stashes for its backward per microbatch (one rank).
 
-    Korthikanti et al. (2022) counting, generalised to an element size e: replicated over the
-    tensor-parallel group are the two LayerNorm inputs, the inputs of the QKV and fc1 linears
-    (e each) and two hidden-dropout masks (1 byte each); sharded are Q, K, V (3e), the dense
-    input (e), the GELU input and fc2 input (f/h * e each); the attention core keeps the softmax
-    output and the dropout output (e each) and the dropout mask (1) per score, a*s*s per sample.
-    That is PyTorch's math attention path; fused SDPA kernels keep only a log-sum-exp per row,
-    which the measured profile picks up. "selective" recomputation drops the core's a*s*s terms.
+    Korthikanti et al. (2022) counting, generalised to an element size e and the architecture
+    switches: replicated over the tensor-parallel group are the two norms' stashes
+    (`norm_stash_bytes`), the inputs of the QKV and fc1 linears (e each), two hidden-dropout masks
+    (1 byte each) and, with rotary embeddings, the cos and sin tables (fp32, or copies in the
+    working dtype: 8 bytes per position and rotated channel; the stage's layers share them, counted
+    per layer as the measured profile counts them); sharded are Q, K, V (3e: grouped-query
+    attention repeats k and v to every query head before the core, which keeps them so), the dense
+    input (e) and the MLP's `ffn_wide_tensors` (f/h * e each); the attention core keeps the
+    softmax output and the dropout output (e each) and the dropout mask (1) per score, a*s*s per
+    sample. That is PyTorch's math attention path; fused SDPA kernels keep only a log-sum-exp per
+    row, which the measured profile picks up. "selective" recomputation drops the core's a*s*s
+    terms and keeps its inputs (`core_input_elements`).
+    No bias (--disable-bias-linear) changes nothing here: bias gradients need no activation.
     """
-    t, e = tensor_parallel, element_bytes
-    s, h, a, f = model.seq_length, model.hidden_size, model.num_attention_heads, model.ffn_hidden_size
+    t, e, m = tensor_parallel, element_bytes, model
+    s, h, a, f = m.seq_length, m.hidden_size, m.num_attention_heads, m.ffn_hidden_size
     sbh = s * micro_batch_size * h
-    replicated = (4 * e + 2 * MASK_BYTES) * sbh
-    sharded = (4 * e * sbh + 2 * e * s * micro_batch_size * f) / t
+    rope = m.position_embedding_type == "rope"
+    rotary_tables = 8 * s * int(m.head_dim * m.rotary_percent) if rope else 0
+    replicated = (2 * norm_stash_bytes(m, e) + 2 * e + 2 * MASK_BYTES) * sbh + rotary_tables
+    qkv = core_input_elements(m, t) if selective else 3 * h / t
+    sharded = qkv * e * s * micro_batch_size + (e * sbh + ffn_wide_tensors(m) * e * s
+                                                * micro_batch_size * f) / t
     core = 0.0 if selective else (2 * e + MASK_BYTES) * a * s * s * micro_batch_size / t
     return replicated + sharded + core
 
 
 def layer_backward_workspace_bytes(model: ModelConfig, tensor_parallel: int, micro_batch_size: int,
                                    element_bytes: int) -> float:
-    """Gradients alive during one layer's backward: the two ffn-wide ones and the hidden one."""
+    """Gradients alive during one layer's backward: the MLP's ffn-wide ones and two hidden ones."""
     sb = model.seq_length * micro_batch_size
-    return element_bytes * sb * (2 * model.ffn_hidden_size / tensor_parallel + 2 * model.hidden_size)
+    return element_bytes * sb * (ffn_wide_tensors(model) * model.ffn_hidden_size / tensor_parallel
+                                 + 2 * model.hidden_size)
 
 
 def first_stage_extra_bytes(model: ModelConfig, micro_batch_size: int, element_bytes: int) -> float:
@@ -150,11 +202,11 @@ def first_stage_extra_bytes(model: ModelConfig, micro_batch_size: int, element_b
 
 def last_stage_extra_bytes(model: ModelConfig, tensor_parallel: int, micro_batch_size: int,
                            element_bytes: int) -> float:
-    """Final LayerNorm input and output (the logits' input), the fp32 softmax the vocabulary-parallel
+    """Final norm's stash and output (the logits' input), the fp32 softmax the vocabulary-parallel
     cross entropy keeps for its backward, targets; BERT's LM transform adds its own two inputs."""
     sb = model.seq_length * micro_batch_size
     vocab = model.padded_vocab_size(tensor_parallel) // tensor_parallel
-    hidden = 2 * element_bytes * sb * model.hidden_size
+    hidden = (norm_stash_bytes(model, element_bytes) + element_bytes) * sb * model.hidden_size
     if model.model_type == "bert":
         hidden += 2 * element_bytes * sb * model.hidden_size
     return hidden + 4 * sb * vocab + 9 * sb

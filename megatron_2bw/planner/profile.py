@@ -8,17 +8,25 @@ every launch costs a fixed overhead:
     time = matmul FLOPs / (peak_flops * efficiency) + bytes moved / (memory_bandwidth * efficiency)
            + kernels * kernel_overhead_s
 with the hardware's stated `efficiency` (0.4 in the shipped files). Assumptions:
-- matmul FLOPs per layer forward: 2bs(4h^2 + 2hf)/t for the four linears, 4bs^2h/t for the
-  attention scores and their product with V (causal masking is not credited: PyTorch's math path
-  computes the full square); backward does twice the forward's matmul FLOPs.
-- memory traffic: each element-wise kernel reads and writes its tensors once (LayerNorms, bias +
-  dropout + residual, GELU, the layout copies around attention, the softmax chain over the b*a*s*s
-  scores, the fp32 cross entropy over the vocabulary); the backward moves twice the forward's bytes.
-  LayerNorm and the residual path are replicated over the tensor-parallel group (not divided by t).
+- matmul FLOPs per layer forward: 2bsh(q + h + f1 + f)/t for the four linears
+  (`linear_flops_per_token`), where q is the QKV projection's output features (config.qkv_size:
+  3h, less with grouped-query attention) and f1 fc1's (f, or 2f with SwiGLU's fused gate and up):
+  2bs(4h^2 + 2hf)/t for GPT-2's layout; and 4bs^2h/t for the attention scores and their
+  product with V (causal masking is not credited: PyTorch's math path computes the full square;
+  grouped-query attention repeats k and v to every head first, so it saves nothing here);
+  backward does twice the forward's matmul FLOPs.
+- memory traffic: each element-wise kernel reads and writes its tensors once (the norms as the
+  model code runs them: RMSNorm in several fp32 kernels, the row-parallel bias add unless
+  --disable-bias-linear, dropout + residual, GELU or SwiGLU's silu and product, k and v repeated
+  for grouped-query attention, rotary embeddings on q and k, the layout copies around attention,
+  the softmax chain over the b*a*s*s scores, the fp32 cross entropy over the vocabulary); the
+  backward moves twice the forward's bytes. The norms and the residual path are replicated over
+  the tensor-parallel group (not divided by t).
 - every microbatch's weight gradients are added into the accumulation buffer (read two buffers,
   write one), and the embedding's dense gradient is first written in full: memory-bound traffic
-  proportional to the stage's parameters.
-- kernels are counted per piece from the model code (about 86 per layer forward and backward);
+  proportional to the piece's parameters, counted from the model code (memory.stage_parameters).
+- kernels are counted per piece from the model code (about 86 per layer forward and backward in
+  GPT-2's layout; an accumulation per parameter tensor);
   `kernel_overhead_s` (5 us in the shipped files) stands for launch latency and the last partial
   wave of thread blocks.
 These fixed costs per microbatch make small micro batches (and narrow tensor-parallel shards) less
@@ -27,8 +35,8 @@ efficient.
 `MeasuredProfile`, on the device at hand: runs the real model code (megatron_2bw.models) for one
 layer, the embedding and the head for the requested tensor-parallel sizes and micro batch sizes,
 counts the bytes a layer stashes with saved-tensor hooks, and caches the numbers as JSON per
-(hardware name, model shape, dtype). A tensor-parallel size t is timed in this one process on one
-rank's shard (`ShardShapeGroup`: the shard's shapes, no collectives; cost.py adds those), so the
+(hardware name, model shape and architecture switches, dtype). A tensor-parallel size t is timed
+in this one process on one rank's shard (`ShardShapeGroup`: the shard's shapes, no collectives; cost.py adds those), so the
 narrower kernels' lower efficiency is measured, not assumed. Micro batch sizes not measured are
 interpolated linearly in b; a t not measured scales the t = 1 figures by the analytic ratio.
 """
@@ -49,7 +57,8 @@ from megatron_2bw.distributed.comm import ShardShapeGroup
 from megatron_2bw.distributed.launch import settle_host_allocator
 from megatron_2bw.planner.hardware import HardwareSpec, timed_call
 from megatron_2bw.planner.memory import (MASK_BYTES, dtype_bytes, grad_buffer_bytes,
-                                         layer_activation_bytes, layer_parameters)
+                                         layer_activation_bytes, stage_parameter_tensors,
+                                         stage_parameters)
 
 
 @dataclass(frozen=True)
@@ -93,6 +102,14 @@ class _Work:
         return _Work(self.flops * factor, self.bytes * factor, self.kernels * factor)
 
 
+def linear_flops_per_token(model: ModelConfig) -> float:
+    """Forward matmul FLOPs of a whole layer's four linears per token: 2h(q + h + f1 + f), q the
+    QKV projection's output features, f1 fc1's (2f with SwiGLU); 24h^2 in GPT-2's layout."""
+    m = model
+    fc1 = 2 * m.ffn_hidden_size if m.swiglu else m.ffn_hidden_size
+    return 2 * m.hidden_size * (m.qkv_size + m.hidden_size + fc1 + m.ffn_hidden_size)
+
+
 class AnalyticProfile:
     def __init__(self, model: ModelConfig, precision: PrecisionConfig, hardware: HardwareSpec):
         self.model, self.precision, self.hardware = model, precision, hardware
@@ -114,40 +131,84 @@ class AnalyticProfile:
         return _Work(4 * b * m.seq_length ** 2 * m.hidden_size / t,
                      (8 * e + MASK_BYTES) * scores, 8)
 
+    def norm(self, elements: float) -> _Work:
+        """One norm over `elements`: LayerNorm one kernel (read, write); RMSNorm as the model code
+        runs it in fp32: pow (8 bytes per element), mean (4), eps and rsqrt, multiply (8), the
+        weight (2e), and in half precision the casts to fp32 and back (4 + e each)."""
+        e = self.e
+        if self.model.normalization == "LayerNorm":
+            return _Work(0.0, 2 * e * elements, 1)
+        casts = 0 if e == 4 else 2
+        return _Work(0.0, (20 + 2 * e + casts * (4 + e)) * elements, 6 + casts)
+
+    def attention_layout(self, t: int, b: int) -> _Work:
+        """What ParallelAttention.project_qkv does besides views, per layer: with grouped-query
+        attention k and v repeated to every query head (read a group, write its heads) and q
+        copied out of several groups; with rotary embeddings q and k rotated (negate, concatenate,
+        two products, a sum: ~10e per rotated element, 5 kernels each, plus a concatenation when
+        only some channels rotate and the tables' casts in half precision)."""
+        m, e = self.model, self.e
+        sb, h, groups = m.seq_length * b, m.hidden_size, m.query_groups * m.head_dim
+        work = _Work()
+        if groups != h:
+            q_copy = 2 * h if m.query_groups > t else 0
+            work += _Work(0.0, e * sb * (2 * (groups + h) + q_copy) / t, 2 + bool(q_copy))
+        if m.position_embedding_type == "rope":
+            partial = m.rotary_percent < 1
+            per_tensor = 5 + partial + (0 if e == 4 else 2)
+            work += _Work(0.0, e * sb * (h + groups) * (10 * m.rotary_percent + 2 * partial) / t,
+                          2 * per_tensor)
+        return work
+
     def layer_forward(self, t: int, b: int) -> _Work:
         m, e = self.model, self.e
         h, f, sb = m.hidden_size, m.ffn_hidden_size, m.seq_length * b
-        linears = 2 * sb * (4 * h * h + 2 * h * f) / t
-        # replicated: 2 LayerNorms (2e each), 2 x (bias, dropout + mask, residual) (7e + 1 each)
-        replicated = (18 * e + 2 * MASK_BYTES) * sb * h
-        # sharded: q/k scaling copies and the context layout copy (6e), GELU over f (2e)
-        sharded = (6 * e * sb * h + 2 * e * sb * f) / t
-        # kernels besides the core: 4 linears, 2 LayerNorms, 2 x (bias, dropout, residual), GELU,
-        # the layout copy
-        return _Work(linears, replicated + sharded, 14) + self.attention_core(t, b)
+        linears = sb * linear_flops_per_token(m) / t
+        # replicated: 2 x (bias if any, dropout + mask, residual) (2e + 2e + 1 + 3e each); the
+        # column-parallel biases are added inside their matmuls
+        row_bias = 2 * e if m.add_bias_linear else 0
+        replicated = 2 * (row_bias + 5 * e + MASK_BYTES) * sb * h
+        # sharded: q/k scaling copies and the context layout copy (6e), GELU over f (2e) or
+        # SwiGLU's silu (2e) and product (3e)
+        sharded = (6 * e * sb * h + (5 if m.swiglu else 2) * e * sb * f) / t
+        # kernels besides the core and the norms: 4 linears, 2 x (bias, dropout, residual), GELU
+        # (or silu and product), the layout copy
+        kernels = 4 + 2 * (2 + m.add_bias_linear) + (2 if m.swiglu else 1) + 1
+        return (_Work(linears, replicated + sharded, kernels) + self.norm(sb * h) * 2
+                + self.attention_layout(t, b) + self.attention_core(t, b))
 
     def weight_gradient_accumulation(self, parameters: float, tensors: int) -> _Work:
         return _Work(0.0, (self.e + 2 * self.g) * parameters, tensors)
 
+    def _accumulation(self, t: int, layers: int, first: bool, last: bool) -> _Work:
+        """weight_gradient_accumulation of a piece's parameters, counted from the model code."""
+        return self.weight_gradient_accumulation(
+            stage_parameters(self.model, t, layers, first, last),
+            stage_parameter_tensors(self.model, t, layers, first, last))
+
     def layer_backward(self, t: int, b: int) -> _Work:
-        # twice the forward, plus the weight-gradient matmuls and bias reductions (8 kernels) and
-        # the accumulation of the 12 parameter tensors
-        return self.layer_forward(t, b) * 2 + _Work(kernels=8) + \
-            self.weight_gradient_accumulation(layer_parameters(self.model, t), 12)
+        # twice the forward, plus the weight-gradient matmuls and the linears' bias reductions
+        # (8 kernels with biases) and the accumulation of the layer's parameter tensors
+        m = self.model
+        biases = 4 if m.add_bias_linear else int(m.add_qkv_bias)
+        return self.layer_forward(t, b) * 2 + _Work(kernels=4 + biases) + \
+            self._accumulation(t, 1, False, False)
 
     def _vocab_shard(self, t: int) -> int:
         return self.model.padded_vocab_size(t) // t
 
     def embedding_forward(self, t: int, b: int) -> _Work:
-        # gather rows, add positions, dropout: ~8e + mask per element, 4 kernels
-        return _Work(0.0, (8 * self.e + MASK_BYTES) * self.model.seq_length * b
-                     * self.model.hidden_size, 4)
+        # gather rows (2e), add learned positions (gather and add: 4e, 2 kernels), dropout (2e +
+        # mask)
+        positions = self.model.position_embedding_type == "learned_absolute"
+        return _Work(0.0, ((8 if positions else 4) * self.e + MASK_BYTES) * self.model.seq_length
+                     * b * self.model.hidden_size, 4 if positions else 2)
 
     def embedding_backward(self, t: int, b: int) -> _Work:
-        table = self._vocab_shard(t) * self.model.hidden_size
-        # the dense table gradient is written (e), then accumulated
-        return self.embedding_forward(t, b) + _Work(0.0, self.e * table, 1) + \
-            self.weight_gradient_accumulation(table, 2)
+        tables = stage_parameters(self.model, t, 0, True, False)
+        # the dense tables' gradient is written (e), then accumulated
+        return self.embedding_forward(t, b) + _Work(0.0, self.e * tables, 1) + \
+            self._accumulation(t, 0, True, False)
 
     def _loss_forward(self, t: int, b: int) -> _Work:
         """The fp32 vocabulary-parallel cross entropy: cast (e + 4), padded rows masked (8),
@@ -158,10 +219,10 @@ class AnalyticProfile:
                      * self._vocab_shard(t), 8)
 
     def _head_body(self, t: int, b: int) -> _Work:
-        """Final LayerNorm and logits (and BERT's LM transform: linear, GELU, LayerNorm)."""
+        """Final norm and logits (and BERT's LM transform: linear, GELU, LayerNorm)."""
         m, e = self.model, self.e
         sb, h = m.seq_length * b, m.hidden_size
-        work = _Work(2 * sb * h * self._vocab_shard(t), 2 * e * sb * h, 2)
+        work = _Work(2 * sb * h * self._vocab_shard(t), 0.0, 1) + self.norm(sb * h)
         if m.model_type == "bert":
             work += _Work(2 * sb * h * h, 6 * e * sb * h, 3)
         return work
@@ -173,8 +234,7 @@ class AnalyticProfile:
         m, v = self.model, self._vocab_shard(t)
         # the loss gradient: scaled in place and cast to the working dtype (3 kernels)
         loss = _Work(0.0, (12 + self.e) * m.seq_length * b * v, 3)
-        return loss + self._head_body(t, b) * 2 + \
-            self.weight_gradient_accumulation(v * m.hidden_size, 3)
+        return loss + self._head_body(t, b) * 2 + self._accumulation(t, 0, False, True)
 
     def costs(self, tensor_parallel: int, micro_batch_size: int) -> ComputeCosts:
         t, b, s = tensor_parallel, micro_batch_size, self.seconds
@@ -218,14 +278,18 @@ def _piece(model: ModelConfig, tensor_parallel: int, layers: int, pre: bool, pos
     return module.to(device=device, dtype=dtype).train()
 
 
-def saved_activation_bytes(layer, hidden: torch.Tensor, mask=None) -> tuple[float, float]:
+def saved_activation_bytes(layer, hidden: torch.Tensor, mask=None,
+                           rotary=None) -> tuple[float, float]:
     """(without, with selective recomputation) bytes a TransformerLayer stashes for its backward:
     unique storages seen by saved_tensors_hooks, parameters excluded. The attention core's own
-    saves are told apart by wrapping it, and selective keeps the core's inputs instead."""
+    saves are told apart by wrapping it, and selective keeps the core's inputs instead (held here
+    until the count is done: a core input nothing saves is freed, and a later storage at its
+    address would count once for two). `rotary`: the stack's (cos, sin) for rotary embeddings."""
     params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
     outside: dict[int, int] = {}
     inside: dict[int, int] = {}
     core_inputs: dict[int, int] = {}
+    held = []
     in_core = [False]
 
     def pack(tensor):
@@ -237,6 +301,7 @@ def saved_activation_bytes(layer, hidden: torch.Tensor, mask=None) -> tuple[floa
     original_core = layer.attention.core
 
     def core(q, k, v, core_mask):
+        held.append((q, k, v))
         for x in (q, k, v):
             core_inputs[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
         in_core[0] = True
@@ -248,7 +313,7 @@ def saved_activation_bytes(layer, hidden: torch.Tensor, mask=None) -> tuple[floa
     layer.attention.core = core
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            layer(hidden, mask)
+            layer(hidden, mask, rotary)
     finally:
         del layer.attention.core  # back to the class's method
     return float(sum({**outside, **inside}.values())), float(sum({**outside, **core_inputs}.values()))
@@ -281,10 +346,10 @@ def _size_pieces(model: ModelConfig, modules: dict, b: int, device
     if model.model_type == "bert":
         from megatron_2bw.models.bert import padding_attention_mask
         mask = padding_attention_mask(batch["padding_mask"])
-    full_bytes, selective_bytes = saved_activation_bytes(layer, hidden, mask)
+    rotary = None if body.transformer.rotary is None else body.transformer.rotary(s, device=device)
+    full_bytes, selective_bytes = saved_activation_bytes(layer, hidden, mask, rotary)
     with torch.no_grad():
-        qkv = layer.attention.qkv(hidden).view(b, s, layer.attention.local_heads, 3, model.head_dim)
-        q, k, v = (x.transpose(1, 2) for x in qkv.unbind(dim=3))
+        q, k, v = layer.attention.project_qkv(hidden, rotary)
     layer_f, layer_b = _forward_backward(lambda: (body(hidden, batch), grad))
     emb_f, emb_b = _forward_backward(lambda: (embedding(None, batch), grad))
     head_f, head_b = _forward_backward(lambda: (head(hidden, batch)[0], None))
@@ -344,7 +409,43 @@ def _profile_identity(model: ModelConfig) -> dict:
                 "attention_dropout": m.attention_dropout}
     if m.model_type == "bert":
         identity.update(bert_binary_head=m.bert_binary_head, num_tokentypes=m.num_tokentypes)
-    return identity
+    return identity | _architecture(m)
+
+
+# short names of the architecture switches in a cache file's name
+_SWITCH_NAMES = {"normalization": "", "bias_linear": "bias", "qkv_bias": "qkvbias",
+                 "swiglu": "swiglu", "position_embedding_type": "pos", "rotary_percent": "rot",
+                 "rotary_interleaved": "interleaved", "query_groups": "g"}
+
+
+def _architecture(model: ModelConfig) -> dict:
+    """The Llama-style switches (config.ModelConfig) set away from GPT-2's layout, each of which
+    changes a layer's time or bytes; a GPT-2 model's identity and file name stay as they were
+    before the switches existed. Untying the output layer changes neither (same shapes)."""
+    m = model
+    rope = m.position_embedding_type == "rope"
+    switches = {"normalization": m.normalization, "bias_linear": m.add_bias_linear,
+                "qkv_bias": m.add_bias_linear or m.add_qkv_bias, "swiglu": m.swiglu,
+                "position_embedding_type": m.position_embedding_type,
+                "rotary_percent": m.rotary_percent if rope else 1.0,
+                "rotary_interleaved": rope and m.rotary_interleaved,
+                "query_groups": m.query_groups}
+    gpt2 = {"normalization": "LayerNorm", "bias_linear": True, "qkv_bias": True, "swiglu": False,
+            "position_embedding_type": "learned_absolute", "rotary_percent": 1.0,
+            "rotary_interleaved": False, "query_groups": m.num_attention_heads}
+    return {key: value for key, value in switches.items() if value != gpt2[key]}
+
+
+def _architecture_name(model: ModelConfig) -> str:
+    """e.g. "-RMSNorm-nobias-swiglu-posrope-g2" ("" for GPT-2's layout)."""
+    parts = []
+    for key, value in _architecture(model).items():
+        if isinstance(value, bool):
+            parts.append(("" if value else "no") + _SWITCH_NAMES[key])
+        else:
+            parts.append(f"{_SWITCH_NAMES[key]}{value:g}" if isinstance(value, float)
+                         else f"{_SWITCH_NAMES[key]}{value}")
+    return "".join(f"-{part}" for part in parts)
 
 
 def _cache_path(cache_dir: Path, hardware_name: str, model: ModelConfig,
@@ -354,6 +455,7 @@ def _cache_path(cache_dir: Path, hardware_name: str, model: ModelConfig,
             f"-s{m.seq_length}-v{m.padded_vocab_size(1)}")
     if m.max_position_embeddings != m.seq_length:
         name += f"-pos{m.max_position_embeddings}"
+    name += _architecture_name(m)
     name += f"-dropout{m.hidden_dropout:g}-{m.attention_dropout:g}"
     if m.model_type == "bert":
         name += f"-types{m.num_tokentypes}" + ("-binary" if m.bert_binary_head else "")

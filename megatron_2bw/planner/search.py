@@ -92,9 +92,16 @@ def schedules_for(pipeline_parallel: int, schedules: tuple[str, ...]) -> tuple[s
     return schedules
 
 
+def splits_model(model: ModelConfig, tensor_parallel: int) -> bool:
+    """Whether t divides what tensor parallelism splits: the heads, the query groups (each rank
+    holds whole groups), the hidden and the ffn sizes."""
+    return not any(size % tensor_parallel for size in (
+        model.num_attention_heads, model.query_groups, model.hidden_size, model.ffn_hidden_size))
+
+
 def candidates(model: ModelConfig, world_size: int, hardware: HardwareSpec, global_batch_size: int,
                space: SearchSpace | None = None) -> list[Candidate]:
-    """Every valid configuration: t inside a node and dividing heads, hidden and ffn sizes; p at
+    """Every valid configuration: t inside a node and splitting the model (`splits_model`); p at
     most the layers; d = world / (t p) dividing the global batch; micro batch sizes dividing the
     per-replica batch; 2BW and Flush need at least p microbatches per batch; one schedule at p = 1
     (`schedules_for`)."""
@@ -102,8 +109,7 @@ def candidates(model: ModelConfig, world_size: int, hardware: HardwareSpec, glob
     per_node = hardware.devices_per_node
     result = []
     for t in _divisors(world_size):
-        if (t > per_node or per_node % t or model.num_attention_heads % t or model.hidden_size % t
-                or model.ffn_hidden_size % t
+        if (t > per_node or per_node % t or not splits_model(model, t)
                 or (space.tensor_parallel is not None and t not in space.tensor_parallel)):
             continue
         for p in _divisors(world_size // t):
@@ -132,11 +138,11 @@ def pinned_conflicts(model: ModelConfig, world_size: int, devices_per_node: int,
     """Why pinned sizes leave no configuration, naming their flags (empty if none is to blame)."""
     reasons = []
     for t in space.tensor_parallel or ():
-        if world_size % t or devices_per_node % t or model.num_attention_heads % t \
-                or model.hidden_size % t or model.ffn_hidden_size % t:
+        if world_size % t or devices_per_node % t or not splits_model(model, t):
             reasons.append(f"--tensor-model-parallel-size {t} must divide the world size "
                            f"{world_size}, the {devices_per_node} devices of a node, the "
-                           f"{model.num_attention_heads} heads and the hidden and ffn sizes")
+                           f"{model.num_attention_heads} heads, the {model.query_groups} query "
+                           f"groups and the hidden and ffn sizes")
     for p in space.pipeline_parallel or ():
         if world_size % p or p > model.num_layers:
             reasons.append(f"--pipeline-model-parallel-size {p} must divide the world size "
@@ -286,8 +292,8 @@ def rank_plans(model: ModelConfig, world_size: int, hardware: HardwareSpec, glob
                                    global_batch_size, space)
         raise ValueError(f"no valid parallel configuration for world size {world_size}, global "
                          f"batch {global_batch_size} and this model: " + ("; ".join(reasons) or
-                         f"t must divide the heads and the {hardware.devices_per_node} devices of "
-                         f"a node, p <= layers, and 2BW and Flush need at least p microbatches "
+                         f"t must divide the heads, the query groups and the "
+                         f"{hardware.devices_per_node} devices of a node, p <= layers, and 2BW and Flush need at least p microbatches "
                          f"per batch"))
     planner = _Planner(model, hardware, global_batch_size, precision, optimizer, parallel, profile,
                        space.balance_layers)

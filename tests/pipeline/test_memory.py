@@ -10,6 +10,7 @@ from megatron_2bw.memory import MemoryTracker
 from megatron_2bw.training import build_stage, startup_memory_report
 from tests.distributed_helpers import run_ranks
 from tests.pipeline.precision_harness import precise_config, train_stage
+from tests.planner.test_memory import LLAMA_SWITCHES
 
 
 class TinyStage(torch.nn.Module):
@@ -70,17 +71,21 @@ def test_microbatches_of_one_signature_are_counted_once(monkeypatch):
     assert tracker.live[2] == 3 * 8 * 16 * 4
 
 
-def stage_memory(precision: str, schedule: str) -> list[dict]:
+def stage_memory(precision: str, schedule: str, architecture: dict) -> list[dict]:
     config = precise_config(precision, p=2, schedule=schedule, optimizer="sgd", lr=0.01,
-                            global_batch=8, micro=2)
+                            global_batch=8, micro=2, **architecture)
     config.optimizer.sgd_momentum = 0.9
     return sorted(run_ranks(2, train_stage, config, 3, None, False, True),
                   key=lambda r: r["coords"][2])
 
 
+@pytest.mark.parametrize("architecture", [{}, LLAMA_SWITCHES], ids=["gpt2", "llama"])
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
-def test_2bw_holds_one_more_working_copy_and_the_estimate_fits(precision):
-    two_bw, flush = stage_memory(precision, "2bw"), stage_memory(precision, "flush")
+def test_2bw_holds_one_more_working_copy_and_the_estimate_fits(precision, architecture):
+    """The estimate's static bytes (its parameter counts) and total against what each stage holds,
+    in GPT-2's layout and in Llama's."""
+    two_bw = stage_memory(precision, "2bw", architecture)
+    flush = stage_memory(precision, "flush", architecture)
     for a, b in zip(two_bw, flush):
         assert a["distinct_versions"] <= 2
         assert a["working_dtype"] == b["working_dtype"] != torch.float32

@@ -1,8 +1,14 @@
+import dataclasses
+
 import pytest
+import torch
 
 from megatron_2bw.config import ModelConfig, ParallelConfig, PrecisionConfig, RecomputeConfig
-from megatron_2bw.planner.memory import (estimate_stage_memory, layer_activation_bytes,
-                                         layer_parameters, stage_parameters)
+from megatron_2bw.distributed.comm import ShardShapeGroup
+from megatron_2bw.models import MODELS
+from megatron_2bw.planner.memory import (core_input_elements, estimate_stage_memory,
+                                         layer_activation_bytes, layer_parameters,
+                                         stage_parameter_tensors, stage_parameters)
 
 MODEL = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32,
                     vocab_size=1000)  # vocabulary padded to 1024
@@ -10,6 +16,15 @@ H, S, A, F, V = 64, 32, 4, 256, 1024
 LAYER = 12 * H * H + 13 * H  # QKV, dense, fc1, fc2 weights and biases, two LayerNorms
 EMBEDDING = V * H + S * H  # word + learned positions
 HEAD = 2 * H + V * H  # final LayerNorm + the last stage's copy of the tied word embeddings
+# Llama's layout (Megatron-LM's flags): RMSNorm, no linear biases, SwiGLU, rotary positions,
+# 2 query groups (of 2 heads here), an untied output layer
+LLAMA_SWITCHES = dict(normalization="RMSNorm", add_bias_linear=False, swiglu=True,
+                      position_embedding_type="rope", num_query_groups=2,
+                      untie_embeddings_and_output_weights=True)
+LLAMA_F = 128  # SwiGLU's default ffn: int(4h * 2/3 / 64) * 64
+LLAMA = dataclasses.replace(MODEL, ffn_hidden_size=LLAMA_F, **LLAMA_SWITCHES)
+# QKV 2h x h (4 query heads + 2 keys + 2 values of 16), dense, fc1 (gate and up), fc2: no biases
+LLAMA_WEIGHTS = (2 * H + H + 2 * LLAMA_F + LLAMA_F) * H
 
 
 def test_parameter_counts_follow_the_model_code():
@@ -31,6 +46,32 @@ def test_parameter_counts_follow_the_model_code():
     assert stage_parameters(bert, 1, 0, False, True) == heads
 
 
+@pytest.mark.parametrize("t", [1, 2])
+def test_llama_parameter_counts(t):
+    """Two RMSNorm weights per layer, no biases, no position table, the untied output layer."""
+    assert layer_parameters(LLAMA, t) == LLAMA_WEIGHTS // t + 2 * H
+    assert stage_parameters(LLAMA, t, 2, True, False) == V * H // t + 2 * layer_parameters(LLAMA, t)
+    assert stage_parameters(LLAMA, t, 0, False, True) == H + V * H // t  # final norm, output layer
+    assert stage_parameter_tensors(LLAMA, t, 1, False, False) == 6  # 4 weights, 2 norm weights
+    qkv_bias = dataclasses.replace(LLAMA, add_qkv_bias=True)  # the qkv projection keeps its bias
+    assert layer_parameters(qkv_bias, t) == layer_parameters(LLAMA, t) + 2 * H // t
+    assert stage_parameter_tensors(qkv_bias, t, 1, False, False) == 7
+
+
+@pytest.mark.parametrize("t", [1, 2])
+@pytest.mark.parametrize("model", [MODEL, LLAMA], ids=["gpt2", "llama"])
+@pytest.mark.parametrize("layers, first, last", [(2, True, False), (2, False, True),
+                                                 (4, True, True), (1, False, False)])
+def test_stage_parameters_equal_the_built_stage(model, t, layers, first, last):
+    """What one rank of the stage holds, built with t's shard shapes."""
+    with torch.device("meta"):
+        stage = MODELS[model.model_type](model, ShardShapeGroup(t) if t > 1 else None,
+                                         model.padded_vocab_size(t), range(layers), first, last)
+    assert stage_parameters(model, t, layers, first, last) == \
+        sum(p.numel() for p in stage.parameters())
+    assert stage_parameter_tensors(model, t, layers, first, last) == len(list(stage.parameters()))
+
+
 def test_activation_formula_is_korthikantis_count():
     sbh = S * 1 * H
     # sbh (34 + 5 a s / h) with 2-byte activations, t = 1
@@ -39,6 +80,34 @@ def test_activation_formula_is_korthikantis_count():
     assert layer_activation_bytes(MODEL, 2, 1, 2) == sbh * (10 + 12) + 5 * A * S * S / 2
     assert layer_activation_bytes(MODEL, 1, 3, 2, selective=True) == 3 * sbh * 34
     assert layer_activation_bytes(MODEL, 1, 1, 4) == sbh * (16 * 4 + 2) + 9 * A * S * S
+
+
+def test_activation_formula_follows_the_llama_switches():
+    sbh, f = S * H, LLAMA_F
+    tables = 2 * 4 * S * 16  # rotary cos and sin, fp32, 16 rotated channels
+    # RMSNorm keeps its input in fp32 and the normalised value (4 + e each, two norms); QKV and
+    # fc1 inputs, 2 dropout masks; Q, K, V and the dense input (4e / t); SwiGLU's gate/up (2f),
+    # silu and product (f each) (4e f / t); the core's scores as before
+    replicated = (2 * (4 + 2) + 2 * 2 + 2) * sbh + tables
+    assert layer_activation_bytes(LLAMA, 1, 1, 2) == \
+        replicated + 4 * 2 * sbh + 4 * 2 * S * f + 5 * A * S * S
+    assert layer_activation_bytes(LLAMA, 2, 1, 2) == \
+        replicated + (4 * 2 * sbh + 4 * 2 * S * f + 5 * A * S * S) / 2
+    # selective: the core's inputs: q, k, v copies (rotated, repeated to every head: h/t each)
+    assert layer_activation_bytes(LLAMA, 1, 1, 2, selective=True) == \
+        replicated + 4 * 2 * sbh + 4 * 2 * S * f
+
+
+@pytest.mark.parametrize("switches, t, elements", [
+    ({}, 1, 3 * H),  # views of the QKV output
+    ({}, 2, 3 * H / 2),
+    ({"position_embedding_type": "rope"}, 1, 5 * H),  # rotated q, k; v a view of all of QKV
+    ({"num_query_groups": 2}, 1, 3 * H),  # q copied out of 2 groups; k, v repeated
+    ({"num_query_groups": 2}, 2, (2 * H + 2 * H) / 2),  # 1 group a rank: q a view of QKV (2h/t)
+    ({"num_query_groups": 2, "position_embedding_type": "rope"}, 2, 3 * H / 2),
+])
+def test_what_the_attention_core_input_holds(switches, t, elements):
+    assert core_input_elements(dataclasses.replace(MODEL, **switches), t) == elements
 
 
 def memory(precision=PrecisionConfig(fp16=True), schedule="2bw", stage=0, recompute=None,
@@ -89,6 +158,9 @@ def test_activations_follow_the_schedules_in_flight_counts():
 
 def test_workspace_is_the_largest_transient():
     assert memory().workspace == 2 * S * (2 * F + 2 * H)  # a layer's gradients
+    llama = estimate_stage_memory(LLAMA, ParallelConfig(pipeline_parallel=2), PrecisionConfig(
+        bf16=True), RecomputeConfig(), "adam", 1, 4, 1, 0, 1000.0)
+    assert llama.workspace == 2 * S * (4 * LLAMA_F + 2 * H)  # SwiGLU: twice the ffn-wide ones
     assert memory(stage=1).workspace == (2 + 8) * S * V  # the fp32 cross entropy
     full = memory(recompute=RecomputeConfig("full", "uniform", 2))
     assert full.workspace == 2 * S * (2 * F + 2 * H) + 2 * 1000  # a recomputed 2-layer chunk

@@ -5,16 +5,20 @@ import os
 import pytest
 import torch
 
-from megatron_2bw.config import ModelConfig, PrecisionConfig
+from megatron_2bw.config import Config, ModelConfig, PrecisionConfig, TrainingConfig
 from megatron_2bw.planner import profile as profile_module
 from megatron_2bw.planner.hardware import HardwareSpec
-from megatron_2bw.planner.memory import layer_activation_bytes, layer_parameters
-from megatron_2bw.planner.profile import (AnalyticProfile, MeasuredProfile, measure_costs_at_once,
+from megatron_2bw.planner.memory import MASK_BYTES, layer_activation_bytes, layer_parameters
+from megatron_2bw.planner.profile import (AnalyticProfile, MeasuredProfile, linear_flops_per_token,
+                                          measure_costs, measure_costs_at_once,
                                           measure_costs_per_copy, measured_profile,
                                           profiling_processes, saved_activation_bytes)
+from megatron_2bw.training import model_flops_per_iteration
+from tests.planner.test_memory import LLAMA_SWITCHES
 
 MODEL = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32,
                     vocab_size=1000)
+LLAMA = dataclasses.replace(MODEL, **LLAMA_SWITCHES, ffn_hidden_size=128)  # 2 groups of 2 heads
 HARDWARE = HardwareSpec(name="toy", devices_per_node=8, nodes=1, memory_per_device_bytes=1e10,
                         intra_node_bandwidth=1e10, intra_node_latency_s=1e-5,
                         inter_node_bandwidth=1e9, inter_node_latency_s=1e-4,
@@ -39,14 +43,45 @@ def test_analytic_layer_time_is_flops_over_peak_plus_bytes_over_bandwidth():
     assert half.layer_activation_bytes == layer_activation_bytes(MODEL, 1, b, 2)
 
 
-def test_analytic_kernel_launches_cost_a_fixed_time_per_microbatch():
-    slow = dataclasses.replace(HARDWARE, kernel_overhead_s=1e-3)
-    plain = AnalyticProfile(MODEL, PrecisionConfig(), HARDWARE).costs(1, 2)
-    costly = AnalyticProfile(MODEL, PrecisionConfig(), slow).costs(1, 2)
+def test_analytic_matmul_flops_follow_the_llama_switches():
+    """QKV projects to (4 heads + 2 x 2 groups) x 16 = 2h features, SwiGLU's fc1 to 2f: with
+    memory traffic and launches free, the layer's time is its matmul FLOPs over the peak."""
+    b, s, h, f = 2, 32, 64, 128
+    flops = 2 * b * s * (2 * h * h + h * h + 2 * f * h + f * h) + 4 * b * s * s * h
+    compute_only = dataclasses.replace(HARDWARE, memory_bandwidth=1e30, kernel_overhead_s=0.0)
+    costs = AnalyticProfile(LLAMA, PrecisionConfig(), compute_only).costs(1, b)
+    assert costs.layer_forward_s == pytest.approx(flops / 0.5e12)
+    assert costs.layer_backward_s == pytest.approx(2 * flops / 0.5e12)
+    assert linear_flops_per_token(MODEL) == 24 * h * h  # GPT-2's layout, f = 4h
+    swiglu = dataclasses.replace(MODEL, swiglu=True)  # f = 4h: fc1 2f x h, fc2 h x f
+    assert linear_flops_per_token(swiglu) == 2 * h * (4 * h + 12 * h)
+
+
+@pytest.mark.parametrize("model", [MODEL, LLAMA], ids=["gpt2", "llama"])
+def test_logged_model_flops_follow_the_architecture(model):
+    """training.py's throughput figure: 3 x tokens x (layers x (linears + 4sh) + logits)."""
+    h, s, layers, vocab = 64, 32, 2, 1000
+    linears = 24 * h * h if model is MODEL else 2 * h * (2 * h + h + 2 * 128 + 128)
+    config = Config(model=model, training=TrainingConfig(global_batch_size=8))
+    assert model_flops_per_iteration(config) == \
+        3 * 8 * s * (layers * (linears + 4 * s * h) + 2 * h * vocab)
+
+
+@pytest.mark.parametrize("model, forward, backward", [
     # forward: 4 linears, 2 LayerNorms, 2 x (bias, dropout, residual), GELU, a layout copy, and
     # the attention core's 8; backward: twice that, 8 weight-gradient kernels, 12 accumulations
-    assert costly.layer_forward_s - plain.layer_forward_s == pytest.approx(22e-3)
-    assert costly.layer_backward_s - plain.layer_backward_s == pytest.approx(64e-3)
+    (MODEL, 22, 64),
+    # 4 linears, 2 x (dropout, residual), silu and product, the layout copy, 2 x 6 for RMSNorm in
+    # fp32, k and v repeated and q copied out of its groups, 2 x 5 for rotary embeddings, the
+    # core's 8; backward: twice that, 4 weight-gradient kernels, 6 accumulations
+    (LLAMA, 44, 98),
+], ids=["gpt2", "llama"])
+def test_analytic_kernel_launches_cost_a_fixed_time_per_microbatch(model, forward, backward):
+    slow = dataclasses.replace(HARDWARE, kernel_overhead_s=1e-3)
+    plain = AnalyticProfile(model, PrecisionConfig(), HARDWARE).costs(1, 2)
+    costly = AnalyticProfile(model, PrecisionConfig(), slow).costs(1, 2)
+    assert costly.layer_forward_s - plain.layer_forward_s == pytest.approx(forward * 1e-3)
+    assert costly.layer_backward_s - plain.layer_backward_s == pytest.approx(backward * 1e-3)
 
 
 def test_analytic_tensor_parallel_shard_is_cheaper_but_not_by_t():
@@ -71,6 +106,49 @@ def test_saved_tensor_count_of_the_real_layer():
     norm_statistics = 2 * 2 * 4 * b * s  # mean and rstd of two LayerNorms, fp32
     assert none == stashed + norm_statistics + 4 * a * s * b
     assert selective == stashed + norm_statistics  # the core's log-sum-exp is recomputed
+
+
+def cpu_layer_bytes(model: ModelConfig, t: int, b: int, e: int, selective: bool) -> float:
+    """layer_activation_bytes as PyTorch on a CPU stashes them: its dropout keeps the mask in the
+    working dtype (e bytes, not MASK_BYTES), and the norms keep their statistics (LayerNorm a mean
+    and an rstd per token, RMSNorm an fp32 rsqrt)."""
+    s, h, sb = model.seq_length, model.hidden_size, model.seq_length * b
+    masks = 2 * sb * h + (0 if selective else model.num_attention_heads * s * s * b / t)
+    statistics = 2 * sb * (2 * e if model.normalization == "LayerNorm" else 4)
+    return layer_activation_bytes(model, t, b, e, selective) + (e - MASK_BYTES) * masks + statistics
+
+
+ONE_GROUP_PER_HEAD = dataclasses.replace(LLAMA, num_query_groups=None)  # rotary q, k; v a view
+
+
+@pytest.mark.parametrize("t", [1, 2])
+@pytest.mark.parametrize("model", [MODEL, LLAMA, ONE_GROUP_PER_HEAD],
+                         ids=["gpt2", "llama", "llama-mha"])
+def test_the_activation_formula_is_what_a_real_layer_saves(model, t):
+    """The analytic count against the bytes a real layer's shard stashes (with dropout PyTorch
+    takes its math attention path, the one the formula counts), exact but for the CPU's dropout
+    masks and norm statistics (`cpu_layer_bytes`). Full stashes in fp32 only: in bf16 the CPU's
+    math path computes the core in fp32."""
+    b = 2
+    for dtype, e, checked in ((torch.float32, 4, (False, True)), (torch.bfloat16, 2, (True,))):
+        body = profile_module._piece(model, t, 1, False, False, dtype, torch.device("cpu"))
+        layer = next(iter(body.transformer.layers.values()))
+        rotary = None if body.transformer.rotary is None else body.transformer.rotary(32)
+        hidden = torch.randn(b, 32, 64, dtype=dtype, requires_grad=True)
+        measured = dict(zip((False, True), saved_activation_bytes(layer, hidden, None, rotary)))
+        for selective in checked:
+            assert measured[selective] == cpu_layer_bytes(model, t, b, e, selective), \
+                (dtype, selective)
+
+
+def test_the_measured_profile_runs_the_llama_layer_with_its_rotary_tables():
+    """Grouped-query attention's narrower QKV output and the rotary tables reach the measured
+    pieces (the attention core timed on project_qkv's q, k, v)."""
+    records = measure_costs(LLAMA, PrecisionConfig(), [(1, 1), (2, 1)], torch.device("cpu"),
+                            repeats=1)
+    for t in (1, 2):
+        assert records[(t, 1)]["layer_activation_bytes"] == cpu_layer_bytes(LLAMA, t, 1, 4, False)
+        assert records[(t, 1)]["attention_core_forward_s"] > 0
 
 
 def test_measured_profile_is_cached_interpolated_and_scaled(tmp_path, monkeypatch):
@@ -208,6 +286,39 @@ def test_a_cached_profile_serves_only_the_same_model_and_torch(tmp_path, monkeyp
     cache.write_text('{"tensor_parallel": {"1": {"1": {"layer_forw')
     profile = measured_profile(MODEL, PrecisionConfig(), HARDWARE, [1], tmp_path, rounds=1)
     assert calls == [0.1, 0.0, 0.1, 0.1] and profile.records[1][1] == {"layer_forward_s": 1.0}
+
+
+@pytest.mark.parametrize("switches, name", [
+    ({"normalization": "RMSNorm"}, "-RMSNorm"),
+    ({"add_bias_linear": False}, "-nobias-noqkvbias"),
+    ({"add_bias_linear": False, "add_qkv_bias": True}, "-nobias"),
+    ({"swiglu": True, "ffn_hidden_size": 256}, "-swiglu"),  # the same ffn size
+    ({"position_embedding_type": "rope"}, "-posrope"),
+    ({"position_embedding_type": "rope", "rotary_percent": 0.5}, "-posrope-rot0.5"),
+    ({"position_embedding_type": "rope", "rotary_interleaved": True}, "-posrope-interleaved"),
+    ({"position_embedding_type": "none"}, "-posnone"),
+    ({"num_query_groups": 2}, "-g2"),
+    ({"num_query_groups": 4}, None),  # one group per head: GPT-2's attention
+    ({"untie_embeddings_and_output_weights": True}, None),  # the same shapes, the same times
+])
+def test_a_cached_profile_serves_only_the_same_architecture(tmp_path, monkeypatch, switches, name):
+    calls = []
+    monkeypatch.setattr(profile_module, "measure_costs",
+                        lambda model, precision, sizes, device=None, repeats=7:
+                        calls.append(model) or {key: {"layer_forward_s": 1.0} for key in sizes})
+    measured_profile(MODEL, PrecisionConfig(), HARDWARE, [1], tmp_path, rounds=1)
+    other = dataclasses.replace(MODEL, **switches)
+    measured_profile(other, PrecisionConfig(), HARDWARE, [1], tmp_path, rounds=1)
+    files = sorted(p.name for p in tmp_path.iterdir())
+    if name is None:  # served from GPT-2's cache
+        assert calls == [MODEL] and len(files) == 1
+        return
+    assert calls == [MODEL, other]
+    f = switches.get("ffn_hidden_size", 256)
+    assert f"toy__gpt-h64-a4-f{f}-s32-v1024{name}-dropout0.1-0.1__float32.json" in files
+    assert profile_module._profile_identity(other) != profile_module._profile_identity(MODEL)
+    measured_profile(other, PrecisionConfig(), HARDWARE, [1], tmp_path, rounds=1)
+    assert len(calls) == 2  # its own file serves it next time
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="CPU affinity is Linux's")

@@ -35,6 +35,16 @@ def test_candidates_respect_every_constraint():
     assert {(c.pipeline_parallel, c.layer_split) for c in split} == {(2, (1, 3))}
 
 
+def test_tensor_parallel_sizes_must_divide_the_query_groups():
+    """Each rank holds whole query groups: with 2 groups for 4 heads, t = 4 is no candidate."""
+    grouped = dataclasses.replace(MODEL, num_query_groups=2)
+    assert {c.tensor_parallel for c in candidates(grouped, 16, P3.for_world(16), 32)} == {1, 2}
+    assert rank_plans(grouped, 16, P3, 32, PrecisionConfig(fp16=True))[0].fits
+    with pytest.raises(ValueError, match="--tensor-model-parallel-size 4 must divide .* the 2 "
+                                         "query groups"):
+        rank_plans(grouped, 16, P3, 32, PrecisionConfig(), space=SearchSpace(tensor_parallel=(4,)))
+
+
 def test_replaying_only_the_contenders_finds_the_same_top():
     args = (MODEL, 16, P3, 64, PrecisionConfig(fp16=True))
     pruned = rank_plans(*args, simulate_top=2)
