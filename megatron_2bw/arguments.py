@@ -120,6 +120,9 @@ def build_parser(description: str = "", extra_args_provider=None) -> argparse.Ar
     _bool_flag(g, "--bind-cores-to-rank", "parallel", "bind_cores_to_rank",
                "bind each local rank to its own share of the node's CPU cores (as DeepSpeed's "
                "launcher option of that name)")
+    _bool_flag(g, "--sequence-parallel", "model", "sequence_parallel",
+               "split the activations between tensor-parallel regions (norms, dropout, residual "
+               "adds, pipeline messages) along the sequence over the tensor-parallel group")
     g.add_argument("--local_rank", "--local-rank", type=int, default=None,
                    help="set by the deepspeed launcher; the environment is used instead")
 
@@ -390,6 +393,9 @@ def validate(config: Config, require_data: bool = True) -> None:
              f"--ffn-hidden-size must be a positive integer, got {m.ffn_hidden_size} (with "
              f"--swiglu its default is 2/3 of 4 * --hidden-size rounded down to a multiple of 64)")
     _validate_architecture(m, t)
+    _require(not m.sequence_parallel or m.seq_length % t == 0,
+             f"--sequence-parallel splits --seq-length {m.seq_length} over "
+             f"--tensor-model-parallel-size {t}, which must divide it")
     _require(m.ffn_hidden_size % t == 0,
              f"--tensor-model-parallel-size {t} must divide --ffn-hidden-size {m.ffn_hidden_size}")
     _require(m.max_position_embeddings >= m.seq_length,

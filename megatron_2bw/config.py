@@ -40,6 +40,10 @@ class ModelConfig:
     rope_scaling: bool = False  # Llama 3.1's long-context frequencies (--use-rope-scaling)
     rope_scaling_factor: float = 8.0
     num_query_groups: int | None = None  # grouped-query attention; None: one group per head
+    # activations outside the tensor-parallel regions split along the sequence over the tensor
+    # group (--sequence-parallel; Megatron-LM's TransformerConfig holds it too). Not part of the
+    # architecture: a checkpoint loads with it on or off.
+    sequence_parallel: bool = False
     # GPT only: the output layer's own weights instead of the word embeddings' (Megatron-LM's flag)
     untie_embeddings_and_output_weights: bool = False
     # BERT only
@@ -216,6 +220,11 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    @property
+    def sequence_ranks(self) -> int:
+        """How many parts a stage's activations are split into along the sequence."""
+        return self.parallel.tensor_parallel if self.model.sequence_parallel else 1
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -4,6 +4,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+# torch 2.13 renamed the tensor-in/tensor-out collectives; the old names still exist, but warn
+reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 class ShardShapeGroup:
     """Stands in for a tensor-parallel group of `size` when one process times one rank's shard

@@ -23,7 +23,6 @@ from tqdm import tqdm
 
 from megatron_2bw.distributed.comm import all_reduce
 from megatron_2bw.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
-from megatron_2bw.tensor_parallel.layers import parallel_lm_logits
 from megatron_2bw.tensor_parallel.mappings import gather_from_tensor_parallel
 
 
@@ -97,8 +96,7 @@ def token_scores(model, tokens: torch.Tensor, with_predictions: bool):
     """Per-target losses [b, L] (and argmax predictions) of a whole-model (p = 1) GPT whose
     vocabulary may be split over its tensor-parallel group."""
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    hidden = model.transformer(model.embedding(inputs))
-    logits = parallel_lm_logits(model.final_norm(hidden), model.head_weight(), model.group)
+    logits = model.lm_logits(model.transformer(model.embedding(inputs)))
     losses = vocab_parallel_cross_entropy(logits, targets, model.group, model.config.vocab_size)
     predictions = None
     if with_predictions:

@@ -58,7 +58,8 @@ class BertModel(LanguageModelStage):
         hidden = self.encode(hidden, batch)
         if not self.post_process:
             return hidden
-        lm_logits, binary_logits = self.heads(hidden, self.head_weight(), self.group)
+        lm_logits, binary_logits = self.heads(self.gather_sequence(hidden), self.head_weight(),
+                                              self.group)
         labels, loss_mask = batch["labels"], batch["loss_mask"].float()
         losses = vocab_parallel_cross_entropy(lm_logits, labels.clamp(min=0), self.group,
                                               self.config.vocab_size)

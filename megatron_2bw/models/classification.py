@@ -61,7 +61,7 @@ class BertClassifier(nn.Module):
 
     def forward(self, batch: dict) -> torch.Tensor:
         """Logits [b, num_classes] in fp32 from batch text/types/padding_mask [b, s]."""
-        hidden = self.final_norm(self.encoder(None, batch))
+        hidden = self.final_norm(self.encoder.gather_sequence(self.encoder(None, batch)))
         pooled = torch.tanh(self.pooler(hidden[:, 0]))
         return self.classifier(self.dropout(pooled)).float()
 

@@ -40,7 +40,7 @@ class GPTModel(LanguageModelStage):
                                   document_causal_mask(documents), position_ids)
         if not self.post_process:
             return hidden
-        logits = parallel_lm_logits(self.final_norm(hidden), self.head_weight(), self.group)
+        logits = self.lm_logits(hidden)
         losses = vocab_parallel_cross_entropy(logits, tokens[:, 1:], self.group, self.config.vocab_size)
         loss_mask = batch.get("loss_mask")
         if loss_mask is None:
@@ -50,8 +50,12 @@ class GPTModel(LanguageModelStage):
             loss = (losses * loss_mask).sum() / loss_mask.sum().clamp(min=1.0)
         return loss, {"lm loss": loss.detach()}
 
+    def lm_logits(self, hidden):
+        """Vocabulary-parallel logits [b, s, vocab/t] of the last layer's output."""
+        hidden = self.final_norm(self.gather_sequence(hidden))
+        return parallel_lm_logits(hidden, self.head_weight(), self.group)
+
     def logits(self, tokens):
         """Full-vocabulary logits of a whole (p = 1) model, for evaluation and export checks."""
-        hidden = self.transformer(self.embedding(tokens))
-        logits = parallel_lm_logits(self.final_norm(hidden), self.head_weight(), self.group)
+        logits = self.lm_logits(self.transformer(self.embedding(tokens)))
         return gather_from_tensor_parallel(logits, self.group)[..., :self.config.vocab_size]

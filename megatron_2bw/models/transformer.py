@@ -16,6 +16,7 @@ from megatron_2bw.distributed.comm import group_size
 from megatron_2bw.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
                                                  VocabParallelEmbedding, make_param,
                                                  replicated_param)
+from megatron_2bw.tensor_parallel.mappings import gather_from_sequence_parallel, sequence_chunk
 from megatron_2bw.tensor_parallel.random import checkpoint, get_rng_tracker
 
 try:  # NVIDIA apex is optional; torch's layer_norm computes the same function
@@ -51,10 +52,37 @@ class RMSNorm(nn.Module):
         return normed.to(x.dtype) * self.weight
 
 
-def build_norm(config: ModelConfig) -> nn.Module:
+def build_norm(config: ModelConfig, sequence_parallel: bool = False) -> nn.Module:
     """The norm --normalization names, for the layers' and the final norm."""
     norm = RMSNorm if config.normalization == "RMSNorm" else LayerNorm
-    return norm(config.hidden_size, config.layernorm_epsilon)
+    module = norm(config.hidden_size, config.layernorm_epsilon)
+    mark_sequence_parallel(module.parameters(), sequence_parallel)
+    return module
+
+
+def uses_sequence_parallel(config: ModelConfig, group) -> bool:
+    return config.sequence_parallel and group_size(group) > 1
+
+
+def mark_sequence_parallel(params, sequence_parallel: bool) -> None:
+    """Replicated parameters applied to this rank's part of the sequence only."""
+    for param in params:
+        param.spec.sequence_parallel = sequence_parallel
+
+
+class Dropout(nn.Dropout):
+    """Dropout whose mask differs between tensor-parallel ranks when each holds its own part of
+    the sequence (the ranks share the default generator, Megatron's convention)."""
+
+    def __init__(self, p: float, sequence_parallel: bool):
+        super().__init__(p)
+        self.sequence_parallel = sequence_parallel
+
+    def forward(self, x):
+        if not self.sequence_parallel:
+            return super().forward(x)
+        with get_rng_tracker().fork():
+            return super().forward(x)
 
 
 class Embedding(nn.Module):
@@ -64,22 +92,32 @@ class Embedding(nn.Module):
     def __init__(self, config: ModelConfig, padded_vocab_size: int, group):
         super().__init__()
         h = config.hidden_size
-        self.word_embeddings = VocabParallelEmbedding(padded_vocab_size, h, group)
+        self.group, self.sequence_parallel = group, uses_sequence_parallel(config, group)
+        self.word_embeddings = VocabParallelEmbedding(padded_vocab_size, h, group,
+                                                      sequence_parallel=self.sequence_parallel)
         self.position_embeddings = (
             replicated_param((config.max_position_embeddings, h), "normal")
             if config.position_embedding_type == "learned_absolute" else None)
         self.tokentype_embeddings = (replicated_param((config.num_tokentypes, h), "normal")
                                      if config.num_tokentypes else None)
-        self.dropout = nn.Dropout(config.hidden_dropout)
+        mark_sequence_parallel([p for p in (self.position_embeddings, self.tokentype_embeddings)
+                                if p is not None], self.sequence_parallel)
+        self.dropout = Dropout(config.hidden_dropout, self.sequence_parallel)
+
+    def _lookup(self, ids, table):
+        """Rows of a replicated table, for this rank's part of the sequence under
+        --sequence-parallel (the word embeddings arrive split so)."""
+        ids = sequence_chunk(ids, self.group) if self.sequence_parallel else ids
+        return F.embedding(ids, table)
 
     def forward(self, ids, tokentype_ids=None, position_ids=None):
         x = self.word_embeddings(ids)
         if self.position_embeddings is not None:
-            positions = torch.arange(ids.shape[1], device=ids.device) if position_ids is None \
-                else position_ids
-            x = x + F.embedding(positions, self.position_embeddings)
+            positions = torch.arange(ids.shape[1], device=ids.device)[None] \
+                if position_ids is None else position_ids
+            x = x + self._lookup(positions, self.position_embeddings)
         if self.tokentype_embeddings is not None and tokentype_ids is not None:
-            x = x + F.embedding(tokentype_ids, self.tokentype_embeddings)
+            x = x + self._lookup(tokentype_ids, self.tokentype_embeddings)
         return self.dropout(x)
 
 
@@ -143,6 +181,7 @@ class ParallelAttention(nn.Module):
     def __init__(self, config: ModelConfig, group, causal: bool, recompute_core: bool):
         super().__init__()
         h, t = config.hidden_size, group_size(group)
+        sequence_parallel = uses_sequence_parallel(config, group)
         self.local_heads = config.num_attention_heads // t
         self.local_groups = config.query_groups // t
         self.heads_per_group = config.num_attention_heads // config.query_groups
@@ -153,13 +192,17 @@ class ParallelAttention(nn.Module):
         # rows ordered (query group, its query heads then k then v, head_dim), so a contiguous
         # shard holds whole groups; with one group per head that is (head, q/k/v, head_dim)
         self.qkv = ColumnParallelLinear(h, config.qkv_size, group,
-                                        bias=config.add_bias_linear or config.add_qkv_bias)
-        self.dense = RowParallelLinear(h, h, group, bias=config.add_bias_linear, init="output")
+                                        bias=config.add_bias_linear or config.add_qkv_bias,
+                                        sequence_parallel=sequence_parallel)
+        self.dense = RowParallelLinear(h, h, group, bias=config.add_bias_linear, init="output",
+                                       sequence_parallel=sequence_parallel)
 
     def project_qkv(self, x, rotary=None):
-        """q [b, local heads, s, head_dim]; k and v repeated to one per query head."""
-        b, s, _ = x.shape
-        qkv = self.qkv(x).view(b, s, self.local_groups, self.heads_per_group + 2, self.head_dim)
+        """q [b, local heads, s, head_dim] (the whole sequence); k and v repeated to one per
+        query head."""
+        qkv = self.qkv(x)
+        b, s = qkv.shape[:2]
+        qkv = qkv.view(b, s, self.local_groups, self.heads_per_group + 2, self.head_dim)
         q, k, v = qkv.split([self.heads_per_group, 1, 1], dim=3)
         q = q.reshape(b, s, self.local_heads, self.head_dim).transpose(1, 2)
         k, v = (t.squeeze(3).transpose(1, 2) for t in (k, v))
@@ -177,13 +220,12 @@ class ParallelAttention(nn.Module):
                                                   is_causal=self.causal and mask is None)
 
     def forward(self, x, mask=None, rotary=None):
-        b, s, _ = x.shape
         q, k, v = self.project_qkv(x, rotary)
         if self.recompute_core and self.training:
             context = checkpoint(self.core, q, k, v, mask)
         else:
             context = self.core(q, k, v, mask)
-        return self.dense(context.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim))
+        return self.dense(context.transpose(1, 2).flatten(2))
 
 
 class ParallelMLP(nn.Module):
@@ -194,9 +236,11 @@ class ParallelMLP(nn.Module):
         super().__init__()
         self.swiglu = config.swiglu
         f, bias = config.ffn_hidden_size, config.add_bias_linear
+        sequence_parallel = uses_sequence_parallel(config, group)
         self.fc1 = ColumnParallelLinear(config.hidden_size, 2 * f if self.swiglu else f, group,
-                                        bias=bias)
-        self.fc2 = RowParallelLinear(f, config.hidden_size, group, bias=bias, init="output")
+                                        bias=bias, sequence_parallel=sequence_parallel)
+        self.fc2 = RowParallelLinear(f, config.hidden_size, group, bias=bias, init="output",
+                                     sequence_parallel=sequence_parallel)
 
     def forward(self, x):
         hidden = self.fc1(x)
@@ -209,11 +253,12 @@ class ParallelMLP(nn.Module):
 class TransformerLayer(nn.Module):
     def __init__(self, config: ModelConfig, group, causal: bool, recompute_core: bool = False):
         super().__init__()
-        self.input_norm = build_norm(config)
+        sequence_parallel = uses_sequence_parallel(config, group)
+        self.input_norm = build_norm(config, sequence_parallel)
         self.attention = ParallelAttention(config, group, causal, recompute_core)
-        self.post_attention_norm = build_norm(config)
+        self.post_attention_norm = build_norm(config, sequence_parallel)
         self.mlp = ParallelMLP(config, group)
-        self.dropout = nn.Dropout(config.hidden_dropout)
+        self.dropout = Dropout(config.hidden_dropout, sequence_parallel)
 
     def forward(self, x, mask=None, rotary=None):
         x = x + self.dropout(self.attention(self.input_norm(x), mask, rotary))
@@ -233,6 +278,8 @@ class TransformerStack(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerLayer(config, group, causal, selective)
                                      for i in layers})
         self.rotary = RotaryEmbedding(config) if config.position_embedding_type == "rope" else None
+        # under --sequence-parallel a rank holds 1/t of the sequence; rotary tables cover all of it
+        self.sequence_ranks = group_size(group) if uses_sequence_parallel(config, group) else 1
 
     def _recomputed(self, position: int) -> bool:
         r = self.recompute
@@ -242,7 +289,8 @@ class TransformerStack(nn.Module):
 
     def forward(self, x, mask=None, position_ids=None):
         """`position_ids` [b, s] (default 0..s-1) place the tokens for rotary embeddings."""
-        rotary = None if self.rotary is None else self.rotary(x.shape[1], position_ids, x.device)
+        rotary = None if self.rotary is None else self.rotary(x.shape[1] * self.sequence_ranks,
+                                                              position_ids, x.device)
         layers = list(self.layers.values())
         position = 0
         while position < len(layers):
@@ -305,6 +353,13 @@ class LanguageModelStage(nn.Module):
 
     def build_heads(self, config: ModelConfig, padded_vocab_size: int, group) -> None:
         raise NotImplementedError
+
+    def gather_sequence(self, hidden):
+        """The whole sequence on every rank for the heads (under --sequence-parallel each rank
+        holds its part; the heads' gradient arrives whole, so each rank keeps its part of it)."""
+        if not uses_sequence_parallel(self.config, self.group):
+            return hidden
+        return gather_from_sequence_parallel(hidden, self.group, partial_grad=False)
 
     def head_weight(self) -> torch.Tensor:
         if self.config.untie_embeddings_and_output_weights:

@@ -35,13 +35,11 @@ import torch
 import torch.distributed as dist
 
 from megatron_2bw.config import OptimizerConfig
-from megatron_2bw.distributed.comm import all_reduce, group_rank, group_size
+from megatron_2bw.distributed.comm import all_reduce, group_rank, group_size, reduce_scatter_tensor
 from megatron_2bw.optim.distributed import DistributedOptimizer
 from megatron_2bw.optim.optimizer import initialize_state
 from megatron_2bw.pipeline.weights import WeightVersions
-
-# torch 2.13 renamed the tensor-in/tensor-out collectives; the old names still exist, but warn
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+from megatron_2bw.tensor_parallel.layers import sum_sequence_parallel_grads
 
 
 @dataclass
@@ -76,7 +74,7 @@ class GradientUpdater:
         self.versions, self.optimizer, self.scaler = versions, optimizer, loss_scaler
         self.lr_at, self.clip_grad = lr_at, opt.clip_grad
         self.data_group, self.embedding_group = data_group, embedding_group
-        self.model_group = model_group
+        self.model_group, self.tensor_group = model_group, tensor_group
         self.bucket_elements = bucket_elements
         self.timeout = timedelta(minutes=timeout_minutes)
         self.timers = timers
@@ -125,12 +123,13 @@ class GradientUpdater:
         timer and timer.start()
         v = self.versions
         buffer = v.main_grad_buffer
+        sum_sequence_parallel_grads(v.main_grads, v.specs, self.tensor_group)
         if self.overflow_injection is not None and self.overflow_injection(batch):
             buffer[0] = float("inf")
         replicated = group_size(self.data_group) > 1
         data_works = []
         if v.sharded:
-            data_works = [_reduce_scatter(buffer[a:b], buffer[start:end], op=dist.ReduceOp.AVG,
+            data_works = [reduce_scatter_tensor(buffer[a:b], buffer[start:end], op=dist.ReduceOp.AVG,
                                           group=self.data_group, async_op=True)
                           for (start, end), (a, b) in zip(v.layout.regions, v.layout.owned)]
         elif replicated:

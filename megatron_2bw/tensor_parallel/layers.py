@@ -14,11 +14,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from megatron_2bw.distributed.comm import group_rank, group_size
+from megatron_2bw.distributed.comm import all_reduce, group_rank, group_size
 from megatron_2bw.tensor_parallel.mappings import (
-    copy_to_tensor_parallel, gather_from_tensor_parallel, reduce_from_tensor_parallel,
-    scatter_to_tensor_parallel)
+    copy_to_tensor_parallel, gather_from_sequence_parallel, gather_from_tensor_parallel,
+    reduce_from_tensor_parallel, reduce_scatter_to_sequence_parallel, scatter_to_tensor_parallel)
 
 
 @dataclass
@@ -31,6 +32,9 @@ class ParamSpec:
     init_name: str | None = None  # overrides the parameter's name for seeding (tied copies)
     tied: bool = False  # word embeddings shared by the first and last pipeline stage
     tied_copy: bool = False  # the last stage's copy: excluded from the grad norm (counted once)
+    # replicated, but used on this rank's part of the sequence only (--sequence-parallel): its
+    # gradient is summed over the tensor-parallel group
+    sequence_parallel: bool = False
 
     @property
     def replicated(self) -> bool:
@@ -76,43 +80,56 @@ def initialize_parameters(module: nn.Module, seed: int, std: float, num_layers: 
 
 
 class ColumnParallelLinear(nn.Module):
-    """Y = X A^T + b with A split by output rows: each rank computes its slice of the outputs."""
+    """Y = X A^T + b with A split by output rows: each rank computes its slice of the outputs.
+    With `sequence_parallel` the input arrives split along the sequence and is gathered first."""
 
     def __init__(self, in_features: int, out_features: int, group, bias: bool = True,
-                 gather_output: bool = False, init: str = "normal"):
+                 gather_output: bool = False, init: str = "normal", sequence_parallel: bool = False):
         super().__init__()
         self.group, self.gather_output = group, gather_output
+        self.sequence_parallel = sequence_parallel
         self.weight = make_param((out_features, in_features), group, 0, init)
         self.bias = make_param((out_features,), group, 0, "zeros") if bias else None
 
     def forward(self, x):
-        y = F.linear(copy_to_tensor_parallel(x, self.group), self.weight, self.bias)
+        x = gather_from_sequence_parallel(x, self.group) if self.sequence_parallel \
+            else copy_to_tensor_parallel(x, self.group)
+        y = F.linear(x, self.weight, self.bias)
         return gather_from_tensor_parallel(y, self.group) if self.gather_output else y
 
 
 class RowParallelLinear(nn.Module):
-    """Y = X A^T + b with A split by input columns: partial products are summed over the group."""
+    """Y = X A^T + b with A split by input columns: partial products are summed over the group
+    (with `sequence_parallel`, summed and split along the sequence: a reduce-scatter)."""
 
     def __init__(self, in_features: int, out_features: int, group, bias: bool = True,
-                 input_is_parallel: bool = True, init: str = "output"):
+                 input_is_parallel: bool = True, init: str = "output",
+                 sequence_parallel: bool = False):
         super().__init__()
         self.group, self.input_is_parallel = group, input_is_parallel
+        self.sequence_parallel = sequence_parallel and group_size(group) > 1
         self.weight = make_param((out_features, in_features), group, 1, init)
         self.bias = replicated_param((out_features,), "zeros") if bias else None
+        if self.bias is not None:
+            self.bias.spec.sequence_parallel = self.sequence_parallel
 
     def forward(self, x):
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel(x, self.group)
-        y = reduce_from_tensor_parallel(F.linear(x, self.weight), self.group)
+        y = F.linear(x, self.weight)
+        y = reduce_scatter_to_sequence_parallel(y, self.group) if self.sequence_parallel \
+            else reduce_from_tensor_parallel(y, self.group)
         return y if self.bias is None else y + self.bias
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Embedding table split by vocabulary rows; each rank looks up the ids it owns."""
+    """Embedding table split by vocabulary rows; each rank looks up the ids it owns (with
+    `sequence_parallel` each keeps its part of the sequence of the summed lookups)."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, group, init: str = "normal"):
+    def __init__(self, num_embeddings: int, embedding_dim: int, group, init: str = "normal",
+                 sequence_parallel: bool = False):
         super().__init__()
-        self.group = group
+        self.group, self.sequence_parallel = group, sequence_parallel
         self.weight = make_param((num_embeddings, embedding_dim), group, 0, init)
         rows = self.weight.shape[0]
         self.vocab_start = group_rank(group) * rows
@@ -124,6 +141,8 @@ class VocabParallelEmbedding(nn.Module):
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local = (ids - self.vocab_start).masked_fill(outside, 0)
         out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence_parallel(out, self.group)
         return reduce_from_tensor_parallel(out, self.group)
 
 
@@ -137,6 +156,19 @@ class ReplicatedLinear(nn.Module):
 
     def forward(self, x):
         return F.linear(x, self.weight, self.bias)
+
+
+@torch.no_grad()
+def sum_sequence_parallel_grads(grads: list[torch.Tensor], specs: list[ParamSpec], group) -> None:
+    """Each rank's gradient of a replicated parameter used under --sequence-parallel covers its
+    part of the sequence only: sum them over the tensor-parallel group (one all-reduce)."""
+    chosen = [g for g, spec in zip(grads, specs) if spec.sequence_parallel]
+    if not chosen:
+        return
+    flat = _flatten_dense_tensors(chosen)
+    all_reduce(flat, group)
+    for grad, summed in zip(chosen, _unflatten_dense_tensors(flat, chosen)):
+        grad.copy_(summed)
 
 
 def parallel_lm_logits(hidden, word_embeddings_weight, group):

@@ -1,5 +1,5 @@
 """pretrain_gpt.py under torchrun: tensor parallelism (t=2 x d=2) and 2BW with t=2 x p=2 (GPT-2's
-layout and Llama's) train a tiny GPT on --mock-data and the loss falls."""
+layout, and Llama's with sequence parallelism) train a tiny GPT on --mock-data and the loss falls."""
 import os
 import re
 import subprocess
@@ -28,8 +28,8 @@ def losses(output: str) -> list[float]:
     ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",  # Llama's layout
      "--normalization", "RMSNorm", "--disable-bias-linear", "--swiglu", "--position-embedding-type",
      "rope", "--group-query-attention", "--num-query-groups", "2",
-     "--untie-embeddings-and-output-weights"],
-], ids=["t2d2", "t2p2-2bw", "t2p2-2bw-llama"])
+     "--untie-embeddings-and-output-weights", "--sequence-parallel"],
+], ids=["t2d2", "t2p2-2bw", "t2p2-2bw-llama-sequence-parallel"])
 def test_loss_falls(layout):
     result = subprocess.run([TORCHRUN, "--nproc-per-node", "4", "--master-port", str(free_port()),
                              "pretrain_gpt.py", *TINY, *layout], cwd=ROOT, capture_output=True,

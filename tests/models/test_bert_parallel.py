@@ -170,6 +170,16 @@ def test_p2_d2_gpipe_with_full_recomputation_matches_one_process():
     assert torch.allclose(last_stage_losses(results), last_stage_losses(one_process()), atol=1e-5)
 
 
+def test_t2_p2_sequence_parallel_with_full_recomputation_matches_one_process():
+    """--sequence-parallel under BERT (padding masks, token types, the heads on the gathered
+    sequence) with recomputation, which re-runs the gathers in the backward."""
+    c = config(t=2, p=2, model={"sequence_parallel": True},
+               recompute={"granularity": "full", "method": "uniform", "num_layers": 1})
+    results = run_ranks(4, train_on_ranks, c, 3, bert_feed)
+    assert max_difference(full_weights(results), full_weights(one_process()), VOCAB) < 1e-5
+    assert torch.allclose(last_stage_losses(results), last_stage_losses(one_process()), atol=1e-5)
+
+
 def test_t2_bf16_with_selective_recomputation_tracks_fp32():
     c = config(t=2, precision={"bf16": True}, recompute={"granularity": "selective"})
     losses = last_stage_losses(run_ranks(2, train_on_ranks, c, 3, bert_feed))

@@ -136,3 +136,24 @@ def test_architecture_switches_through_the_pipeline(architecture, feed, t, p, wo
     assert "tied_copy:output_embedding" not in two_bw
     output, embeddings = two_bw["output_layer"], two_bw["embedding.word_embeddings.weight"]
     assert output.shape == embeddings.shape and (output - embeddings).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("architecture,feed", [({}, gpt_feed), (LLAMA, position_reset_feed)],
+                         ids=["gpt2", "llama-position-resets"])
+@pytest.mark.parametrize("t,p,world", [(2, 1, 4), (2, 2, 4)])
+def test_sequence_parallel_matches_one_process(architecture, feed, t, p, world):
+    """--sequence-parallel (each tensor-parallel rank holds half of the sequence between the
+    layers' tensor-parallel regions, and pipeline messages carry that half): Flush reaches one
+    process's weights, 2BW the delayed-update reference's; replicated norms, biases and position
+    embeddings get their gradient summed over the tensor-parallel group."""
+    sequence_parallel = {**architecture, "sequence_parallel": True}
+    single = full_weights(run_ranks(1, train_on_ranks, config("adam", schedule="flush",
+                                                              **architecture), 3, feed))
+    flushed = run_ranks(world, train_on_ranks, config("adam", t=t, p=p, schedule="flush",
+                                                      **sequence_parallel), 3, feed)
+    assert max_difference(full_weights(flushed), single, VOCAB) < 1e-5
+    c = config("sgd", **architecture)
+    reference = delayed_update_reference(c, 5, feed(c, ParallelLayout(1, 1, 1)), 4)
+    two_bw = full_weights(run_ranks(world, train_on_ranks, config("sgd", t=t, p=p, schedule="2bw",
+                                                                  **sequence_parallel), 5, feed))
+    assert max_difference(two_bw, reference, VOCAB) < 1e-5

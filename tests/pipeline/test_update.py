@@ -26,7 +26,7 @@ def record_order(rank: int, world: int, schedule: str, distributed_optimizer: bo
     layout, stage = stage_on_rank(rank, world, config)
     events: list[str] = []
     gradients = stage.versions.main_grad_buffer.untyped_storage().data_ptr()
-    real_all_reduce, real_reduce_scatter = update.all_reduce, update._reduce_scatter
+    real_all_reduce, real_reduce_scatter = update.all_reduce, update.reduce_scatter_tensor
 
     class RecordedWork:
         def __init__(self, work):
@@ -49,7 +49,7 @@ def record_order(rank: int, world: int, schedule: str, distributed_optimizer: bo
         return RecordedWork(real_reduce_scatter(output, tensor, **options))
 
     update.all_reduce = all_reduce  # this forked rank's module only
-    update._reduce_scatter = reduce_scatter
+    update.reduce_scatter_tensor = reduce_scatter
     run_action = stage.executor._run_one
 
     def logged(action, next_microbatch):
