@@ -97,11 +97,13 @@ def _evaluate_on_ranks(rank, world, argv):
     return load_tool("evaluate_perplexity").main(argv)
 
 
-def test_tensor_parallel_evaluation_gives_the_same_perplexity(evaluated):
+@pytest.mark.parametrize("sequence_parallel", [[], ["--sequence-parallel"]], ids=["", "sp"])
+def test_tensor_parallel_evaluation_gives_the_same_perplexity(evaluated, sequence_parallel):
     root, _, prefix, _ = evaluated
     argv = ["--load", str(root / "ckpt"), "--data-path", prefix, "--overlapping-eval", "5"]
     single = load_tool("evaluate_perplexity").main(argv)
-    parallel = run_ranks(2, _evaluate_on_ranks, argv + ["--tensor-model-parallel-size", "2"])
+    parallel = run_ranks(2, _evaluate_on_ranks, argv + ["--tensor-model-parallel-size", "2",
+                                                        *sequence_parallel])
     assert parallel[0]["loss"] == pytest.approx(single["loss"], rel=1e-5)
     assert parallel[0]["targets"] == single["targets"]
 
