@@ -100,7 +100,8 @@ def run_tool(nproc: int, args: list[str], log: Path) -> str:
 
 
 def test_finetuning_learns_the_task_and_t2_matches_t1(workspace):
-    """t=1 x d=2 (micro-batch 8) and t=2 x d=1 (micro-batch 16) see the same global batches."""
+    """t=1 x d=2 (micro-batch 8) and t=2 x d=1 (micro-batch 16), also with --sequence-parallel,
+    see the same global batches."""
     base = workspace["base"]
     common = ["--task", "SST-2", "--load", str(workspace["bert"]), "--epochs", "3", "--lr", "1e-3",
               "--global-batch-size", "16", "--seed", "5"]
@@ -110,12 +111,17 @@ def test_finetuning_learns_the_task_and_t2_matches_t1(workspace):
                           "--datasets-dir", str(base / "sst2_hub"),
                           "--results", str(base / "t2.json")], base / "t2.log")
     assert "world 2 = t 2 x d 1" in output
-    t1, t2 = (json.loads((base / name).read_text()) for name in ("t1.json", "t2.json"))
+    run_tool(2, [*common, "--micro-batch-size", "16", "--tensor-model-parallel-size", "2",
+                 "--sequence-parallel", "--data-dir", str(base / "SST-2"),
+                 "--results", str(base / "t2sp.json")], base / "t2sp.log")
+    t1, t2, t2sp = (json.loads((base / name).read_text())
+                    for name in ("t1.json", "t2.json", "t2sp.json"))
     assert t1["task"] == "SST-2" and [e["epoch"] for e in t1["epochs"]] == [1, 2, 3]
     assert t1["epochs"][-1]["metrics"]["accuracy"] >= 0.95, t1
-    for one, two in zip(t1["epochs"], t2["epochs"]):
-        assert one["metrics"] == two["metrics"]
-        assert abs(one["train_loss"] - two["train_loss"]) < 1e-4
+    for one, two, sequence_parallel in zip(t1["epochs"], t2["epochs"], t2sp["epochs"]):
+        for other in (two, sequence_parallel):
+            assert one["metrics"] == other["metrics"]
+            assert abs(one["train_loss"] - other["train_loss"]) < 1e-4
     table = format_results_table([base / "t1.json"])
     assert table.splitlines()[1].split() == ["SST-2", "dev", "3", "accuracy",
                                              f"{t1['epochs'][-1]['metrics']['accuracy']:.4f}"]
