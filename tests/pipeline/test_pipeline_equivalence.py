@@ -115,6 +115,25 @@ LLAMA = {**UNTIED, "normalization": "RMSNorm", "add_bias_linear": False, "swiglu
          "ffn_hidden_size": 64, "position_embedding_type": "rope", "num_query_groups": 2}
 
 
+def check_flush_and_2bw(architecture: dict, feed, t: int, p: int, world: int,
+                        parallel_only: dict | None = None) -> dict:
+    """Flush on `world` ranks reaches one process's weights, 2BW the delayed-update reference's
+    (`parallel_only`: model fields the parallel runs add, e.g. sequence parallelism). Returns
+    2BW's weights."""
+    parallel = {**architecture, **(parallel_only or {})}
+    single = full_weights(run_ranks(1, train_on_ranks, config("adam", schedule="flush",
+                                                              **architecture), 3, feed))
+    flushed = run_ranks(world, train_on_ranks, config("adam", t=t, p=p, schedule="flush",
+                                                      **parallel), 3, feed)
+    assert max_difference(full_weights(flushed), single, VOCAB) < 1e-5
+    c = config("sgd", **architecture)
+    reference = delayed_update_reference(c, 5, feed(c, ParallelLayout(1, 1, 1)), 4)
+    two_bw = full_weights(run_ranks(world, train_on_ranks, config("sgd", t=t, p=p, schedule="2bw",
+                                                                  **parallel), 5, feed))
+    assert max_difference(two_bw, reference, VOCAB) < 1e-5
+    return two_bw
+
+
 @pytest.mark.parametrize("architecture,feed", [(UNTIED, gpt_feed), (LLAMA, position_reset_feed)],
                          ids=["untied", "llama-position-resets"])
 @pytest.mark.parametrize("t,p,world", [(1, 2, 2), (2, 2, 4)])
@@ -123,16 +142,7 @@ def test_architecture_switches_through_the_pipeline(architecture, feed, t, p, wo
     stage rotates by the batch's positions): Flush reaches one process's weights and 2BW the
     delayed-update reference's, with no embedding all-reduce between first and last stage; the
     output layer then trains apart from the word embeddings."""
-    single = full_weights(run_ranks(1, train_on_ranks, config("adam", schedule="flush",
-                                                              **architecture), 3, feed))
-    flushed = run_ranks(world, train_on_ranks, config("adam", t=t, p=p, schedule="flush",
-                                                      **architecture), 3, feed)
-    assert max_difference(full_weights(flushed), single, VOCAB) < 1e-5
-    c = config("sgd", **architecture)
-    reference = delayed_update_reference(c, 5, feed(c, ParallelLayout(1, 1, 1)), 4)
-    two_bw = full_weights(run_ranks(world, train_on_ranks, config("sgd", t=t, p=p, schedule="2bw",
-                                                                  **architecture), 5, feed))
-    assert max_difference(two_bw, reference, VOCAB) < 1e-5
+    two_bw = check_flush_and_2bw(architecture, feed, t, p, world)
     assert "tied_copy:output_embedding" not in two_bw
     output, embeddings = two_bw["output_layer"], two_bw["embedding.word_embeddings.weight"]
     assert output.shape == embeddings.shape and (output - embeddings).abs().max() > 1e-2
@@ -146,14 +156,4 @@ def test_sequence_parallel_matches_one_process(architecture, feed, t, p, world):
     layers' tensor-parallel regions, and pipeline messages carry that half): Flush reaches one
     process's weights, 2BW the delayed-update reference's; replicated norms, biases and position
     embeddings get their gradient summed over the tensor-parallel group."""
-    sequence_parallel = {**architecture, "sequence_parallel": True}
-    single = full_weights(run_ranks(1, train_on_ranks, config("adam", schedule="flush",
-                                                              **architecture), 3, feed))
-    flushed = run_ranks(world, train_on_ranks, config("adam", t=t, p=p, schedule="flush",
-                                                      **sequence_parallel), 3, feed)
-    assert max_difference(full_weights(flushed), single, VOCAB) < 1e-5
-    c = config("sgd", **architecture)
-    reference = delayed_update_reference(c, 5, feed(c, ParallelLayout(1, 1, 1)), 4)
-    two_bw = full_weights(run_ranks(world, train_on_ranks, config("sgd", t=t, p=p, schedule="2bw",
-                                                                  **sequence_parallel), 5, feed))
-    assert max_difference(two_bw, reference, VOCAB) < 1e-5
+    check_flush_and_2bw(architecture, feed, t, p, world, {"sequence_parallel": True})
