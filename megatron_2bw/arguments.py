@@ -220,6 +220,10 @@ def build_parser(description: str = "", extra_args_provider=None) -> argparse.Ar
     _bool_flag(g, "--no-load-rng", "checkpoint", "no_load_rng", "do not restore RNG states")
     _bool_flag(g, "--finetune", "checkpoint", "finetune",
                "load weights only and start at iteration 0")
+    _bool_flag(g, "--exit-on-missing-checkpoint", "checkpoint", "exit_on_missing_checkpoint",
+               "stop with an error when --load holds no checkpoint (default: start from scratch)")
+    _bool_flag(g, "--use-checkpoint-args", "checkpoint", "use_checkpoint_args",
+               "take the model flags left unset from the --load checkpoint's configuration")
 
     g = parser.add_argument_group("logging")
     _flag(g, "--tensorboard-dir", "logging", "tensorboard_dir", type=str)

@@ -196,6 +196,8 @@ class CheckpointConfig:
     no_load_optim: bool = False
     no_load_rng: bool = False
     finetune: bool = False
+    exit_on_missing_checkpoint: bool = False  # an empty --load is an error, not a fresh start
+    use_checkpoint_args: bool = False  # the model flags left unset come from --load's checkpoint
 
 
 @dataclass

@@ -520,6 +520,9 @@ def startup_summary(stage: Stage) -> str:
 def main(model_type: str, description: str = "") -> None:
     """The pretraining scripts: Megatron flags -> config -> pretrain."""
     config, args = parse_config(model_type=model_type, description=description)
+    if config.checkpoint.use_checkpoint_args:
+        from megatron_2bw.checkpoint.tool_config import with_checkpoint_model
+        config = with_checkpoint_model(args, config)
     pretrain(config, explicit_fields(args))
 
 

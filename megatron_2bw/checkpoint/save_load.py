@@ -351,15 +351,21 @@ def load_checkpoint(stage, root: str, iteration: int | None = None) -> dict | No
     return torch.load(rng_path, weights_only=False)
 
 
+def has_checkpoint(root: str) -> bool:
+    return os.path.isdir(root) and read_marker(root) is not None
+
+
 def maybe_load_checkpoint(stage) -> dict | None:
     """--load DIR: resume (Megatron's behaviour: an empty DIR starts from scratch, with a warning,
     except under --finetune, which needs weights)."""
     root = stage.config.checkpoint.load
     if not root:
         return None
-    if not (os.path.isdir(root) and read_marker(root) is not None):
-        if stage.config.checkpoint.finetune:
-            raise CheckpointError(f"--finetune --load {root}: no checkpoint there ({MARKER} "
+    if not has_checkpoint(root):
+        ckpt = stage.config.checkpoint
+        if ckpt.finetune or ckpt.exit_on_missing_checkpoint:
+            flag = "--finetune" if ckpt.finetune else "--exit-on-missing-checkpoint"
+            raise CheckpointError(f"{flag} --load {root}: no checkpoint there ({MARKER} "
                                   f"is missing)")
         print_once(stage.layout, f" WARNING: --load {root} holds no checkpoint ({MARKER} is "
                                  f"missing): training starts from scratch")

@@ -9,7 +9,8 @@ from __future__ import annotations
 import argparse
 
 from megatron_2bw.arguments import ConfigError, config_from_args, explicit_fields
-from megatron_2bw.checkpoint.save_load import ARCHITECTURE_FIELDS
+from megatron_2bw.checkpoint.save_load import (ARCHITECTURE_FIELDS, MARKER, has_checkpoint,
+                                               saved_config)
 from megatron_2bw.config import CheckpointConfig, Config, ParallelConfig
 
 
@@ -31,3 +32,17 @@ def config_with_base(args: argparse.Namespace, base: Config, source: str,
     base = Config.from_dict(base.to_dict())
     base.parallel, base.checkpoint = ParallelConfig(), CheckpointConfig()
     return config_from_args(args, base.model.model_type, base=base, require_data=require_data)
+
+
+def with_checkpoint_model(args: argparse.Namespace, config: Config) -> Config:
+    """--use-checkpoint-args (Megatron-LM's): the model of the --load checkpoint for every model
+    flag left unset; typed ones must agree with it. Sequence parallelism stays this run's choice."""
+    root = config.checkpoint.load
+    if not root or not has_checkpoint(root):
+        raise ConfigError(f"--use-checkpoint-args takes the model flags from the --load checkpoint, "
+                          f"but --load {root} holds none ({MARKER} is missing)")
+    base = Config.from_dict(config.to_dict())
+    base.model = saved_config(root).model
+    base.model.sequence_parallel = config.model.sequence_parallel
+    check_architecture_flags(args, base, f"the checkpoint in --load {root}")
+    return config_from_args(args, config.model.model_type, base=base)

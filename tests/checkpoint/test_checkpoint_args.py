@@ -1,0 +1,48 @@
+"""Megatron-LM's --use-checkpoint-args and --exit-on-missing-checkpoint: a Llama-style checkpoint's
+model flags need not be retyped, contradicting ones are named, and an empty --load is an error
+when asked."""
+import pytest
+
+from megatron_2bw.arguments import ConfigError, parse_config
+from megatron_2bw.checkpoint.save_load import CheckpointError, maybe_load_checkpoint
+from megatron_2bw.checkpoint.tool_config import with_checkpoint_model
+from tests.checkpoint.helpers import save_random_checkpoint
+from tests.pipeline.harness import stage_on_rank
+
+LLAMA = dict(normalization="RMSNorm", add_bias_linear=False, swiglu=True, ffn_hidden_size=64,
+             position_embedding_type="rope", num_query_groups=2,
+             untie_embeddings_and_output_weights=True)
+RUN = ["--micro-batch-size", "2", "--train-iters", "2", "--mock-data", "--vocab-size", "64"]
+
+
+def model_flags_from_checkpoint(argv):
+    config, args = parse_config(argv)
+    return with_checkpoint_model(args, config)
+
+
+def test_model_flags_come_from_the_checkpoint(tmp_path):
+    saved = save_random_checkpoint(tmp_path, "gpt", 1, 1, **LLAMA).config.model
+    config = model_flags_from_checkpoint([*RUN, "--load", str(tmp_path), "--use-checkpoint-args",
+                                          "--sequence-parallel"])
+    for field in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
+                  *LLAMA):
+        assert getattr(config.model, field) == getattr(saved, field), field
+    assert config.model.sequence_parallel  # this run's choice, not the checkpoint's
+    assert config.training.train_iters == 2  # only the model section is taken
+    with pytest.raises(ConfigError, match="--hidden-size 64 contradicts the checkpoint in --load"):
+        model_flags_from_checkpoint([*RUN, "--load", str(tmp_path), "--use-checkpoint-args",
+                                     "--hidden-size", "64"])
+
+
+def test_missing_checkpoint_is_an_error_when_asked(tmp_path):
+    with pytest.raises(ConfigError, match="--use-checkpoint-args takes the model flags from the "
+                                          "--load checkpoint, but --load .* holds none"):
+        model_flags_from_checkpoint([*RUN, "--load", str(tmp_path), "--use-checkpoint-args"])
+    config, _ = parse_config([*RUN, "--num-layers", "2", "--hidden-size", "32",
+                              "--num-attention-heads", "4", "--seq-length", "16", "--load",
+                              str(tmp_path), "--exit-on-missing-checkpoint"])
+    _, stage = stage_on_rank(0, 1, config)
+    with pytest.raises(CheckpointError, match="--exit-on-missing-checkpoint --load .*: no checkpoint"):
+        maybe_load_checkpoint(stage)
+    config.checkpoint.exit_on_missing_checkpoint = False
+    assert maybe_load_checkpoint(stage) is None  # Megatron's default: start from scratch
