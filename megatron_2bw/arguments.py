@@ -95,6 +95,10 @@ def build_parser(description: str = "", extra_args_provider=None) -> argparse.Ar
     g.add_argument("--use-flash-attn", action="store_true",
                    help="accepted: torch's scaled_dot_product_attention runs its flash kernel "
                         "wherever the device, dtype and mask allow it")
+    g.add_argument("--use-mcore-models", action="store_true",
+                   help="accepted: megatron_2bw's layers follow Megatron core's layout")
+    g.add_argument("--transformer-impl", default=None,
+                   help="only 'local': megatron_2bw builds its layers from torch ops")
     g.add_argument("--attention-backend", default=None,
                    help="only 'auto' (Megatron-LM's default): torch's scaled_dot_product_attention "
                         "picks its kernel itself")
@@ -293,6 +297,11 @@ def _legacy_megatron_flags(args: argparse.Namespace, config: Config) -> None:
         raise ConfigError(f"--attention-backend {backend}: megatron_2bw runs torch's "
                           f"scaled_dot_product_attention, which chooses the flash, memory-efficient "
                           f"or math kernel itself; only 'auto' is accepted")
+    impl = getattr(args, "transformer_impl", None)
+    if impl not in (None, "local"):
+        raise ConfigError(f"--transformer-impl {impl}: megatron_2bw builds its layers from torch "
+                          f"ops (Megatron-LM's 'local'), not Transformer Engine; drop the flag or "
+                          f"pass local")
     if getattr(args, "rampup_batch_size", None) is not None:
         raise ConfigError("--rampup-batch-size is not supported: the pipeline schedules run a fixed "
                           "number of microbatches per batch; drop it to train with "

@@ -121,6 +121,8 @@ def test_megatron_llama_script_carries_over():
                               "--num-attention-heads = 32 / 4"),
     (["--swiglu", "--hidden-size", "16"], "--ffn-hidden-size must be a positive integer, got 0"),
     (["--use-rope-scaling"], "--use-rope-scaling needs --position-embedding-type rope"),
+    (["--transformer-impl", "transformer_engine"], "--transformer-impl transformer_engine: "
+                                                   "megatron_2bw builds its layers from torch ops"),
 ])
 def test_architecture_flags_refused_with_the_reason(extra, expected):
     with pytest.raises(ConfigError) as error:
@@ -134,7 +136,8 @@ def test_rope_flags_and_their_older_names():
     none, _ = parse_config([*TINY, "--no-position-embedding"])
     assert none.model.position_embedding_type == "none"
     mqa, _ = parse_config([*TINY, "--group-query-attention", "--norm-epsilon", "1e-6",
-                           "--use-flash-attn"])  # SDPA picks flash where it can anyway
+                           "--use-flash-attn",  # SDPA picks flash where it can anyway
+                           "--use-mcore-models", "--transformer-impl", "local"])
     assert mqa.model.query_groups == 1 and mqa.model.layernorm_epsilon == 1e-6
 
 
