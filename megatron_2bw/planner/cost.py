@@ -14,10 +14,21 @@ Communication (hardware.py's link model):
   2(n-1) * latency (per bucket for the bucketed data-parallel all-reduce); inside a node, the
   hardware's measured all-reduce times of that group size when it has them (detect_hardware).
 Per microbatch, a stage's forward and backward include its tensor-parallel all-reduces (2 per layer
-each way, Megatron's f/g, plus the embedding's and the head's), which block compute. Recomputation
-adds a forward ("full": the layer with its all-reduces; "selective": the attention core). On CPU
-ranks each pass also costs the processor time of its pipeline messages (a receive from one
-neighbour, a send to the other: `HardwareSpec.p2p_processor_s`, measured by detect_hardware).
+each way, Megatron's f/g, plus the embedding's and the head's), which block compute.
+Under --sequence-parallel each of a layer's all-reduces becomes an all-gather of the sequence before
+a column-parallel linear and a reduce-scatter after a row-parallel one (and the reverse in
+backward). On a ring an all-gather and a reduce-scatter of the whole activation each move half an
+all-reduce's bytes in half its steps, so the model charges a layer what it charges without
+sequence parallelism (the same all-reduce time, measured or ring, and processor work): simple,
+though twice as many collectives pay their fixed costs. The embedding's all-reduce becomes a
+reduce-scatter (half an all-reduce) and an all-gather in its backward (the other half); the last
+stage adds an all-gather of the sequence before the final norm (half an all-reduce); pipeline
+messages hold s/t tokens; and each batch's reduce first sums the sequence-parallel parameters'
+gradients (norms, row-parallel biases, position tables) over the tensor-parallel group.
+Recomputation adds a forward ("full": the layer with its all-reduces; "selective": the attention
+core). On CPU ranks each pass also costs the processor time of its pipeline messages (a receive
+from one neighbour, a send to the other: `HardwareSpec.p2p_processor_s`, measured by
+detect_hardware).
 Per batch (pipeline/update.py): `reduce` blocks for the data-parallel all-reduce of the stage's
 gradient buffer and the move into the fp32 master gradients; the tied-embedding all-reduce between
 the first and last stage and the grad-norm all-reduce over the model group run in the background
@@ -36,7 +47,8 @@ from megatron_2bw.config import ModelConfig, ParallelConfig, PrecisionConfig
 from megatron_2bw.distributed.layout import ParallelLayout
 from megatron_2bw.pipeline.partition import layer_ranges
 from megatron_2bw.planner.hardware import HardwareSpec
-from megatron_2bw.planner.memory import dtype_bytes, grad_buffer_bytes, stage_parameters
+from megatron_2bw.planner.memory import (dtype_bytes, grad_buffer_bytes, sequence_ranks,
+                                         stage_parameters, stage_sequence_parallel_parameters)
 from megatron_2bw.planner.profile import ComputeCosts
 
 RECOMPUTE_OPTIONS = (None, "selective", "full")
@@ -234,6 +246,7 @@ class PieceTimes:
     layer_forward_comm_s: float = 0.0
     layer_backward_comm_s: float = 0.0
     embedding_forward_comm_s: float = 0.0
+    embedding_backward_comm_s: float = 0.0  # --sequence-parallel: the embedding's all-gather
     head_forward_comm_s: float = 0.0
     head_backward_comm_s: float = 0.0
     # processor seconds of those all-reduces (forward and backward; StageCost.comm_processor_s)
@@ -249,10 +262,18 @@ def piece_times(model: ModelConfig, network: Network, costs: ComputeCosts, micro
     def tensor_ar(after_compute_s: float, nbytes: float = activation) -> float:
         return network.allreduce_time("tensor", nbytes, after_compute_s=after_compute_s)
     # each all-reduce follows the compute since the previous one: a layer meets twice per pass
-    # (after attention, after the MLP), the loss three times (max, target logit, sum)
+    # (after attention, after the MLP), the loss three times (max, target logit, sum); under
+    # --sequence-parallel a layer's all-gather + reduce-scatter pairs cost its all-reduces
+    # (module docstring), the embedding's all-reduce splits into a reduce-scatter forward and an
+    # all-gather backward, and the head gathers the sequence (half an all-reduce each)
     layer_f_ar = tensor_ar(costs.layer_forward_s / 2)
     layer_b_ar = tensor_ar(costs.layer_backward_s / 2)
     embedding_ar = tensor_ar(costs.embedding_forward_s)
+    sequence_parallel = sequence_ranks(model, network.layout.tensor) > 1
+    embedding_f_ar = embedding_ar / 2 if sequence_parallel else embedding_ar
+    embedding_b_ar = embedding_ar / 2 if sequence_parallel else 0.0
+    # the head's gather follows the last layer's reduce-scatter with hardly any compute between
+    head_gather = tensor_ar(0.0) / 2 if sequence_parallel else 0.0
     loss_bytes = 4 * micro_batch_size * model.seq_length  # one fp32 figure per token
     loss_ar = tensor_ar(costs.head_forward_s / 3, loss_bytes)
     head_b_ar = tensor_ar(costs.head_backward_s)
@@ -269,15 +290,18 @@ def piece_times(model: ModelConfig, network: Network, costs: ComputeCosts, micro
     # measured for groups of 2 or more only: nothing at t = 1
     processor = network.hardware.allreduce_processor_s(network.layout.tensor, activation)
     loss_processor = network.hardware.allreduce_processor_s(network.layout.tensor, loss_bytes)
-    return PieceTimes(layer_f, layer_b, costs.embedding_forward_s + embedding_ar,
-                      costs.embedding_backward_s, costs.head_forward_s + 3 * loss_ar,
-                      costs.head_backward_s + head_b_ar,
+    head_f_comm = 3 * loss_ar + head_gather
+    return PieceTimes(layer_f, layer_b, costs.embedding_forward_s + embedding_f_ar,
+                      costs.embedding_backward_s + embedding_b_ar,
+                      costs.head_forward_s + head_f_comm, costs.head_backward_s + head_b_ar,
                       layer_forward_comm_s=2 * layer_f_ar, layer_backward_comm_s=layer_b_comm,
-                      embedding_forward_comm_s=embedding_ar, head_forward_comm_s=3 * loss_ar,
+                      embedding_forward_comm_s=embedding_f_ar,
+                      embedding_backward_comm_s=embedding_b_ar, head_forward_comm_s=head_f_comm,
                       head_backward_comm_s=head_b_ar,
                       layer_comm_processor_s=layer_calls * processor,
                       embedding_comm_processor_s=processor,
-                      head_comm_processor_s=3 * loss_processor + processor)
+                      head_comm_processor_s=3 * loss_processor
+                      + (1.5 if sequence_parallel else 1) * processor)
 
 
 def balanced_layer_split(layers: int, stages: int, layer_s: float, first_extra_s: float,
@@ -328,7 +352,8 @@ def stage_costs(model: ModelConfig, hardware: HardwareSpec, costs: ComputeCosts,
     hardware = hardware.for_world(t * p * d)
     net = _network(hardware, t, p, d)
     e, g = dtype_bytes(precision), grad_buffer_bytes(precision)
-    activation = b * model.seq_length * model.hidden_size * e
+    # a pipeline message: s/t tokens under --sequence-parallel
+    message = b * model.seq_length * model.hidden_size * e / sequence_ranks(model, t)
     pieces = piece_times(model, net, costs, b, candidate.recompute, precision)
     memory_rate = hardware.memory_bandwidth * hardware.efficiency
     stats_ar = net.allreduce_time("model", 4)
@@ -352,6 +377,7 @@ def stage_costs(model: ModelConfig, hardware: HardwareSpec, costs: ComputeCosts,
             forward += pieces.embedding_forward_s
             backward += pieces.embedding_backward_s
             forward_comm += pieces.embedding_forward_comm_s
+            backward_comm += pieces.embedding_backward_comm_s
             comm_processor += pieces.embedding_comm_processor_s
         if last:
             forward += pieces.head_forward_s
@@ -370,6 +396,10 @@ def stage_costs(model: ModelConfig, hardware: HardwareSpec, costs: ComputeCosts,
         # processor seconds of the gradients' reduction (measured groups only: none at d = 1)
         data_processor = buckets * hardware.allreduce_processor_s(d, g * P / buckets)
         local = ((2 * g + 4) if separate_master else 0) * P + 12 * P  # move + zero, grad norm
+        # --sequence-parallel: the blocking all-reduce of the replicated parameters' gradients
+        # over the tensor-parallel group (update.py, sum_sequence_parallel_grads)
+        summed = g * stage_sequence_parallel_parameters(model, t, layers, first, last)
+        sequence_ar = net.allreduce_time("tensor", summed, s) if summed else 0.0
         # optimizer + unscaling; then the new working version is written from the master weights
         step = (OPTIMIZER_STEP_BYTES[optimizer] + 8) * P / shards + \
             ((4 + e) * P if separate_master else 0)
@@ -380,9 +410,9 @@ def stage_costs(model: ModelConfig, hardware: HardwareSpec, costs: ComputeCosts,
             step_comm = 0.0
         result.append(StageCost(
             forward_s=forward, backward_s=backward,
-            send_act_s=0.0 if last else net.transfer_time(s, s + 1, activation),
-            send_grad_s=0.0 if first else net.transfer_time(s, s - 1, activation),
-            reduce_s=local / memory_rate,
+            send_act_s=0.0 if last else net.transfer_time(s, s + 1, message),
+            send_grad_s=0.0 if first else net.transfer_time(s, s - 1, message),
+            reduce_s=local / memory_rate + sequence_ar,
             reduce_async_s=stats_ar,
             step_s=step / memory_rate + step_comm,
             tied_async_s=tied_ar if first and not last else 0.0,

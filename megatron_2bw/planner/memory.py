@@ -16,7 +16,12 @@ Weights and gradients (pipeline/weights.py, pipeline/update.py):
 
 Activations: the bytes one layer stashes per microbatch (`activation_bytes_per_layer`, measured by
 profile.py on the device at hand, else the analytic count below) x layers x microbatches in flight
-(schedules.max_in_flight: p - r for 1F1B, m for GPipe), plus the stage's own extras.
+(schedules.max_in_flight: p - r for 1F1B, m for GPipe), plus the stage's own extras. Under
+--sequence-parallel (t > 1) what lies outside the tensor-parallel regions holds s/t tokens: the
+norms' stashes, the hidden-dropout masks, the stage's input and output (the pipeline messages); the
+inputs the column-parallel linears save are their gathered inputs (the whole sequence, as
+tensor_parallel/layers.py runs them; Megatron-LM instead saves the local part and gathers it again
+in backward), and the last stage's head runs on the gathered sequence.
 
 Workspace: the larger transient on top of that: one layer's backward (with full recomputation: one
 recomputed chunk's activations) or the fp32 cross entropy on the last stage. The optimizer step
@@ -25,13 +30,13 @@ needs none (optim/optimizer.py uses fused Adam/SGD kernels).
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
 
 from megatron_2bw.config import ModelConfig, ParallelConfig, PrecisionConfig, RecomputeConfig
+from megatron_2bw.distributed.comm import ShardShapeGroup
 from megatron_2bw.pipeline.partition import layer_ranges
 from megatron_2bw.pipeline.schedules import max_in_flight
 from megatron_2bw.planner.hardware import HardwareSpec
@@ -84,39 +89,56 @@ def _model_key(model: ModelConfig) -> tuple:
     return tuple(vars(model).items())
 
 
+def sequence_ranks(model: ModelConfig, tensor_parallel: int) -> int:
+    """How many parts a rank's activations outside the tensor-parallel regions are split into along
+    the sequence (Config.sequence_ranks): t under --sequence-parallel, else 1."""
+    return tensor_parallel if model.sequence_parallel else 1
+
+
 @lru_cache(maxsize=256)
-def _shard_sizes(model_key: tuple, tensor_parallel: int, layers: int, pre_process: bool,
-                 post_process: bool) -> tuple[int, ...]:
-    """Elements of each parameter tensor of one rank's shard of the stage, from its ParamSpecs."""
+def _shard_tensors(model_key: tuple, tensor_parallel: int, layers: int, pre_process: bool,
+                   post_process: bool) -> tuple[tuple[int, bool], ...]:
+    """(elements, gradient summed over the tensor group under --sequence-parallel) of each
+    parameter tensor of one rank's shard of the stage, built with that shard's shapes."""
     from megatron_2bw.models import MODELS  # the models import torch layers: keep import lazy
     model = ModelConfig(**dict(model_key))
+    group = ShardShapeGroup(tensor_parallel) if tensor_parallel > 1 else None
     with torch.device("meta"):
-        module = MODELS[model.model_type](model, None, model.padded_vocab_size(tensor_parallel),
+        module = MODELS[model.model_type](model, group, model.padded_vocab_size(tensor_parallel),
                                           range(layers), pre_process, post_process)
-    return tuple(math.prod(p.spec.full_shape) // (1 if p.spec.replicated else tensor_parallel)
-                 for p in module.parameters())
+    return tuple((p.numel(), p.spec.sequence_parallel) for p in module.parameters())
 
 
 def _count(model: ModelConfig, tensor_parallel: int, layers: int, first: bool, last: bool,
            measure) -> int:
-    """`measure` (sum: parameters, len: parameter tensors) of the shard's tensors."""
+    """`measure` of the shard's (elements, sequence-parallel) tensors."""
     key = _model_key(model)
-    edges = measure(_shard_sizes(key, tensor_parallel, 0, first, last))
-    per_layer = measure(_shard_sizes(key, tensor_parallel, 1, False, False)) - \
-        measure(_shard_sizes(key, tensor_parallel, 0, False, False))
+    edges = measure(_shard_tensors(key, tensor_parallel, 0, first, last))
+    per_layer = measure(_shard_tensors(key, tensor_parallel, 1, False, False)) - \
+        measure(_shard_tensors(key, tensor_parallel, 0, False, False))
     return edges + layers * per_layer
 
 
 def stage_parameters(model: ModelConfig, tensor_parallel: int, layers: int, first: bool,
                      last: bool) -> int:
     """Parameters of one rank's shard of a stage with `layers` transformer layers."""
-    return _count(model, tensor_parallel, layers, first, last, sum)
+    return _count(model, tensor_parallel, layers, first, last,
+                  lambda tensors: sum(n for n, _ in tensors))
 
 
 def stage_parameter_tensors(model: ModelConfig, tensor_parallel: int, layers: int, first: bool,
                             last: bool) -> int:
     """How many parameter tensors that shard holds (each gradient is accumulated by a kernel)."""
     return _count(model, tensor_parallel, layers, first, last, len)
+
+
+def stage_sequence_parallel_parameters(model: ModelConfig, tensor_parallel: int, layers: int,
+                                       first: bool, last: bool) -> int:
+    """Parameters of that shard whose gradients are summed over the tensor-parallel group once per
+    batch under --sequence-parallel (norms, row-parallel biases, position and token-type tables:
+    tensor_parallel/layers.sum_sequence_parallel_grads); 0 without it or at t = 1."""
+    return _count(model, tensor_parallel, layers, first, last,
+                  lambda tensors: sum(n for n, summed in tensors if summed))
 
 
 def layer_parameters(model: ModelConfig, tensor_parallel: int) -> int:
@@ -172,13 +194,17 @@ def layer_activation_bytes(model: ModelConfig, tensor_parallel: int, micro_batch
     row, which the measured profile picks up. "selective" recomputation drops the core's a*s*s
     terms and keeps its inputs (`core_input_elements`).
     No bias (--disable-bias-linear) changes nothing here: bias gradients need no activation.
+    --sequence-parallel (t > 1) divides the norms' stashes and the dropout masks by t; the QKV and
+    fc1 inputs stay whole (ColumnParallelLinear saves the input it gathered along the sequence),
+    and so do the rotary tables (they cover the whole sequence).
     """
     t, e, m = tensor_parallel, element_bytes, model
     s, h, a, f = m.seq_length, m.hidden_size, m.num_attention_heads, m.ffn_hidden_size
     sbh = s * micro_batch_size * h
     rope = m.position_embedding_type == "rope"
     rotary_tables = 8 * s * int(m.head_dim * m.rotary_percent) if rope else 0
-    replicated = (2 * norm_stash_bytes(m, e) + 2 * e + 2 * MASK_BYTES) * sbh + rotary_tables
+    split = (2 * norm_stash_bytes(m, e) + 2 * MASK_BYTES) / sequence_ranks(m, t)
+    replicated = (split + 2 * e) * sbh + rotary_tables
     qkv = core_input_elements(m, t) if selective else 3 * h / t
     sharded = qkv * e * s * micro_batch_size + (e * sbh + ffn_wide_tensors(m) * e * s
                                                 * micro_batch_size * f) / t
@@ -188,22 +214,28 @@ def layer_activation_bytes(model: ModelConfig, tensor_parallel: int, micro_batch
 
 def layer_backward_workspace_bytes(model: ModelConfig, tensor_parallel: int, micro_batch_size: int,
                                    element_bytes: int) -> float:
-    """Gradients alive during one layer's backward: the MLP's ffn-wide ones and two hidden ones."""
+    """Gradients alive during one layer's backward: the MLP's ffn-wide ones and two hidden ones
+    (under --sequence-parallel the residual stream's holds s/t tokens, a column-parallel input's
+    the whole sequence before its reduce-scatter)."""
     sb = model.seq_length * micro_batch_size
+    hidden = 1 + 1 / sequence_ranks(model, tensor_parallel)
     return element_bytes * sb * (ffn_wide_tensors(model) * model.ffn_hidden_size / tensor_parallel
-                                 + 2 * model.hidden_size)
+                                 + hidden * model.hidden_size)
 
 
-def first_stage_extra_bytes(model: ModelConfig, micro_batch_size: int, element_bytes: int) -> float:
-    """Embedding: token ids (int64) and the embedding-dropout mask; plus the stage output."""
+def first_stage_extra_bytes(model: ModelConfig, micro_batch_size: int, element_bytes: int,
+                            tensor_parallel: int = 1) -> float:
+    """Embedding: token ids (int64) and the embedding-dropout mask (s/t tokens under
+    --sequence-parallel)."""
     sb = model.seq_length * micro_batch_size
-    return 8 * sb + MASK_BYTES * sb * model.hidden_size
+    return 8 * sb + MASK_BYTES * sb * model.hidden_size / sequence_ranks(model, tensor_parallel)
 
 
 def last_stage_extra_bytes(model: ModelConfig, tensor_parallel: int, micro_batch_size: int,
                            element_bytes: int) -> float:
     """Final norm's stash and output (the logits' input), the fp32 softmax the vocabulary-parallel
-    cross entropy keeps for its backward, targets; BERT's LM transform adds its own two inputs."""
+    cross entropy keeps for its backward, targets; BERT's LM transform adds its own two inputs.
+    All of the whole sequence: under --sequence-parallel the last stage gathers it first."""
     sb = model.seq_length * micro_batch_size
     vocab = model.padded_vocab_size(tensor_parallel) // tensor_parallel
     hidden = (norm_stash_bytes(model, element_bytes) + element_bytes) * sb * model.hidden_size
@@ -270,10 +302,11 @@ def estimate_stage_memory(model: ModelConfig, parallel: ParallelConfig, precisio
         activation_bytes_per_layer = layer_activation_bytes(
             model, t, b, e, selective=recompute.granularity == "selective")
     full_layers, chunks, recomputed_at_once = _recomputed_layers(recompute, layers)
-    layer_input = e * model.seq_length * b * model.hidden_size
+    # a layer's input, the stage's output: s/t tokens under --sequence-parallel
+    layer_input = e * model.seq_length * b * model.hidden_size / sequence_ranks(model, t)
     per_microbatch = full_layers * activation_bytes_per_layer + chunks * layer_input
     if first:
-        per_microbatch += first_stage_extra_bytes(model, b, e)
+        per_microbatch += first_stage_extra_bytes(model, b, e, t)
     if last:
         per_microbatch += last_stage_extra_bytes(model, t, b, e)
     else:

@@ -21,7 +21,10 @@ with the hardware's stated `efficiency` (0.4 in the shipped files). Assumptions:
   for grouped-query attention, rotary embeddings on q and k, the layout copies around attention,
   the softmax chain over the b*a*s*s scores, the fp32 cross entropy over the vocabulary); the
   backward moves twice the forward's bytes. The norms and the residual path are replicated over
-  the tensor-parallel group (not divided by t).
+  the tensor-parallel group (not divided by t), except under --sequence-parallel, where each rank
+  runs them (and the embedding's position add and dropout) on its s/t tokens; the copies that
+  gather and scatter the sequence count as part of the collectives (cost.py), as the clone before
+  an all-reduce does without it.
 - every microbatch's weight gradients are added into the accumulation buffer (read two buffers,
   write one), and the embedding's dense gradient is first written in full: memory-bound traffic
   proportional to the piece's parameters, counted from the model code (memory.stage_parameters).
@@ -35,7 +38,9 @@ efficient.
 `MeasuredProfile`, on the device at hand: runs the real model code (megatron_2bw.models) for one
 layer, the embedding and the head for the requested tensor-parallel sizes and micro batch sizes,
 counts the bytes a layer stashes with saved-tensor hooks, and caches the numbers as JSON per
-(hardware name, model shape and architecture switches, dtype). A tensor-parallel size t is timed
+(hardware name, model shape and architecture switches, --sequence-parallel when a t > 1 is
+measured, dtype); under --sequence-parallel a t > 1 layer and head are fed [b, s/t, h], as in
+training. A tensor-parallel size t is timed
 in this one process on one rank's shard (`ShardShapeGroup`: the shard's shapes, no collectives; cost.py adds those), so the
 narrower kernels' lower efficiency is measured, not assumed. Micro batch sizes not measured are
 interpolated linearly in b; a t not measured scales the t = 1 figures by the analytic ratio.
@@ -57,8 +62,8 @@ from megatron_2bw.distributed.comm import ShardShapeGroup
 from megatron_2bw.distributed.launch import settle_host_allocator
 from megatron_2bw.planner.hardware import HardwareSpec, timed_call
 from megatron_2bw.planner.memory import (MASK_BYTES, dtype_bytes, grad_buffer_bytes,
-                                         layer_activation_bytes, stage_parameter_tensors,
-                                         stage_parameters)
+                                         layer_activation_bytes, sequence_ranks,
+                                         stage_parameter_tensors, stage_parameters)
 
 
 @dataclass(frozen=True)
@@ -165,16 +170,18 @@ class AnalyticProfile:
         h, f, sb = m.hidden_size, m.ffn_hidden_size, m.seq_length * b
         linears = sb * linear_flops_per_token(m) / t
         # replicated: 2 x (bias if any, dropout + mask, residual) (2e + 2e + 1 + 3e each); the
-        # column-parallel biases are added inside their matmuls
+        # column-parallel biases are added inside their matmuls; s/t tokens of them (and of the
+        # norms) under --sequence-parallel
         row_bias = 2 * e if m.add_bias_linear else 0
-        replicated = 2 * (row_bias + 5 * e + MASK_BYTES) * sb * h
+        local_sbh = sb * h / sequence_ranks(m, t)
+        replicated = 2 * (row_bias + 5 * e + MASK_BYTES) * local_sbh
         # sharded: q/k scaling copies and the context layout copy (6e), GELU over f (2e) or
         # SwiGLU's silu (2e) and product (3e)
         sharded = (6 * e * sb * h + (5 if m.swiglu else 2) * e * sb * f) / t
         # kernels besides the core and the norms: 4 linears, 2 x (bias, dropout, residual), GELU
         # (or silu and product), the layout copy
         kernels = 4 + 2 * (2 + m.add_bias_linear) + (2 if m.swiglu else 1) + 1
-        return (_Work(linears, replicated + sharded, kernels) + self.norm(sb * h) * 2
+        return (_Work(linears, replicated + sharded, kernels) + self.norm(local_sbh) * 2
                 + self.attention_layout(t, b) + self.attention_core(t, b))
 
     def weight_gradient_accumulation(self, parameters: float, tensors: int) -> _Work:
@@ -199,10 +206,12 @@ class AnalyticProfile:
 
     def embedding_forward(self, t: int, b: int) -> _Work:
         # gather rows (2e), add learned positions (gather and add: 4e, 2 kernels), dropout (2e +
-        # mask)
-        positions = self.model.position_embedding_type == "learned_absolute"
-        return _Work(0.0, ((8 if positions else 4) * self.e + MASK_BYTES) * self.model.seq_length
-                     * b * self.model.hidden_size, 4 if positions else 2)
+        # mask); the last two on s/t tokens under --sequence-parallel
+        m, e = self.model, self.e
+        positions = m.position_embedding_type == "learned_absolute"
+        local = ((6 if positions else 2) * e + MASK_BYTES) / sequence_ranks(m, t)
+        return _Work(0.0, (2 * e + local) * m.seq_length * b * m.hidden_size,
+                     4 if positions else 2)
 
     def embedding_backward(self, t: int, b: int) -> _Work:
         tables = stage_parameters(self.model, t, 0, True, False)
@@ -334,13 +343,16 @@ def _forward_backward(run_forward) -> tuple[tuple, tuple]:
 def _size_pieces(model: ModelConfig, modules: dict, b: int, device
                  ) -> tuple[dict[str, tuple], dict[str, float]]:
     """What measure_costs times for one (t, b), by record name, as (fn, setup), and the layer's
-    stashed bytes. `modules` holds t's layer, embedding and head (the same for every b)."""
+    stashed bytes. `modules` holds t's layer, embedding and head (the same for every b). Under
+    --sequence-parallel (t > 1) the layer and the head are fed, and the embedding returns, this
+    rank's s/t tokens, as in training (the layer and the head gather the sequence themselves)."""
     s, h = model.seq_length, model.hidden_size
     body, embedding, head = modules["body"], modules["embedding"], modules["head"]
     dtype = next(body.parameters()).dtype
     batch = _synthetic_batch(model, b, device)
-    hidden = torch.randn(b, s, h, device=device, dtype=dtype, requires_grad=True)
-    grad = torch.randn(b, s, h, device=device, dtype=dtype)
+    local = s // body.transformer.sequence_ranks
+    hidden = torch.randn(b, local, h, device=device, dtype=dtype, requires_grad=True)
+    grad = torch.randn(b, local, h, device=device, dtype=dtype)
     layer = next(iter(body.transformer.layers.values()))
     mask = None
     if model.model_type == "bert":
@@ -409,6 +421,8 @@ def _profile_identity(model: ModelConfig) -> dict:
                 "attention_dropout": m.attention_dropout}
     if m.model_type == "bert":
         identity.update(bert_binary_head=m.bert_binary_head, num_tokentypes=m.num_tokentypes)
+    if m.sequence_parallel:  # what a t > 1 shard is fed (measured_profile drops it for t = 1 only)
+        identity.update(sequence_parallel=True)
     return identity | _architecture(m)
 
 
@@ -456,6 +470,8 @@ def _cache_path(cache_dir: Path, hardware_name: str, model: ModelConfig,
     if m.max_position_embeddings != m.seq_length:
         name += f"-pos{m.max_position_embeddings}"
     name += _architecture_name(m)
+    if m.sequence_parallel:
+        name += "-sp"
     name += f"-dropout{m.hidden_dropout:g}-{m.attention_dropout:g}"
     if m.model_type == "bert":
         name += f"-types{m.num_tokentypes}" + ("-binary" if m.bert_binary_head else "")
@@ -587,7 +603,12 @@ def measured_profile(model: ModelConfig, precision: PrecisionConfig, hardware: H
     and return the profile. Every missing size is measured once per round, the rounds one after
     the other, and each figure is the median over the rounds: on a shared CPU a piece's time
     drifts by 20-40% within seconds, and a process's first measurements run slow. With
-    `processes` > 1 (`profiling_processes`) each round runs that many copies at once."""
+    `processes` > 1 (`profiling_processes`) each round runs that many copies at once.
+    --sequence-parallel changes what a t > 1 shard is fed: it is part of the cached profile's
+    identity when such a t is measured (t = 1 alone is the model without it, cached as that)."""
+    analytic = AnalyticProfile(model, precision, hardware)
+    if not any(t > 1 for t in tensor_parallel_sizes):
+        model = dataclasses.replace(model, sequence_parallel=False)
     path = _cache_path(Path(cache_dir or default_cache_dir()), hardware.name, model, precision,
                        processes)
     try:
@@ -621,4 +642,4 @@ def measured_profile(model: ModelConfig, precision: PrecisionConfig, hardware: H
             "model": _profile_identity(model), "torch": torch.__version__,
             "tensor_parallel": by_t}, indent=1))
         os.replace(partial, path)
-    return MeasuredProfile(records, AnalyticProfile(model, precision, hardware))
+    return MeasuredProfile(records, analytic)

@@ -6,7 +6,9 @@ per-stage durations (cost.py). Throughput comes from replaying the schedule (sim
 batches) for the contenders: per schedule, candidates are replayed best lower bound first until the
 `simulate_top` best replayed ones beat every remaining candidate's lower bound. The rest keep the
 paper's closed-form estimate (`simulated` is False): they cannot enter that top. Configurations that
-do not fit are not replayed and rank after every one that does.
+do not fit are not replayed and rank after every one that does. --sequence-parallel is not a
+dimension of the search: every candidate is planned with the model's setting as given (with it, t
+must also divide the sequence).
 
 `best_plan(config, world, hardware)` is what a caller (tools/plan.py, the runtime's
 --auto-parallel) needs; `apply_plan` turns it into a Config.
@@ -94,9 +96,12 @@ def schedules_for(pipeline_parallel: int, schedules: tuple[str, ...]) -> tuple[s
 
 def splits_model(model: ModelConfig, tensor_parallel: int) -> bool:
     """Whether t divides what tensor parallelism splits: the heads, the query groups (each rank
-    holds whole groups), the hidden and the ffn sizes."""
+    holds whole groups), the hidden and the ffn sizes, and under --sequence-parallel the sequence
+    (planned as the user set it: sequence parallelism is not searched)."""
+    sequence = (model.seq_length,) if model.sequence_parallel else ()
     return not any(size % tensor_parallel for size in (
-        model.num_attention_heads, model.query_groups, model.hidden_size, model.ffn_hidden_size))
+        model.num_attention_heads, model.query_groups, model.hidden_size, model.ffn_hidden_size,
+        *sequence))
 
 
 def candidates(model: ModelConfig, world_size: int, hardware: HardwareSpec, global_batch_size: int,
@@ -139,10 +144,12 @@ def pinned_conflicts(model: ModelConfig, world_size: int, devices_per_node: int,
     reasons = []
     for t in space.tensor_parallel or ():
         if world_size % t or devices_per_node % t or not splits_model(model, t):
+            sequence = f", --seq-length {model.seq_length} (--sequence-parallel)" \
+                if model.sequence_parallel else ""
             reasons.append(f"--tensor-model-parallel-size {t} must divide the world size "
                            f"{world_size}, the {devices_per_node} devices of a node, the "
                            f"{model.num_attention_heads} heads, the {model.query_groups} query "
-                           f"groups and the hidden and ffn sizes")
+                           f"groups and the hidden and ffn sizes{sequence}")
     for p in space.pipeline_parallel or ():
         if world_size % p or p > model.num_layers:
             reasons.append(f"--pipeline-model-parallel-size {p} must divide the world size "

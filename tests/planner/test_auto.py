@@ -2,7 +2,7 @@
 (rank 0 profiles in as many forked copies as the job keeps cores busy) and one plan for all."""
 import os
 
-from megatron_2bw.arguments import explicit_fields, parse_config
+from megatron_2bw.arguments import explicit_fields, parse_config, validate_for_world
 from megatron_2bw.planner.auto import describe_plan, plan_job
 from tests.distributed_helpers import run_ranks
 
@@ -37,3 +37,20 @@ def test_a_typed_dimension_stays_pinned(tmp_path):
     argv = ARGV + ["--planner-profile-cache", str(tmp_path), "--tensor-model-parallel-size", "2"]
     plans = run_ranks(2, _plan, argv, timeout=300)
     assert plans[0][0] == 2 and plans[0][1] == 1  # t typed: 2; p follows from t x p x d = 2
+
+
+def _plan_sequence_parallel(rank, world_size, argv):
+    config, args = parse_config(argv, "gpt", require_data=False)
+    planned, plan = plan_job(config, world_size, rank, explicit_fields(args))
+    validate_for_world(planned, world_size)  # what the runtime checks next
+    return planned.model.sequence_parallel, planned.parallel.tensor_parallel, describe_plan(plan)
+
+
+def test_sequence_parallel_is_profiled_and_planned_as_given(tmp_path):
+    """--auto-parallel with --sequence-parallel: the t = 2 shard is profiled on its half of the
+    sequence (the cache says so) and the plan keeps the flag."""
+    argv = ARGV + ["--planner-profile-cache", str(tmp_path), "--sequence-parallel"]
+    plans = run_ranks(2, _plan_sequence_parallel, argv, timeout=300)
+    assert plans[0] == plans[1] and plans[0][0] and "predicted" in plans[0][2]
+    [cache] = tmp_path.glob("*.json")
+    assert "-sp-" in cache.name

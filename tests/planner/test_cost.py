@@ -6,7 +6,7 @@ from megatron_2bw.config import ModelConfig, ParallelConfig, PrecisionConfig
 from megatron_2bw.planner.cost import (Candidate, Network, core_sharing, StageCost, balanced_layer_split,
                                        paper_time_per_batch, piece_times, stage_costs)
 from megatron_2bw.planner.hardware import HardwareSpec
-from megatron_2bw.planner.memory import stage_parameters
+from megatron_2bw.planner.memory import stage_parameters, stage_sequence_parallel_parameters
 from megatron_2bw.planner.profile import ComputeCosts
 
 
@@ -130,6 +130,38 @@ def test_recomputation_adds_a_forward_and_tensor_parallelism_adds_all_reduces():
     loss_allreduce = 2 * 1 / 2 * 4 * 32 / 100 + 2 * 1.0
     assert two.forward_s - plain.forward_s == pytest.approx(3 * 2 * allreduce + 3 * loss_allreduce)
     assert two.backward_s - plain.backward_s == pytest.approx(3 * 2 * allreduce + allreduce)
+
+
+def test_sequence_parallel_halves_the_messages_and_splits_the_embeddings_all_reduce():
+    """t = 2 with --sequence-parallel: a pipeline message is s/2 tokens; a layer's all-gathers
+    and reduce-scatters cost its all-reduces (the same ring bytes); the embedding's all-reduce
+    becomes a reduce-scatter forward and an all-gather backward (half each), the head gathers the
+    sequence first (half), and each reduce sums the norms', biases' and positions' gradients
+    over the tensor group."""
+    sp = dataclasses.replace(MODEL, sequence_parallel=True)
+    hw = toy_hardware(devices_per_node=8, nodes=1)
+    candidate = Candidate(2, 2, 1, 1, None, "flush", layer_split=(1, 3))
+    first, last = stage_costs(MODEL, hw, COSTS, candidate, PrecisionConfig(), "adam")
+    split_first, split_last = stage_costs(sp, hw, COSTS, candidate, PrecisionConfig(), "adam")
+    activation = 32 * 64 * 4  # b s h fp32
+    assert split_first.send_act_s == pytest.approx(1.0 + activation / 2 / 100)
+    assert split_last.send_grad_s == split_first.send_act_s
+    assert first.send_act_s == pytest.approx(1.0 + activation / 100)
+    allreduce = 2 * 1 / 2 * activation / 100 + 2 * 1.0
+    assert split_first.forward_s == pytest.approx(first.forward_s - allreduce / 2)
+    assert split_first.backward_s == pytest.approx(first.backward_s + allreduce / 2)
+    assert split_first.backward_comm_s == pytest.approx(first.backward_comm_s + allreduce / 2)
+    assert split_last.forward_s == pytest.approx(last.forward_s + allreduce / 2)
+    assert split_last.backward_s == pytest.approx(last.backward_s)
+    for plain, split, layers, first_stage, last_stage in ((first, split_first, 1, True, False),
+                                                           (last, split_last, 3, False, True)):
+        summed = 4 * stage_sequence_parallel_parameters(sp, 2, layers, first_stage, last_stage)
+        assert summed > 0
+        assert split.reduce_s - plain.reduce_s == pytest.approx(2 * 1 / 2 * summed / 100 + 2.0)
+    # --sequence-parallel at t = 1 changes nothing
+    single = Candidate(1, 2, 1, 1, None, "flush", layer_split=(1, 3))
+    assert stage_costs(sp, hw, COSTS, single, PrecisionConfig(), "adam") == \
+        stage_costs(MODEL, hw, COSTS, single, PrecisionConfig(), "adam")
 
 
 def test_every_pipeline_message_costs_its_processor_time():

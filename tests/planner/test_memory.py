@@ -8,7 +8,8 @@ from megatron_2bw.distributed.comm import ShardShapeGroup
 from megatron_2bw.models import MODELS
 from megatron_2bw.planner.memory import (core_input_elements, estimate_stage_memory,
                                          layer_activation_bytes, layer_parameters,
-                                         stage_parameter_tensors, stage_parameters)
+                                         stage_parameter_tensors, stage_parameters,
+                                         stage_sequence_parallel_parameters)
 
 MODEL = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32,
                     vocab_size=1000)  # vocabulary padded to 1024
@@ -25,6 +26,8 @@ LLAMA_F = 128  # SwiGLU's default ffn: int(4h * 2/3 / 64) * 64
 LLAMA = dataclasses.replace(MODEL, ffn_hidden_size=LLAMA_F, **LLAMA_SWITCHES)
 # QKV 2h x h (4 query heads + 2 keys + 2 values of 16), dense, fc1 (gate and up), fc2: no biases
 LLAMA_WEIGHTS = (2 * H + H + 2 * LLAMA_F + LLAMA_F) * H
+MODEL_SP = dataclasses.replace(MODEL, sequence_parallel=True)  # --sequence-parallel
+LLAMA_SP = dataclasses.replace(LLAMA, sequence_parallel=True)
 
 
 def test_parameter_counts_follow_the_model_code():
@@ -59,17 +62,32 @@ def test_llama_parameter_counts(t):
 
 
 @pytest.mark.parametrize("t", [1, 2])
-@pytest.mark.parametrize("model", [MODEL, LLAMA], ids=["gpt2", "llama"])
+@pytest.mark.parametrize("model", [MODEL, LLAMA, MODEL_SP, LLAMA_SP],
+                         ids=["gpt2", "llama", "gpt2-sp", "llama-sp"])
 @pytest.mark.parametrize("layers, first, last", [(2, True, False), (2, False, True),
                                                  (4, True, True), (1, False, False)])
 def test_stage_parameters_equal_the_built_stage(model, t, layers, first, last):
-    """What one rank of the stage holds, built with t's shard shapes."""
+    """What one rank of the stage holds, built with t's shard shapes (and, under
+    --sequence-parallel, which of them have their gradients summed over the tensor group)."""
     with torch.device("meta"):
         stage = MODELS[model.model_type](model, ShardShapeGroup(t) if t > 1 else None,
                                          model.padded_vocab_size(t), range(layers), first, last)
     assert stage_parameters(model, t, layers, first, last) == \
         sum(p.numel() for p in stage.parameters())
     assert stage_parameter_tensors(model, t, layers, first, last) == len(list(stage.parameters()))
+    assert stage_sequence_parallel_parameters(model, t, layers, first, last) == \
+        sum(p.numel() for p in stage.parameters() if p.spec.sequence_parallel)
+
+
+def test_sequence_parallel_parameters_are_the_replicated_ones_used_on_part_of_the_sequence():
+    """Two LayerNorms and the two row-parallel biases per layer, the position table; the final
+    norm runs on the gathered sequence. Llama: the two RMSNorm weights. None at t = 1."""
+    assert stage_sequence_parallel_parameters(MODEL_SP, 2, 1, False, False) == 6 * H
+    assert stage_sequence_parallel_parameters(MODEL_SP, 2, 2, True, False) == 12 * H + S * H
+    assert stage_sequence_parallel_parameters(MODEL_SP, 2, 2, False, True) == 12 * H
+    assert stage_sequence_parallel_parameters(LLAMA_SP, 2, 2, True, True) == 4 * H
+    assert stage_sequence_parallel_parameters(MODEL_SP, 1, 4, True, True) == 0
+    assert stage_sequence_parallel_parameters(MODEL, 2, 4, True, True) == 0
 
 
 def test_activation_formula_is_korthikantis_count():
@@ -96,6 +114,45 @@ def test_activation_formula_follows_the_llama_switches():
     # selective: the core's inputs: q, k, v copies (rotated, repeated to every head: h/t each)
     assert layer_activation_bytes(LLAMA, 1, 1, 2, selective=True) == \
         replicated + 4 * 2 * sbh + 4 * 2 * S * f
+
+
+def test_sequence_parallel_divides_the_norms_and_masks_not_the_gathered_inputs():
+    """--sequence-parallel on t = 2: the norms' stashes and the dropout masks hold s/2 tokens; the
+    QKV and fc1 linears keep the inputs they gathered (the whole sequence), so the replicated
+    10 sbh of GPT-2's 2-byte count become 4 + 6/2; t = 1 is unchanged."""
+    sbh = S * H
+    assert layer_activation_bytes(MODEL_SP, 2, 1, 2) == sbh * (4 + 6 / 2 + 12) + 5 * A * S * S / 2
+    assert layer_activation_bytes(MODEL_SP, 2, 1, 2, selective=True) == sbh * (4 + 3 + 12)
+    assert layer_activation_bytes(MODEL_SP, 1, 1, 2) == layer_activation_bytes(MODEL, 1, 1, 2)
+    tables = 2 * 4 * S * 16  # rotary tables: the whole sequence
+    assert layer_activation_bytes(LLAMA_SP, 2, 1, 2) == (2 * 6 + 2) / 2 * sbh + 2 * 2 * sbh + \
+        tables + (4 * 2 * sbh + 4 * 2 * S * LLAMA_F + 5 * A * S * S) / 2
+
+
+def sequence_parallel_memory(sequence_parallel: bool, stage: int, recompute=None):
+    return estimate_stage_memory(
+        MODEL_SP if sequence_parallel else MODEL,
+        ParallelConfig(tensor_parallel=2, pipeline_parallel=2, schedule="2bw"),
+        PrecisionConfig(fp16=True), recompute or RecomputeConfig(), "adam", 1, 4, 1, stage, 1000.0)
+
+
+def test_sequence_parallel_stages_hold_their_part_of_the_sequence():
+    """The first stage's embedding-dropout mask and its output (the pipeline message) hold s/2
+    tokens, as do the inputs full recomputation keeps; the last stage's head works on the gathered
+    sequence; a layer's backward holds a residual gradient of s/2 tokens and a gathered one."""
+    sb, sbh = S, S * H
+    plain, split = sequence_parallel_memory(False, 0), sequence_parallel_memory(True, 0)
+    assert plain.activations == 2 * (2 * 1000 + 8 * sb + sbh + 2 * sbh)  # 2 in flight
+    assert split.activations == 2 * (2 * 1000 + 8 * sb + sbh / 2 + 2 * sbh / 2)
+    assert plain.workspace == 2 * S * (2 * F / 2 + 2 * H)
+    assert split.workspace == 2 * S * (2 * F / 2 + 1.5 * H)
+    assert sequence_parallel_memory(True, 1).activations == \
+        sequence_parallel_memory(False, 1).activations
+    full = RecomputeConfig("full", "uniform", 1)
+    assert sequence_parallel_memory(True, 0, full).activations == \
+        2 * (2 * 2 * sbh / 2 + 8 * sb + sbh / 2 + 2 * sbh / 2)
+    assert (split.params, split.grads, split.optimizer) == \
+        (plain.params, plain.grads, plain.optimizer)
 
 
 @pytest.mark.parametrize("switches, t, elements", [

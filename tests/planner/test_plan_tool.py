@@ -41,6 +41,19 @@ def test_typed_parallel_flags_pin_the_search(capsys):
             for p in plans} == {(2, "flush", "selective")}
 
 
+def test_sequence_parallel_reaches_the_plan(capsys):
+    """--sequence-parallel is a model flag: the plans follow it (less activation memory on each
+    stage of the same configuration) without searching it."""
+    pinned = ["--world-size", "8", "--hardware", "dgx-a100", "--tensor-model-parallel-size", "2",
+              "--pipeline-model-parallel-size", "2", "--micro-batch-size", "4",
+              "--pipeline-schedule", "2bw"]
+    plain = plan.main(TINY + pinned)
+    split = plan.main(TINY + pinned + ["--sequence-parallel"])
+    assert [p.candidate for p in split] == [p.candidate for p in plain]
+    for a, b in zip(plain, split):
+        assert all(s.activations < p.activations for p, s in zip(a.stage_memory, b.stage_memory))
+
+
 def run_tool(*args, cwd=None):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     return subprocess.run([sys.executable, str(ROOT / "tools" / "plan.py"), *args],

@@ -8,7 +8,8 @@ import torch
 from megatron_2bw.config import Config, ModelConfig, PrecisionConfig, TrainingConfig
 from megatron_2bw.planner import profile as profile_module
 from megatron_2bw.planner.hardware import HardwareSpec
-from megatron_2bw.planner.memory import MASK_BYTES, layer_activation_bytes, layer_parameters
+from megatron_2bw.planner.memory import (MASK_BYTES, layer_activation_bytes, layer_parameters,
+                                         sequence_ranks)
 from megatron_2bw.planner.profile import (AnalyticProfile, MeasuredProfile, linear_flops_per_token,
                                           measure_costs, measure_costs_at_once,
                                           measure_costs_per_copy, measured_profile,
@@ -111,30 +112,36 @@ def test_saved_tensor_count_of_the_real_layer():
 def cpu_layer_bytes(model: ModelConfig, t: int, b: int, e: int, selective: bool) -> float:
     """layer_activation_bytes as PyTorch on a CPU stashes them: its dropout keeps the mask in the
     working dtype (e bytes, not MASK_BYTES), and the norms keep their statistics (LayerNorm a mean
-    and an rstd per token, RMSNorm an fp32 rsqrt)."""
+    and an rstd per token, RMSNorm an fp32 rsqrt); the hidden masks and the norms' statistics of
+    s/t tokens under --sequence-parallel."""
     s, h, sb = model.seq_length, model.hidden_size, model.seq_length * b
-    masks = 2 * sb * h + (0 if selective else model.num_attention_heads * s * s * b / t)
-    statistics = 2 * sb * (2 * e if model.normalization == "LayerNorm" else 4)
+    r = sequence_ranks(model, t)
+    masks = 2 * sb * h / r + (0 if selective else model.num_attention_heads * s * s * b / t)
+    statistics = 2 * sb * (2 * e if model.normalization == "LayerNorm" else 4) / r
     return layer_activation_bytes(model, t, b, e, selective) + (e - MASK_BYTES) * masks + statistics
 
 
 ONE_GROUP_PER_HEAD = dataclasses.replace(LLAMA, num_query_groups=None)  # rotary q, k; v a view
 
 
-@pytest.mark.parametrize("t", [1, 2])
+@pytest.mark.parametrize("t, sequence_parallel", [(1, False), (2, False), (2, True)],
+                         ids=["t1", "t2", "t2-sequence-parallel"])
 @pytest.mark.parametrize("model", [MODEL, LLAMA, ONE_GROUP_PER_HEAD],
                          ids=["gpt2", "llama", "llama-mha"])
-def test_the_activation_formula_is_what_a_real_layer_saves(model, t):
+def test_the_activation_formula_is_what_a_real_layer_saves(model, t, sequence_parallel):
     """The analytic count against the bytes a real layer's shard stashes (with dropout PyTorch
     takes its math attention path, the one the formula counts), exact but for the CPU's dropout
     masks and norm statistics (`cpu_layer_bytes`). Full stashes in fp32 only: in bf16 the CPU's
-    math path computes the core in fp32."""
+    math path computes the core in fp32. Under --sequence-parallel the layer is fed its s/t
+    tokens, as in training, and gathers the sequence for its linears itself."""
     b = 2
+    model = dataclasses.replace(model, sequence_parallel=sequence_parallel)
     for dtype, e, checked in ((torch.float32, 4, (False, True)), (torch.bfloat16, 2, (True,))):
         body = profile_module._piece(model, t, 1, False, False, dtype, torch.device("cpu"))
         layer = next(iter(body.transformer.layers.values()))
         rotary = None if body.transformer.rotary is None else body.transformer.rotary(32)
-        hidden = torch.randn(b, 32, 64, dtype=dtype, requires_grad=True)
+        hidden = torch.randn(b, 32 // sequence_ranks(model, t), 64, dtype=dtype,
+                             requires_grad=True)
         measured = dict(zip((False, True), saved_activation_bytes(layer, hidden, None, rotary)))
         for selective in checked:
             assert measured[selective] == cpu_layer_bytes(model, t, b, e, selective), \
@@ -149,6 +156,60 @@ def test_the_measured_profile_runs_the_llama_layer_with_its_rotary_tables():
     for t in (1, 2):
         assert records[(t, 1)]["layer_activation_bytes"] == cpu_layer_bytes(LLAMA, t, 1, 4, False)
         assert records[(t, 1)]["attention_core_forward_s"] > 0
+
+
+@pytest.mark.parametrize("model", [MODEL, LLAMA, ModelConfig(
+    model_type="bert", num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32,
+    vocab_size=1000, num_tokentypes=2)], ids=["gpt2", "llama", "bert"])
+def test_a_sequence_parallel_profile_feeds_each_rank_its_part_of_the_sequence(model):
+    """t = 2 with --sequence-parallel: the timed layer and head get [b, s/2, h] and the embedding
+    returns it, as in training; every piece runs forward and backward; the layer's stashed bytes
+    are the formula's for that split."""
+    model = dataclasses.replace(model, sequence_parallel=True)
+    cpu, b, t = torch.device("cpu"), 2, 2
+    modules = {"body": profile_module._piece(model, t, 1, False, False, torch.float32, cpu),
+               "embedding": profile_module._piece(model, t, 0, True, False, torch.float32, cpu),
+               "head": profile_module._piece(model, t, 0, False, True, torch.float32, cpu)}
+    fed = []
+    for piece in ("body", "head"):
+        modules[piece].register_forward_pre_hook(
+            lambda module, args, piece=piece: fed.append((piece, tuple(args[0].shape))))
+    timed, stashed = profile_module._size_pieces(model, modules, b, cpu)
+    for name, (fn, setup) in timed.items():
+        if setup is not None:
+            setup()
+        fn()
+    half = (b, 16, 64)
+    assert set(fed) == {("body", half), ("head", half)}
+    embedded = modules["embedding"](None, profile_module._synthetic_batch(model, b, cpu))
+    assert tuple(embedded.shape) == half
+    if model.model_type == "gpt":
+        assert stashed["layer_activation_bytes"] == cpu_layer_bytes(model, t, b, 4, False)
+        assert stashed["layer_activation_bytes"] < \
+            cpu_layer_bytes(dataclasses.replace(model, sequence_parallel=False), t, b, 4, False)
+
+
+def test_analytic_sequence_parallel_runs_the_replicated_work_on_part_of_the_sequence():
+    """At t = 2 the norms, the row-parallel bias adds, dropouts and residual adds (and the
+    embedding's position add and dropout) move half their bytes; nothing changes at t = 1."""
+    memory_only = dataclasses.replace(HARDWARE, peak_flops={"float32": 1e30},
+                                      kernel_overhead_s=0.0)
+    sp = dataclasses.replace(MODEL, sequence_parallel=True)
+    b, sbh, e = 2, 2 * 32 * 64, 4
+    plain = AnalyticProfile(MODEL, PrecisionConfig(), memory_only)
+    split = AnalyticProfile(sp, PrecisionConfig(), memory_only)
+    # 2 x (bias 2e, dropout 2e + mask, residual 3e) and 2 LayerNorms (2e), half of it saved
+    saved = (2 * (2 * e + 5 * e + MASK_BYTES) + 2 * 2 * e) * sbh / 2 / 0.5e11
+    assert plain.costs(2, b).layer_forward_s - split.costs(2, b).layer_forward_s == \
+        pytest.approx(saved)
+    assert plain.costs(2, b).layer_backward_s - split.costs(2, b).layer_backward_s == \
+        pytest.approx(2 * saved)
+    # positions (gather, add: 4e) and dropout (2e + mask) on half the tokens; the rows' lookup whole
+    assert plain.costs(2, b).embedding_forward_s - split.costs(2, b).embedding_forward_s == \
+        pytest.approx((6 * e + MASK_BYTES) * sbh / 2 / 0.5e11)
+    assert plain.costs(2, b).head_forward_s == split.costs(2, b).head_forward_s
+    assert plain.costs(1, b) == split.costs(1, b)
+    assert split.costs(2, b).layer_activation_bytes == layer_activation_bytes(sp, 2, b, e)
 
 
 def test_measured_profile_is_cached_interpolated_and_scaled(tmp_path, monkeypatch):
@@ -319,6 +380,32 @@ def test_a_cached_profile_serves_only_the_same_architecture(tmp_path, monkeypatc
     assert profile_module._profile_identity(other) != profile_module._profile_identity(MODEL)
     measured_profile(other, PrecisionConfig(), HARDWARE, [1], tmp_path, rounds=1)
     assert len(calls) == 2  # its own file serves it next time
+
+
+def test_sequence_parallel_is_in_the_cache_identity_when_a_t_above_1_is_measured(tmp_path,
+                                                                                 monkeypatch):
+    """--sequence-parallel changes what a t > 1 shard is fed, not t = 1: a profile of t = 1 alone
+    is the plain model's (its file, measured without the flag); with t = 2 it has its own file."""
+    calls = []
+    monkeypatch.setattr(profile_module, "measure_costs",
+                        lambda model, precision, sizes, device=None, repeats=7:
+                        calls.append((model.sequence_parallel, list(sizes)))
+                        or {key: {"layer_forward_s": 1.0} for key in sizes})
+    sp = dataclasses.replace(MODEL, sequence_parallel=True)
+    measured_profile(MODEL, PrecisionConfig(), HARDWARE, [1], tmp_path, rounds=1)
+    measured_profile(sp, PrecisionConfig(), HARDWARE, [1], tmp_path, rounds=1)
+    assert calls == [(False, [(1, 1)])]  # served by the plain model's file
+    measured_profile(sp, PrecisionConfig(), HARDWARE, [1], tmp_path, rounds=1,
+                     tensor_parallel_sizes=[2])
+    assert calls[1:] == [(True, [(1, 1), (2, 1)])]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "toy__gpt-h64-a4-f256-s32-v1024-dropout0.1-0.1__float32.json",
+        "toy__gpt-h64-a4-f256-s32-v1024-sp-dropout0.1-0.1__float32.json"]
+    assert profile_module._profile_identity(sp) == \
+        profile_module._profile_identity(MODEL) | {"sequence_parallel": True}
+    again = measured_profile(sp, PrecisionConfig(), HARDWARE, [1], tmp_path, rounds=1,
+                             tensor_parallel_sizes=[2])
+    assert len(calls) == 2 and again.analytic.model.sequence_parallel
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="CPU affinity is Linux's")

@@ -45,6 +45,26 @@ def test_tensor_parallel_sizes_must_divide_the_query_groups():
         rank_plans(grouped, 16, P3, 32, PrecisionConfig(), space=SearchSpace(tensor_parallel=(4,)))
 
 
+def test_sequence_parallel_is_planned_as_given_and_needs_t_to_divide_the_sequence():
+    """--sequence-parallel is not searched: every candidate keeps the model's setting, t must
+    divide the sequence too, and a stage of the same candidate needs less memory with it."""
+    sp = dataclasses.replace(MODEL, seq_length=126, max_position_embeddings=126,
+                             sequence_parallel=True)
+    assert {c.tensor_parallel for c in candidates(sp, 16, P3.for_world(16), 32)} == {1, 2}
+    with pytest.raises(ValueError, match=r"--tensor-model-parallel-size 4 must divide .*"
+                                         r"--seq-length 126 \(--sequence-parallel\)"):
+        rank_plans(sp, 16, P3, 32, PrecisionConfig(), space=SearchSpace(tensor_parallel=(4,)))
+    space = SearchSpace(tensor_parallel=(2,), pipeline_parallel=(2,), micro_batch_sizes=(4,),
+                        schedules=("2bw",), recompute=(None,))
+    [plain] = rank_plans(MODEL, 8, P3, 32, PrecisionConfig(fp16=True), space=space)
+    [split] = rank_plans(dataclasses.replace(MODEL, sequence_parallel=True), 8, P3, 32,
+                         PrecisionConfig(fp16=True), space=space)
+    assert split.candidate == plain.candidate
+    for plain_stage, split_stage in zip(plain.stage_memory, split.stage_memory):
+        assert split_stage.activations < plain_stage.activations
+        assert split_stage.params == plain_stage.params
+
+
 def test_replaying_only_the_contenders_finds_the_same_top():
     args = (MODEL, 16, P3, 64, PrecisionConfig(fp16=True))
     pruned = rank_plans(*args, simulate_top=2)
