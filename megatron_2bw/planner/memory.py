@@ -194,17 +194,17 @@ def layer_activation_bytes(model: ModelConfig, tensor_parallel: int, micro_batch
     row, which the measured profile picks up. "selective" recomputation drops the core's a*s*s
     terms and keeps its inputs (`core_input_elements`).
     No bias (--disable-bias-linear) changes nothing here: bias gradients need no activation.
-    --sequence-parallel (t > 1) divides the norms' stashes and the dropout masks by t; the QKV and
-    fc1 inputs stay whole (ColumnParallelLinear saves the input it gathered along the sequence),
-    and so do the rotary tables (they cover the whole sequence).
+    --sequence-parallel (t > 1) divides the norms' stashes, the dropout masks and the QKV and fc1
+    inputs by t (ColumnParallelLinear keeps its part of the sequence and gathers it again in the
+    backward); the rotary tables stay whole (they cover the whole sequence).
     """
     t, e, m = tensor_parallel, element_bytes, model
     s, h, a, f = m.seq_length, m.hidden_size, m.num_attention_heads, m.ffn_hidden_size
     sbh = s * micro_batch_size * h
     rope = m.position_embedding_type == "rope"
     rotary_tables = 8 * s * int(m.head_dim * m.rotary_percent) if rope else 0
-    split = (2 * norm_stash_bytes(m, e) + 2 * MASK_BYTES) / sequence_ranks(m, t)
-    replicated = (split + 2 * e) * sbh + rotary_tables
+    split = (2 * norm_stash_bytes(m, e) + 2 * MASK_BYTES + 2 * e) / sequence_ranks(m, t)
+    replicated = split * sbh + rotary_tables
     qkv = core_input_elements(m, t) if selective else 3 * h / t
     sharded = qkv * e * s * micro_batch_size + (e * sbh + ffn_wide_tensors(m) * e * s
                                                 * micro_batch_size * f) / t

@@ -18,8 +18,9 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from megatron_2bw.distributed.comm import all_reduce, group_rank, group_size
 from megatron_2bw.tensor_parallel.mappings import (
-    copy_to_tensor_parallel, gather_from_sequence_parallel, gather_from_tensor_parallel,
-    reduce_from_tensor_parallel, reduce_scatter_to_sequence_parallel, scatter_to_tensor_parallel)
+    all_gather_sequence, copy_to_tensor_parallel, gather_from_tensor_parallel,
+    reduce_from_tensor_parallel, reduce_scatter_sequence, reduce_scatter_to_sequence_parallel,
+    scatter_to_tensor_parallel)
 
 
 @dataclass
@@ -81,7 +82,8 @@ def initialize_parameters(module: nn.Module, seed: int, std: float, num_layers: 
 
 class ColumnParallelLinear(nn.Module):
     """Y = X A^T + b with A split by output rows: each rank computes its slice of the outputs.
-    With `sequence_parallel` the input arrives split along the sequence and is gathered first."""
+    With `sequence_parallel` the input arrives split along the sequence and is gathered first
+    (and again in the backward: only this rank's part is kept)."""
 
     def __init__(self, in_features: int, out_features: int, group, bias: bool = True,
                  gather_output: bool = False, init: str = "normal", sequence_parallel: bool = False):
@@ -92,10 +94,33 @@ class ColumnParallelLinear(nn.Module):
         self.bias = make_param((out_features,), group, 0, "zeros") if bias else None
 
     def forward(self, x):
-        x = gather_from_sequence_parallel(x, self.group) if self.sequence_parallel \
-            else copy_to_tensor_parallel(x, self.group)
-        y = F.linear(x, self.weight, self.bias)
+        if self.sequence_parallel and group_size(self.group) > 1:
+            y = _SequenceGatheringLinear.apply(x, self.weight, self.bias, self.group)
+        else:
+            y = F.linear(copy_to_tensor_parallel(x, self.group), self.weight, self.bias)
         return gather_from_tensor_parallel(y, self.group) if self.gather_output else y
+
+
+class _SequenceGatheringLinear(torch.autograd.Function):
+    """Y = gather(X) A^T + b, where X is this rank's part of the sequence, keeping only that part
+    for the backward, which gathers it again for A's gradient (Megatron-LM's trade: a second
+    all-gather instead of keeping t times the input)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group):
+        ctx.group, ctx.has_bias = group, bias is not None
+        ctx.save_for_backward(x, weight)
+        return F.linear(all_gather_sequence(x, group), weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        gathered = all_gather_sequence(x, ctx.group)
+        grad_input = reduce_scatter_sequence(grad.matmul(weight), ctx.group)
+        rows = grad.reshape(-1, grad.shape[-1])
+        grad_weight = rows.t().matmul(gathered.reshape(-1, gathered.shape[-1]))
+        grad_bias = rows.sum(0) if ctx.has_bias else None
+        return grad_input, grad_weight, grad_bias, None
 
 
 class RowParallelLinear(nn.Module):

@@ -48,7 +48,7 @@ def _own_chunk_last_dim(x, group):
     return _own_chunk(x, group, -1)
 
 
-def _all_gather_sequence(x, group):
+def all_gather_sequence(x, group):
     return _all_gather(x, group, 1)
 
 
@@ -56,7 +56,7 @@ def _own_sequence_part(x, group):
     return _own_chunk(x, group, 1)
 
 
-def _reduce_scatter_sequence(x: torch.Tensor, group) -> torch.Tensor:
+def reduce_scatter_sequence(x: torch.Tensor, group) -> torch.Tensor:
     world = group_size(group)
     if x.shape[1] % world:
         raise ValueError(f"sequence length {x.shape[1]} does not split over the {world} "
@@ -114,11 +114,11 @@ def gather_from_sequence_parallel(x, group, partial_grad: bool = True):
     """Forward all-gather of the sequence. Backward: reduce-scatter when every rank's gradient is a
     partial sum (the input of a column-parallel layer), else each rank keeps its own part (the
     gradient is already whole on every rank, as after copy_to_tensor_parallel)."""
-    return _border(x, group, _all_gather_sequence,
-                   _reduce_scatter_sequence if partial_grad else _own_sequence_part)
+    return _border(x, group, all_gather_sequence,
+                   reduce_scatter_sequence if partial_grad else _own_sequence_part)
 
 
 def reduce_scatter_to_sequence_parallel(x, group):
     """Forward: sum the ranks' partial outputs and keep this rank's part of the sequence (a
     row-parallel layer's output, the vocabulary-parallel embedding's); backward all-gather."""
-    return _border(x, group, _reduce_scatter_sequence, _all_gather_sequence)
+    return _border(x, group, reduce_scatter_sequence, all_gather_sequence)

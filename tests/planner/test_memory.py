@@ -116,16 +116,17 @@ def test_activation_formula_follows_the_llama_switches():
         replicated + 4 * 2 * sbh + 4 * 2 * S * f
 
 
-def test_sequence_parallel_divides_the_norms_and_masks_not_the_gathered_inputs():
-    """--sequence-parallel on t = 2: the norms' stashes and the dropout masks hold s/2 tokens; the
-    QKV and fc1 linears keep the inputs they gathered (the whole sequence), so the replicated
-    10 sbh of GPT-2's 2-byte count become 4 + 6/2; t = 1 is unchanged."""
+def test_sequence_parallel_divides_the_replicated_stashes():
+    """--sequence-parallel on t = 2: the norms' stashes, the dropout masks and the QKV and fc1
+    inputs (the linears keep their part of the sequence and gather it again in the backward) hold
+    s/2 tokens, so the replicated 10 sbh of GPT-2's 2-byte count become 10/2; t = 1 is
+    unchanged."""
     sbh = S * H
-    assert layer_activation_bytes(MODEL_SP, 2, 1, 2) == sbh * (4 + 6 / 2 + 12) + 5 * A * S * S / 2
-    assert layer_activation_bytes(MODEL_SP, 2, 1, 2, selective=True) == sbh * (4 + 3 + 12)
+    assert layer_activation_bytes(MODEL_SP, 2, 1, 2) == sbh * (10 / 2 + 12) + 5 * A * S * S / 2
+    assert layer_activation_bytes(MODEL_SP, 2, 1, 2, selective=True) == sbh * (10 / 2 + 12)
     assert layer_activation_bytes(MODEL_SP, 1, 1, 2) == layer_activation_bytes(MODEL, 1, 1, 2)
     tables = 2 * 4 * S * 16  # rotary tables: the whole sequence
-    assert layer_activation_bytes(LLAMA_SP, 2, 1, 2) == (2 * 6 + 2) / 2 * sbh + 2 * 2 * sbh + \
+    assert layer_activation_bytes(LLAMA_SP, 2, 1, 2) == (2 * 6 + 2 + 2 * 2) / 2 * sbh + \
         tables + (4 * 2 * sbh + 4 * 2 * S * LLAMA_F + 5 * A * S * S) / 2
 
 
