@@ -109,27 +109,6 @@ def test_megatron_llama_script_carries_over():
     assert config.training.train_iters == 1953125000 // 128
 
 
-@pytest.mark.parametrize("extra,expected", [
-    (["--num-query-groups", "2"], "--num-query-groups takes effect only with --group-query-attention"),
-    (["--group-query-attention", "--num-query-groups", "3"],
-     "--num-query-groups 3 must divide --num-attention-heads 4"),
-    (["--group-query-attention", "--tensor-model-parallel-size", "2"],
-     "--tensor-model-parallel-size 2 must divide the query groups (1, --num-query-groups)"),
-    (["--position-embedding-type", "rope", "--rotary-percent", "0.2"],
-     "--rotary-percent 0.2 of the head size 8 must rotate a positive even number of channels"),
-    (["--kv-channels", "16"], "--kv-channels 16: megatron_2bw's head size is --hidden-size / "
-                              "--num-attention-heads = 32 / 4"),
-    (["--swiglu", "--hidden-size", "16"], "--ffn-hidden-size must be a positive integer, got 0"),
-    (["--use-rope-scaling"], "--use-rope-scaling needs --position-embedding-type rope"),
-    (["--transformer-impl", "transformer_engine"], "--transformer-impl transformer_engine: "
-                                                   "megatron_2bw builds its layers from torch ops"),
-])
-def test_architecture_flags_refused_with_the_reason(extra, expected):
-    with pytest.raises(ConfigError) as error:
-        parse_config([*TINY, *extra])
-    assert expected in str(error.value)
-
-
 def test_rope_flags_and_their_older_names():
     rope, _ = parse_config([*TINY, "--use-rotary-position-embeddings", "--no-position-embedding"])
     assert rope.model.position_embedding_type == "rope"
@@ -172,6 +151,19 @@ def test_megatron_bert_example_script_carries_over():
     (["--data-impl", "lazy"], "argument --data-impl: invalid choice: 'lazy'"),
     (["--checkpoint-num-layers", "2"], "--checkpoint-num-layers only applies with "
                                        "--checkpoint-activations"),
+    (["--num-query-groups", "2"], "--num-query-groups takes effect only with --group-query-attention"),
+    (["--group-query-attention", "--num-query-groups", "3"],
+     "--num-query-groups 3 must divide --num-attention-heads 4"),
+    (["--group-query-attention", "--tensor-model-parallel-size", "2"],
+     "--tensor-model-parallel-size 2 must divide the query groups (1, --num-query-groups)"),
+    (["--position-embedding-type", "rope", "--rotary-percent", "0.2"],
+     "--rotary-percent 0.2 of the head size 8 must rotate a positive even number of channels"),
+    (["--kv-channels", "16"], "--kv-channels 16: megatron_2bw's head size is --hidden-size / "
+                              "--num-attention-heads = 32 / 4"),
+    (["--swiglu", "--hidden-size", "16"], "--ffn-hidden-size must be a positive integer, got 0"),
+    (["--use-rope-scaling"], "--use-rope-scaling needs --position-embedding-type rope"),
+    (["--transformer-impl", "transformer_engine"], "--transformer-impl transformer_engine: "
+                                                   "megatron_2bw builds its layers from torch ops"),
 ])
 def test_megatron_flags_refused_with_the_reason(extra, expected):
     with pytest.raises(ConfigError) as error:
