@@ -1,7 +1,9 @@
-"""The transformer layers GPT and BERT share: pre-LayerNorm blocks built from tensor-parallel layers.
+"""The transformer layers GPT and BERT share: pre-norm blocks built from tensor-parallel layers, in
+GPT-2's layout by default or Llama's (RMSNorm, SwiGLU, rotary positions, grouped queries).
 
-Parallelism enters only through the tensor-parallel layers (they receive the group handle); this file
-reads like a single-device model.
+Parallelism enters only through the tensor-parallel layers (they receive the group handle) and,
+under --sequence-parallel, the norms and dropouts that work on this rank's part of the sequence;
+this file reads like a single-device model.
 """
 from __future__ import annotations
 
