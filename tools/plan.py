@@ -26,7 +26,7 @@ from megatron_2bw.arguments import (ConfigError, build_parser, config_from_args,
                                     explicit_fields)
 from megatron_2bw.planner.hardware import (HardwareSpec, detect_hardware, load_hardware,  # noqa: E402
                                            shipped_hardware)
-from megatron_2bw.planner.profile import default_cache_dir  # noqa: E402
+from megatron_2bw.planner.profile import architecture_name, default_cache_dir  # noqa: E402
 from megatron_2bw.planner.search import (Plan, SearchSpace, pinned_search_space,  # noqa: E402
                                          measured_search, rank_plans_for)
 
@@ -163,7 +163,10 @@ def main(argv=None) -> list[Plan]:
         hardware = load_hardware(args.hardware)
     plans = rank_plans_for(config, args.world_size, hardware, profile, space,
                            simulate_top=args.top, progress=True)
-    title = (f"{config.model.model_type} L{config.model.num_layers} h{config.model.hidden_size}, "
+    m = config.model
+    layout = architecture_name(m).replace("-", " ") + (" sequence-parallel" if m.sequence_parallel
+                                                       else "")
+    title = (f"{m.model_type} L{m.num_layers} h{m.hidden_size}{layout}, "
              f"batch {config.training.global_batch_size}, {args.world_size} x {hardware.name}")
     print(title)
     print(format_table(plans, args.top))

@@ -450,7 +450,7 @@ def _architecture(model: ModelConfig) -> dict:
     return {key: value for key, value in switches.items() if value != gpt2[key]}
 
 
-def _architecture_name(model: ModelConfig) -> str:
+def architecture_name(model: ModelConfig) -> str:
     """e.g. "-RMSNorm-nobias-swiglu-posrope-g2" ("" for GPT-2's layout)."""
     parts = []
     for key, value in _architecture(model).items():
@@ -469,7 +469,7 @@ def _cache_path(cache_dir: Path, hardware_name: str, model: ModelConfig,
             f"-s{m.seq_length}-v{m.padded_vocab_size(1)}")
     if m.max_position_embeddings != m.seq_length:
         name += f"-pos{m.max_position_embeddings}"
-    name += _architecture_name(m)
+    name += architecture_name(m)
     if m.sequence_parallel:
         name += "-sp"
     name += f"-dropout{m.hidden_dropout:g}-{m.attention_dropout:g}"

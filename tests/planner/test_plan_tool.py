@@ -52,6 +52,10 @@ def test_sequence_parallel_reaches_the_plan(capsys):
     assert [p.candidate for p in split] == [p.candidate for p in plain]
     for a, b in zip(plain, split):
         assert all(s.activations < p.activations for p, s in zip(a.stage_memory, b.stage_memory))
+    plan.main(TINY + pinned + ["--sequence-parallel", "--swiglu"])
+    titles = [line for line in capsys.readouterr().out.splitlines() if line.startswith("gpt L")]
+    assert "sequence" not in titles[0] and " sequence-parallel, batch" in titles[1]
+    assert " swiglu sequence-parallel, batch" in titles[2]  # the layout's switches are named
 
 
 def run_tool(*args, cwd=None):
