@@ -49,6 +49,11 @@ def get_args(argv=None):
                    help="keys (columns) to tokenize, one output dataset per key")
     g.add_argument("--split-sentences", action="store_true",
                    help="one sequence per sentence (BERT data)")
+    g.add_argument("--keep-newlines", action="store_true",
+                   help="with --split-sentences: a sentence keeps the line breaks that follow it")
+    g.add_argument("--lang", default="english",
+                   help="the language of --split-sentences' rule (Megatron-LM's nltk language): "
+                        "only english")
     g = parser.add_argument_group("tokenizer")
     g.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
     g.add_argument("--vocab-file", "--vocab",
@@ -76,6 +81,10 @@ def get_args(argv=None):
         parser.error(f"--workers must be >= 1, got {args.workers}")
     if args.partitions < 1:
         parser.error(f"--partitions must be >= 1, got {args.partitions}")
+    if args.lang != "english":
+        parser.error(f"--lang {args.lang}: the sentence rule here splits at . ! ? before a capital "
+                     f"letter, which is English's (nltk's punkt models need a download); only "
+                     f"english is accepted")
     return args
 
 
@@ -86,13 +95,21 @@ def get_args(argv=None):
 _SENTENCE_END = re.compile(r"""[.!?]+["')\]]*(?=\s+["'(\[]?[A-Z0-9])""")
 
 
-def split_sentences(text: str) -> list[str]:
+_BREAKS_AFTER = re.compile(r"[^\S\n]*(\n[^\S\n]*)+")  # blanks holding at least one line break
+
+
+def split_sentences(text: str, keep_newlines: bool = False) -> list[str]:
+    """The sentences of `text`, stripped; with `keep_newlines` (Megatron-LM's --keep-newlines) a
+    sentence keeps the line breaks after it, so a reader can tell where the lines ended."""
     sentences, start = [], 0
     for match in _SENTENCE_END.finditer(text):
-        sentences.append(text[start:match.end()].strip())
-        start = match.end()
+        end = match.end()
+        breaks = _BREAKS_AFTER.match(text, end) if keep_newlines else None
+        sentences.append(text[start:end].strip() + ("\n" * breaks.group().count("\n")
+                                                    if breaks else ""))
+        start = breaks.end() if breaks else end
     sentences.append(text[start:].strip())
-    return [s for s in sentences if s]
+    return [s for s in sentences if s.strip()]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -105,6 +122,7 @@ class EncodeSettings:
     vocab_size: int
     sentences: bool
     append_eod: bool
+    keep_newlines: bool = False
 
 
 @dataclass
@@ -133,7 +151,8 @@ class Encoder:
         self.eod = self.tokenizer.eod if settings.append_eod else None
 
     def encode_text(self, text: str) -> list[list[int]]:
-        pieces = split_sentences(text) if self.settings.sentences else [text]
+        pieces = split_sentences(text, self.settings.keep_newlines) if self.settings.sentences \
+            else [text]
         sequences = [ids for ids in map(self.tokenizer.tokenize, pieces) if ids]
         if sequences and self.eod is not None:
             sequences[-1].append(self.eod)
@@ -338,7 +357,7 @@ def main(argv=None) -> Stats:
     if args.append_eod:
         tokenizer.eod  # fail now, naming the tokenizer, if it has no eod token
     settings = EncodeSettings(tuple(args.json_keys), data, args.vocab_size, args.split_sentences,
-                              args.append_eod)
+                              args.append_eod, args.keep_newlines)
     sources = find_sources(args.input)
     dtype = token_dtype(tokenizer.vocab_size)
     groups = partition_sources(sources, args.partitions)

@@ -68,6 +68,12 @@ def test_sentence_splitter():
         'He said "Go."', "Then he left!", "Why?", "3 men came."]
     assert preprocess.split_sentences("version 2.5 is out. e.g. this") == [
         "version 2.5 is out. e.g. this"]
+    # --keep-newlines: a sentence keeps the line breaks after it (Megatron-LM's flag)
+    text = "First line ends.\nSecond one. Same line!\n\n  Last paragraph."
+    assert preprocess.split_sentences(text) == ["First line ends.", "Second one.", "Same line!",
+                                                "Last paragraph."]
+    assert preprocess.split_sentences(text, keep_newlines=True) == [
+        "First line ends.\n", "Second one.", "Same line!\n\n", "Last paragraph."]
 
 
 def test_every_input_format_gives_the_same_tokens(tmp_path, spm_model):
@@ -126,6 +132,8 @@ def test_cli_errors_are_one_line_with_exit_code_2(tmp_path, corpus_jsonl):
           "--merge-file", "m.txt"], "--vocab-file " + str(tmp_path / "vocab.json")),
         (["--tokenizer-type", "NullTokenizer", "--vocab-size", "10", "--workers", "0"],
          "--workers must be >= 1"),
+        (["--tokenizer-type", "NullTokenizer", "--vocab-size", "10", "--lang", "german"],
+         "--lang german: the sentence rule here splits at . ! ? before a capital letter"),
     ]:
         result = subprocess.run([sys.executable, script, "--input", str(corpus_jsonl),
                                  "--output-prefix", str(tmp_path / "o"), *flags],
@@ -145,6 +153,10 @@ def test_megatron_scripts_flags_are_accepted(tmp_path, corpus_jsonl):
     with pytest.raises(SystemExit):
         preprocess.get_args(["--input", str(corpus_jsonl), "--output-prefix", "o",
                              "--tokenizer-type", "NullTokenizer", "--dataset-impl", "lazy"])
+    args = preprocess.get_args(["--input", str(corpus_jsonl), "--output-prefix", "o",
+                                "--tokenizer-type", "NullTokenizer", "--split-sentences",
+                                "--keep-newlines", "--lang", "english"])
+    assert args.keep_newlines and args.lang == "english"
 
 
 def test_missing_input_and_unsupported_type(tmp_path, spm_model):
