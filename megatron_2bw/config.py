@@ -67,6 +67,11 @@ class ModelConfig:
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
 
+    def sequence_ranks(self, tensor_parallel: int) -> int:
+        """How many parts a rank's activations outside the tensor-parallel regions are split into
+        along the sequence: t under --sequence-parallel, else 1."""
+        return tensor_parallel if self.sequence_parallel else 1
+
     @property
     def query_groups(self) -> int:
         """Key/value heads: each serves num_attention_heads / query_groups query heads."""
@@ -222,11 +227,6 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
-
-    @property
-    def sequence_ranks(self) -> int:
-        """How many parts a stage's activations are split into along the sequence."""
-        return self.parallel.tensor_parallel if self.model.sequence_parallel else 1
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

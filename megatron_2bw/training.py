@@ -95,8 +95,9 @@ def build_stage(config: Config, layout: ParallelLayout, device: torch.device, ti
     if par.pipeline_parallel > 1:
         prev_rank = layout.stage_rank(stage - 1) if stage > 0 else None
         next_rank = layout.stage_rank(stage + 1) if not layout.is_last_stage else None
-        shape = (train.micro_batch_size, config.model.seq_length // config.sequence_ranks,
-                 config.model.hidden_size)
+        m = config.model
+        shape = (train.micro_batch_size, m.seq_length // m.sequence_ranks(par.tensor_parallel),
+                 m.hidden_size)
         p2p = PipelineP2P(prev_rank, next_rank, layout.group("pipeline"), shape,
                           working_dtype(config), device, par.timeout_minutes)
     memory = MemoryTracker(device)

@@ -63,7 +63,7 @@ def build_norm(config: ModelConfig, sequence_parallel: bool = False) -> nn.Modul
 
 
 def uses_sequence_parallel(config: ModelConfig, group) -> bool:
-    return config.sequence_parallel and group_size(group) > 1
+    return config.sequence_ranks(group_size(group)) > 1
 
 
 def mark_sequence_parallel(params, sequence_parallel: bool) -> None:
@@ -281,7 +281,7 @@ class TransformerStack(nn.Module):
                                      for i in layers})
         self.rotary = RotaryEmbedding(config) if config.position_embedding_type == "rope" else None
         # under --sequence-parallel a rank holds 1/t of the sequence; rotary tables cover all of it
-        self.sequence_ranks = group_size(group) if uses_sequence_parallel(config, group) else 1
+        self.sequence_ranks = config.sequence_ranks(group_size(group))
 
     def _recomputed(self, position: int) -> bool:
         r = self.recompute

@@ -47,7 +47,7 @@ from megatron_2bw.config import ModelConfig, ParallelConfig, PrecisionConfig
 from megatron_2bw.distributed.layout import ParallelLayout
 from megatron_2bw.pipeline.partition import layer_ranges
 from megatron_2bw.planner.hardware import HardwareSpec
-from megatron_2bw.planner.memory import (dtype_bytes, grad_buffer_bytes, sequence_ranks,
+from megatron_2bw.planner.memory import (dtype_bytes, grad_buffer_bytes,
                                          stage_parameters, stage_sequence_parallel_parameters)
 from megatron_2bw.planner.profile import ComputeCosts
 
@@ -269,7 +269,7 @@ def piece_times(model: ModelConfig, network: Network, costs: ComputeCosts, micro
     layer_f_ar = tensor_ar(costs.layer_forward_s / 2)
     layer_b_ar = tensor_ar(costs.layer_backward_s / 2)
     embedding_ar = tensor_ar(costs.embedding_forward_s)
-    sequence_parallel = sequence_ranks(model, network.layout.tensor) > 1
+    sequence_parallel = model.sequence_ranks(network.layout.tensor) > 1
     embedding_f_ar = embedding_ar / 2 if sequence_parallel else embedding_ar
     embedding_b_ar = embedding_ar / 2 if sequence_parallel else 0.0
     # the head's gather follows the last layer's reduce-scatter with hardly any compute between
@@ -353,7 +353,7 @@ def stage_costs(model: ModelConfig, hardware: HardwareSpec, costs: ComputeCosts,
     net = _network(hardware, t, p, d)
     e, g = dtype_bytes(precision), grad_buffer_bytes(precision)
     # a pipeline message: s/t tokens under --sequence-parallel
-    message = b * model.seq_length * model.hidden_size * e / sequence_ranks(model, t)
+    message = b * model.seq_length * model.hidden_size * e / model.sequence_ranks(t)
     pieces = piece_times(model, net, costs, b, candidate.recompute, precision)
     memory_rate = hardware.memory_bandwidth * hardware.efficiency
     stats_ar = net.allreduce_time("model", 4)

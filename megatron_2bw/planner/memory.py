@@ -89,12 +89,6 @@ def _model_key(model: ModelConfig) -> tuple:
     return tuple(vars(model).items())
 
 
-def sequence_ranks(model: ModelConfig, tensor_parallel: int) -> int:
-    """How many parts a rank's activations outside the tensor-parallel regions are split into along
-    the sequence (Config.sequence_ranks): t under --sequence-parallel, else 1."""
-    return tensor_parallel if model.sequence_parallel else 1
-
-
 @lru_cache(maxsize=256)
 def _shard_tensors(model_key: tuple, tensor_parallel: int, layers: int, pre_process: bool,
                    post_process: bool) -> tuple[tuple[int, bool], ...]:
@@ -203,7 +197,7 @@ def layer_activation_bytes(model: ModelConfig, tensor_parallel: int, micro_batch
     sbh = s * micro_batch_size * h
     rope = m.position_embedding_type == "rope"
     rotary_tables = 8 * s * int(m.head_dim * m.rotary_percent) if rope else 0
-    split = (2 * norm_stash_bytes(m, e) + 2 * MASK_BYTES + 2 * e) / sequence_ranks(m, t)
+    split = (2 * norm_stash_bytes(m, e) + 2 * MASK_BYTES + 2 * e) / m.sequence_ranks(t)
     replicated = split * sbh + rotary_tables
     qkv = core_input_elements(m, t) if selective else 3 * h / t
     sharded = qkv * e * s * micro_batch_size + (e * sbh + ffn_wide_tensors(m) * e * s
@@ -218,7 +212,7 @@ def layer_backward_workspace_bytes(model: ModelConfig, tensor_parallel: int, mic
     (under --sequence-parallel the residual stream's holds s/t tokens, a column-parallel input's
     the whole sequence before its reduce-scatter)."""
     sb = model.seq_length * micro_batch_size
-    hidden = 1 + 1 / sequence_ranks(model, tensor_parallel)
+    hidden = 1 + 1 / model.sequence_ranks(tensor_parallel)
     return element_bytes * sb * (ffn_wide_tensors(model) * model.ffn_hidden_size / tensor_parallel
                                  + hidden * model.hidden_size)
 
@@ -228,7 +222,7 @@ def first_stage_extra_bytes(model: ModelConfig, micro_batch_size: int, element_b
     """Embedding: token ids (int64) and the embedding-dropout mask (s/t tokens under
     --sequence-parallel)."""
     sb = model.seq_length * micro_batch_size
-    return 8 * sb + MASK_BYTES * sb * model.hidden_size / sequence_ranks(model, tensor_parallel)
+    return 8 * sb + MASK_BYTES * sb * model.hidden_size / model.sequence_ranks(tensor_parallel)
 
 
 def last_stage_extra_bytes(model: ModelConfig, tensor_parallel: int, micro_batch_size: int,
@@ -303,7 +297,7 @@ def estimate_stage_memory(model: ModelConfig, parallel: ParallelConfig, precisio
             model, t, b, e, selective=recompute.granularity == "selective")
     full_layers, chunks, recomputed_at_once = _recomputed_layers(recompute, layers)
     # a layer's input, the stage's output: s/t tokens under --sequence-parallel
-    layer_input = e * model.seq_length * b * model.hidden_size / sequence_ranks(model, t)
+    layer_input = e * model.seq_length * b * model.hidden_size / model.sequence_ranks(t)
     per_microbatch = full_layers * activation_bytes_per_layer + chunks * layer_input
     if first:
         per_microbatch += first_stage_extra_bytes(model, b, e, t)

@@ -62,7 +62,7 @@ from megatron_2bw.distributed.comm import ShardShapeGroup
 from megatron_2bw.distributed.launch import settle_host_allocator
 from megatron_2bw.planner.hardware import HardwareSpec, timed_call
 from megatron_2bw.planner.memory import (MASK_BYTES, dtype_bytes, grad_buffer_bytes,
-                                         layer_activation_bytes, sequence_ranks,
+                                         layer_activation_bytes,
                                          stage_parameter_tensors, stage_parameters)
 
 
@@ -173,7 +173,7 @@ class AnalyticProfile:
         # column-parallel biases are added inside their matmuls; s/t tokens of them (and of the
         # norms) under --sequence-parallel
         row_bias = 2 * e if m.add_bias_linear else 0
-        local_sbh = sb * h / sequence_ranks(m, t)
+        local_sbh = sb * h / m.sequence_ranks(t)
         replicated = 2 * (row_bias + 5 * e + MASK_BYTES) * local_sbh
         # sharded: q/k scaling copies and the context layout copy (6e), GELU over f (2e) or
         # SwiGLU's silu (2e) and product (3e)
@@ -209,7 +209,7 @@ class AnalyticProfile:
         # mask); the last two on s/t tokens under --sequence-parallel
         m, e = self.model, self.e
         positions = m.position_embedding_type == "learned_absolute"
-        local = ((6 if positions else 2) * e + MASK_BYTES) / sequence_ranks(m, t)
+        local = ((6 if positions else 2) * e + MASK_BYTES) / m.sequence_ranks(t)
         return _Work(0.0, (2 * e + local) * m.seq_length * b * m.hidden_size,
                      4 if positions else 2)
 

@@ -89,12 +89,12 @@ class ColumnParallelLinear(nn.Module):
                  gather_output: bool = False, init: str = "normal", sequence_parallel: bool = False):
         super().__init__()
         self.group, self.gather_output = group, gather_output
-        self.sequence_parallel = sequence_parallel
+        self.sequence_parallel = sequence_parallel and group_size(group) > 1
         self.weight = make_param((out_features, in_features), group, 0, init)
         self.bias = make_param((out_features,), group, 0, "zeros") if bias else None
 
     def forward(self, x):
-        if self.sequence_parallel and group_size(self.group) > 1:
+        if self.sequence_parallel:
             y = _SequenceGatheringLinear.apply(x, self.weight, self.bias, self.group)
         else:
             y = F.linear(copy_to_tensor_parallel(x, self.group), self.weight, self.bias)

@@ -8,8 +8,7 @@ import torch
 from megatron_2bw.config import Config, ModelConfig, PrecisionConfig, TrainingConfig
 from megatron_2bw.planner import profile as profile_module
 from megatron_2bw.planner.hardware import HardwareSpec
-from megatron_2bw.planner.memory import (MASK_BYTES, layer_activation_bytes, layer_parameters,
-                                         sequence_ranks)
+from megatron_2bw.planner.memory import MASK_BYTES, layer_activation_bytes, layer_parameters
 from megatron_2bw.planner.profile import (AnalyticProfile, MeasuredProfile, linear_flops_per_token,
                                           measure_costs, measure_costs_at_once,
                                           measure_costs_per_copy, measured_profile,
@@ -115,7 +114,7 @@ def cpu_layer_bytes(model: ModelConfig, t: int, b: int, e: int, selective: bool)
     and an rstd per token, RMSNorm an fp32 rsqrt); the hidden masks and the norms' statistics of
     s/t tokens under --sequence-parallel."""
     s, h, sb = model.seq_length, model.hidden_size, model.seq_length * b
-    r = sequence_ranks(model, t)
+    r = model.sequence_ranks(t)
     masks = 2 * sb * h / r + (0 if selective else model.num_attention_heads * s * s * b / t)
     statistics = 2 * sb * (2 * e if model.normalization == "LayerNorm" else 4) / r
     return layer_activation_bytes(model, t, b, e, selective) + (e - MASK_BYTES) * masks + statistics
@@ -140,7 +139,7 @@ def test_the_activation_formula_is_what_a_real_layer_saves(model, t, sequence_pa
         body = profile_module._piece(model, t, 1, False, False, dtype, torch.device("cpu"))
         layer = next(iter(body.transformer.layers.values()))
         rotary = None if body.transformer.rotary is None else body.transformer.rotary(32)
-        hidden = torch.randn(b, 32 // sequence_ranks(model, t), 64, dtype=dtype,
+        hidden = torch.randn(b, 32 // model.sequence_ranks(t), 64, dtype=dtype,
                              requires_grad=True)
         measured = dict(zip((False, True), saved_activation_bytes(layer, hidden, None, rotary)))
         for selective in checked:
