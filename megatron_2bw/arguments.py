@@ -82,8 +82,16 @@ def build_parser(description: str = "", extra_args_provider=None) -> argparse.Ar
                    help="grouped-query attention with --num-query-groups key/value heads")
     g.add_argument("--num-query-groups", type=int, default=None,
                    help="key/value heads under --group-query-attention (default 1)")
-    g.add_argument("--kv-channels", type=int, default=None,
-                   help="the head size; only --hidden-size / --num-attention-heads is supported")
+    _flag(g, "--kv-channels", "model", "kv_channels", type=int,
+          help="the head size (default --hidden-size / --num-attention-heads)")
+    _bool_flag(g, "--qk-layernorm", "model", "qk_layernorm",
+               "normalise each head's queries and keys (before rotary positions)")
+    _bool_flag(g, "--apply-layernorm-1p", "model", "apply_layernorm_1p",
+               "norm weights hold gain - 1, initialised to 0 (zero-centred gamma)")
+    _bool_flag(g, "--attention-softmax-in-fp32", "model", "attention_softmax_in_fp32",
+               "fp16/bf16: the attention softmax (and its mask) in fp32")
+    _bool_flag(g, "--apply-query-key-layer-scaling", "model", "apply_query_key_layer_scaling",
+               "fp16/bf16: divide attention scores by the layer number until the fp32 softmax")
     g.add_argument("--bert-no-binary-head", action="store_true", help="BERT without the SOP head")
     _bool_flag(g, "--untie-embeddings-and-output-weights", "model",
                "untie_embeddings_and_output_weights",
@@ -344,11 +352,6 @@ def _architecture_switches(args: argparse.Namespace, model) -> None:
         model.num_query_groups = args.num_query_groups or 1
     elif getattr(args, "num_query_groups", None) is not None:
         raise ConfigError("--num-query-groups takes effect only with --group-query-attention")
-    kv_channels = getattr(args, "kv_channels", None)
-    if kv_channels is not None and kv_channels * model.num_attention_heads != model.hidden_size:
-        raise ConfigError(f"--kv-channels {kv_channels}: megatron_2bw's head size is --hidden-size "
-                          f"/ --num-attention-heads = {model.hidden_size} / "
-                          f"{model.num_attention_heads}; other head sizes are not supported")
 
 
 def _validate_architecture(m, t: int) -> None:
@@ -394,8 +397,13 @@ def validate(config: Config, require_data: bool = True) -> None:
         _require(value is not None and value > 0, f"{flag} must be a positive integer, got {value}")
     _require(tr.eval_iters is not None and tr.eval_iters >= 0,
              f"--eval-iters must be >= 0 (0: no validation), got {tr.eval_iters}")
-    _require(m.hidden_size % m.num_attention_heads == 0,
-             f"--num-attention-heads {m.num_attention_heads} must divide --hidden-size {m.hidden_size}")
+    if m.kv_channels is None:
+        _require(m.hidden_size % m.num_attention_heads == 0,
+                 f"--num-attention-heads {m.num_attention_heads} must divide --hidden-size "
+                 f"{m.hidden_size} (or give the head size with --kv-channels)")
+    else:
+        _require(m.kv_channels > 0, f"--kv-channels must be a positive integer, got "
+                                    f"{m.kv_channels}")
     t = par.tensor_parallel
     _require(m.num_attention_heads % t == 0,
              f"--tensor-model-parallel-size {t} must divide --num-attention-heads "

@@ -40,6 +40,14 @@ class ModelConfig:
     rope_scaling: bool = False  # Llama 3.1's long-context frequencies (--use-rope-scaling)
     rope_scaling_factor: float = 8.0
     num_query_groups: int | None = None  # grouped-query attention; None: one group per head
+    kv_channels: int | None = None  # the head size (--kv-channels); None: hidden_size / heads
+    qk_layernorm: bool = False  # a norm (--normalization's) over each head's queries and keys
+    apply_layernorm_1p: bool = False  # every norm's weight holds gain - 1 (zero-centred gamma)
+    # numerics under fp16/bf16 (not the architecture): scores in the working precision, softmax in
+    # fp32; layer scaling also divides the scores by the layer's number until the softmax (and so,
+    # as in Megatron-LM, implies the fp32 softmax)
+    attention_softmax_in_fp32: bool = False
+    apply_query_key_layer_scaling: bool = False
     # activations outside the tensor-parallel regions split along the sequence over the tensor
     # group (--sequence-parallel; Megatron-LM's TransformerConfig holds it too). Not part of the
     # architecture: a checkpoint loads with it on or off.
@@ -65,7 +73,12 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def attention_size(self) -> int:
+        """Channels of all query heads (and of the attention's output before its projection)."""
+        return self.num_attention_heads * self.head_dim
 
     def sequence_ranks(self, tensor_parallel: int) -> int:
         """How many parts a rank's activations outside the tensor-parallel regions are split into
@@ -80,7 +93,7 @@ class ModelConfig:
     @property
     def qkv_size(self) -> int:
         """Output features of the fused qkv projection."""
-        return (self.num_attention_heads + 2 * self.query_groups) * self.head_dim
+        return self.attention_size + 2 * self.query_groups * self.head_dim
 
     def padded_vocab_size(self, tensor_parallel: int) -> int:
         """Megatron's rule: pad to a multiple of make_vocab_size_divisible_by * t."""

@@ -109,6 +109,20 @@ def test_megatron_llama_script_carries_over():
     assert config.training.train_iters == 1953125000 // 128
 
 
+def test_qwen3_head_size_and_attention_numerics_flags():
+    config, _ = parse_config([*TINY, "--qk-layernorm", "--apply-layernorm-1p",
+                              "--attention-softmax-in-fp32", "--apply-query-key-layer-scaling"])
+    m = config.model
+    assert m.qk_layernorm and m.apply_layernorm_1p
+    assert m.attention_softmax_in_fp32 and m.apply_query_key_layer_scaling
+    wide, _ = parse_config([*TINY, "--num-attention-heads", "3", "--kv-channels", "16"])
+    assert (wide.model.head_dim, wide.model.attention_size, wide.model.qkv_size) == (16, 48, 144)
+    plain, _ = parse_config(TINY)
+    assert plain.model.head_dim == 8
+    assert not (plain.model.qk_layernorm or plain.model.apply_layernorm_1p
+                or plain.model.attention_softmax_in_fp32)
+
+
 def test_rope_flags_and_their_older_names():
     rope, _ = parse_config([*TINY, "--use-rotary-position-embeddings", "--no-position-embedding"])
     assert rope.model.position_embedding_type == "rope"
@@ -158,8 +172,9 @@ def test_megatron_bert_example_script_carries_over():
      "--tensor-model-parallel-size 2 must divide the query groups (1, --num-query-groups)"),
     (["--position-embedding-type", "rope", "--rotary-percent", "0.2"],
      "--rotary-percent 0.2 of the head size 8 must rotate a positive even number of channels"),
-    (["--kv-channels", "16"], "--kv-channels 16: megatron_2bw's head size is --hidden-size / "
-                              "--num-attention-heads = 32 / 4"),
+    (["--kv-channels", "0"], "--kv-channels must be a positive integer, got 0"),
+    (["--num-attention-heads", "3"], "--num-attention-heads 3 must divide --hidden-size 32 (or "
+                                     "give the head size with --kv-channels)"),
     (["--swiglu", "--hidden-size", "16"], "--ffn-hidden-size must be a positive integer, got 0"),
     (["--use-rope-scaling"], "--use-rope-scaling needs --position-embedding-type rope"),
     (["--transformer-impl", "transformer_engine"], "--transformer-impl transformer_engine: "

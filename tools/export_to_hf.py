@@ -1,14 +1,16 @@
 """Export a checkpoint as a Hugging Face transformers model directory: GPT as GPT2LMHeadModel, or with
 Llama's switches (RMSNorm, SwiGLU, rotary positions) as LlamaForCausalLM (Qwen2ForCausalLM with
---add-qkv-bias), BERT as MegatronBertForPreTraining (config.json, model.safetensors and the run's
-tokenizer files). A model none of them computes is refused, naming the fields.
+--add-qkv-bias, Qwen3ForCausalLM with --qk-layernorm and --disable-bias-linear), BERT as
+MegatronBertForPreTraining (config.json, model.safetensors and the run's tokenizer files). A model
+none of them computes is refused, naming the fields.
 
     python tools/export_to_hf.py --load checkpoints/gpt --output hf/gpt
     python -c "import transformers; transformers.AutoModelForCausalLM.from_pretrained('hf/gpt')"
 
-Any tensor/pipeline layout exports; the vocabulary padding is removed. --iteration N picks an
-iteration other than the latest; the pretraining flags (e.g. --vocab-file) override what the
-checkpoint recorded.
+Any tensor/pipeline layout exports; the vocabulary padding is removed, and under
+--apply-layernorm-1p the norms' weights are written as the gains transformers expects (weight + 1).
+--iteration N picks an iteration other than the latest; the pretraining flags (e.g. --vocab-file)
+override what the checkpoint recorded.
 """
 from __future__ import annotations
 
@@ -32,7 +34,8 @@ def add_arguments(parser) -> None:
 
 
 def main(argv=None) -> str:
-    args = build_parser(__doc__.split("\n")[0], add_arguments).parse_args(argv)
+    # --help: the first paragraph, which names the transformers classes
+    args = build_parser(__doc__.split("\n\n")[0], add_arguments).parse_args(argv)
     if not args.load or not args.output:
         raise ConfigError("--load CHECKPOINT_DIR and --output DIR are both required")
     state = read_full_state(args.load, args.iteration, with_optimizer=False)

@@ -1,6 +1,6 @@
 """Import a Hugging Face transformers model directory (GPT2LMHeadModel, LlamaForCausalLM,
-Qwen2ForCausalLM or MegatronBertForPreTraining, read offline) as a megatron_2bw checkpoint of any
-layout, to continue pretraining or fine-tune it:
+Qwen2ForCausalLM, Qwen3ForCausalLM or MegatronBertForPreTraining, read offline) as a megatron_2bw
+checkpoint of any layout, to continue pretraining or fine-tune it.
 
     python tools/import_from_hf.py --hf-path hf/gpt2 --save checkpoints/gpt2 \\
         --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2
@@ -10,7 +10,8 @@ The imported model computes exactly what the transformers model computes, or the
 refused with the config field that differs (e.g. GPT-2's default activation_function "gelu_new",
 a tanh approximation of GELU, while megatron_2bw uses the exact GELU). The directory's tokenizer,
 if any, is copied to SAVE/tokenizer (--tokenizer-type HuggingFaceTokenizer --tokenizer-model
-SAVE/tokenizer).
+SAVE/tokenizer); a raw SentencePiece tokenizer.model, as export_to_hf.py writes it, comes in as
+--tokenizer-type SentencePieceTokenizer, or Llama2Tokenizer when the export was of one.
 """
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ def add_arguments(parser) -> None:
 
 
 def main(argv=None) -> str:
-    args = build_parser(__doc__.split("\n")[0], add_arguments).parse_args(argv)
+    # --help: the first paragraph, which names the transformers classes
+    args = build_parser(__doc__.split("\n\n")[0], add_arguments).parse_args(argv)
     if not args.hf_path or not args.save:
         raise ConfigError("--hf-path DIR and --save CHECKPOINT_DIR are both required")
     state = import_from_hf(args.hf_path)

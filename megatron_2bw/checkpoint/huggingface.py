@@ -1,7 +1,8 @@
 """Hugging Face transformers <-> megatron_2bw weights: a GPT of GPT-2's layout as GPT2LMHeadModel,
-one of Llama's (RMSNorm, SwiGLU, rotary positions) as LlamaForCausalLM, or as Qwen2ForCausalLM when
-only the qkv projection has biases; BERT as MegatronBertForPreTraining (pre-LayerNorm BERT, the
-same layout as ours). Any other combination of the architecture switches is refused by field.
+one of Llama's (RMSNorm, SwiGLU, rotary positions) as LlamaForCausalLM, as Qwen2ForCausalLM when
+only the qkv projection has biases, or as Qwen3ForCausalLM with --qk-layernorm and no biases; BERT
+as MegatronBertForPreTraining (pre-LayerNorm BERT, the same layout as ours). Any other combination
+of the architecture switches is refused by field.
 
 Both directions work on unsharded state (reshard.FullState, true vocabulary). What differs:
 - Our fused qkv rows are ordered (query group, [its query heads, k, v], head_dim), so a
@@ -9,6 +10,8 @@ Both directions work on unsharded state (reshard.FullState, true vocabulary). Wh
   MegatronBert and Llama have separate query/key/value projections.
 - Our SwiGLU fc1 rows alternate (gate, up) per unit; Llama has gate_proj and up_proj.
 - GPT-2's c_attn, c_proj and c_fc are Conv1D layers: weights stored [in, out], ours [out, in].
+- Under --apply-layernorm-1p our norms store gain - 1; transformers' hold the gain. Export adds 1;
+  import always gives plain gains (apply_layernorm_1p off).
 - Our activation is the exact (erf) GELU, transformers' "gelu". A model using another function
   ("gelu_new", GPT-2's tanh approximation, by default) is refused rather than silently changed.
 """
@@ -33,6 +36,9 @@ WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
 # (models.transformer.llama3_scaled); the factor is --rope-scaling-factor
 LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 8192}
+# Written by export beside the model: the run's iteration and configuration (provenance) and the
+# --tokenizer-type of the tokenizer files, which import reads back for a raw SentencePiece model.
+PROVENANCE_FILE = "megatron_2bw.json"
 # Files whose presence means a directory carries a transformers tokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt",
                    "tokenizer.model", "spiece.model")
@@ -93,7 +99,8 @@ BERT_LAYER_RULES = [*_linear("transformer.layers.{i}.input_norm", "bert.encoder.
                     *_linear("transformer.layers.{i}.post_attention_norm", "bert.encoder.layer.{i}.ln"),
                     *_linear("transformer.layers.{i}.mlp.fc1", "bert.encoder.layer.{i}.intermediate.dense"),
                     *_linear("transformer.layers.{i}.mlp.fc2", "bert.encoder.layer.{i}.output.dense")]
-# Llama and Qwen2 (the qkv projection and, with SwiGLU, fc1 are split in the layer loops below)
+# Llama, Qwen2 and Qwen3 (the qkv projection and, with SwiGLU, fc1 are split in the layer loops
+# below)
 LLAMA_RULES = [Rule(WORD_EMBEDDINGS, "model.embed_tokens.weight"),
                Rule("final_norm.weight", "model.norm.weight")]
 LLAMA_LAYER_RULES = [Rule("transformer.layers.{i}.input_norm.weight",
@@ -102,7 +109,9 @@ LLAMA_LAYER_RULES = [Rule("transformer.layers.{i}.input_norm.weight",
                           "model.layers.{i}.post_attention_layernorm.weight"),
                      *_linear("transformer.layers.{i}.attention.dense", "model.layers.{i}.self_attn.o_proj"),
                      *_linear("transformer.layers.{i}.mlp.fc2", "model.layers.{i}.mlp.down_proj")]
-LLAMA_CLASSES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
+QWEN3_LAYER_RULES = [Rule(f"transformer.layers.{{i}}.attention.{x}_norm.weight",
+                         f"model.layers.{{i}}.self_attn.{x}_norm.weight") for x in "qk"]
+LLAMA_CLASSES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 
 # -- which transformers class ------------------------------------------------------------------------
@@ -119,7 +128,15 @@ def _unlike_gpt2(model: ModelConfig) -> list[str]:
                     "swiglu": (model.swiglu, False),
                     "position_embedding_type": (model.position_embedding_type, "learned_absolute"),
                     "add_bias_linear": (model.add_bias_linear, True),
-                    "num_query_groups": (model.query_groups, model.num_attention_heads)})
+                    "num_query_groups": (model.query_groups, model.num_attention_heads),
+                    "qk_layernorm": (model.qk_layernorm, False),
+                    **_no_head_size(model)})
+
+
+def _no_head_size(model: ModelConfig) -> dict[str, tuple]:
+    """For the classes whose heads are always hidden / heads wide (GPT-2, MegatronBert, Qwen2)."""
+    head_size = model.kv_channels if model.attention_size != model.hidden_size else None
+    return {"kv_channels": (head_size, None)}
 
 
 def _unlike_llama(model: ModelConfig) -> list[str]:
@@ -131,10 +148,18 @@ def _unlike_llama(model: ModelConfig) -> list[str]:
                     "rotary_interleaved": (model.rotary_interleaved, False)})
 
 
+def _unlike_qwen3(model: ModelConfig) -> list[str]:
+    """What keeps `model` (with qk_layernorm) from Qwen3's layout: Llama's, without biases (Qwen3's
+    MLP has none, and its attention_bias would put some on o_proj too)."""
+    return _unlike_llama(model) + _unlike({"add_bias_linear": (model.add_bias_linear, False),
+                                           "add_qkv_bias": (model.add_qkv_bias, False)})
+
+
 def hf_architecture(model: ModelConfig) -> str:
     """The transformers class that computes what `model` computes, or a ConversionError naming
     every field that rules each candidate out. Llama's attention_bias and mlp_bias are both
-    add_bias_linear; biases on the qkv projection only (add_qkv_bias) are Qwen2's layout."""
+    add_bias_linear; biases on the qkv projection only (add_qkv_bias) are Qwen2's layout; of the
+    Llama-like classes only Qwen3 normalises queries and keys (qk_layernorm)."""
     gpt2 = _unlike_gpt2(model)
     if model.model_type == "bert":
         if gpt2:
@@ -145,12 +170,16 @@ def hf_architecture(model: ModelConfig) -> str:
                               f"{model.num_tokentypes}) has no transformers equivalent")
     if not gpt2:
         return "GPT2LMHeadModel"
-    llama = _unlike_llama(model)
-    if llama:
+    if model.qk_layernorm:
+        candidate, unlike = "Qwen3ForCausalLM", _unlike_qwen3(model)
+    else:
+        qwen2 = model.add_qkv_bias and not model.add_bias_linear
+        candidate = "Qwen2ForCausalLM" if qwen2 else "LlamaForCausalLM"
+        unlike = _unlike_llama(model) + (_unlike(_no_head_size(model)) if qwen2 else [])
+    if unlike:
         raise ConversionError(f"this GPT has no transformers equivalent: GPT2LMHeadModel needs "
-                              f"{'; '.join(gpt2)}. LlamaForCausalLM needs {'; '.join(llama)}")
-    return "Qwen2ForCausalLM" if model.add_qkv_bias and not model.add_bias_linear \
-        else "LlamaForCausalLM"
+                              f"{'; '.join(gpt2)}. {candidate} needs {'; '.join(unlike)}")
+    return candidate
 
 
 # -- weights -----------------------------------------------------------------------------------------
@@ -161,6 +190,8 @@ def _rules(model: ModelConfig, architecture: str) -> list[Rule]:
     else:
         fixed, per_layer = (GPT_RULES, GPT_LAYER_RULES) if architecture == "GPT2LMHeadModel" \
             else (LLAMA_RULES, LLAMA_LAYER_RULES)
+        if architecture == "Qwen3ForCausalLM":
+            per_layer = per_layer + QWEN3_LAYER_RULES
         if model.untie_embeddings_and_output_weights:
             fixed = fixed + [Rule("output_layer", "lm_head.weight")]
     if not model.add_bias_linear:
@@ -205,11 +236,22 @@ def _fused(model: ModelConfig, architecture: str) -> list[Fused]:
     return fused
 
 
+def _shift_norm_weights(model: ModelConfig, weights: dict[str, torch.Tensor],
+                        offset: float) -> dict[str, torch.Tensor]:
+    """`offset` added to every norm's weight under --apply-layernorm-1p, where ours hold gain - 1
+    and transformers' the gain: +1 on the way out, -1 on the way in. Every norm of ours (layers',
+    final, q/k, BERT's lm_norm) is named *norm, so one rule covers every architecture."""
+    if not model.apply_layernorm_1p:
+        return dict(weights)
+    return {name: tensor + offset if name.endswith("norm.weight") else tensor
+            for name, tensor in weights.items()}
+
+
 def to_hf_weights(model: ModelConfig, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Our unsharded weights -> the transformers state dict (tied output weights left out, as
     save_pretrained does)."""
     architecture = hf_architecture(model)
-    weights = dict(weights)
+    weights = _shift_norm_weights(model, weights, 1.0)
     if model.model_type == "bert":
         if model.num_tokentypes == 0:  # no token types: a zero table adds nothing
             weights["embedding.tokentype_embeddings"] = torch.zeros(2, model.hidden_size)
@@ -249,7 +291,7 @@ def from_hf_weights(model: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str
             else:
                 split = [hf[f"{name}.{part}"] for name in f.theirs]
             out[f"{f.ours}.{part}"] = join_rows(split, f.blocks)
-    return out
+    return _shift_norm_weights(model, out, -1.0)
 
 
 # -- configurations ----------------------------------------------------------------------------------
@@ -270,8 +312,13 @@ def to_hf_config(model: ModelConfig, special_ids: dict[str, int | None]):
             tie_word_embeddings=not model.untie_embeddings_and_output_weights,
             bos_token_id=special_ids.get("eod"), eos_token_id=special_ids.get("eod"))
     elif architecture in LLAMA_CLASSES:
-        llama = architecture == "LlamaForCausalLM"
-        config = (transformers.LlamaConfig if llama else transformers.Qwen2Config)(
+        config_class, biases = {
+            "LlamaForCausalLM": (transformers.LlamaConfig, {"attention_bias": model.add_bias_linear,
+                                                            "mlp_bias": model.add_bias_linear}),
+            "Qwen2ForCausalLM": (transformers.Qwen2Config, {}),  # q, k and v always have biases
+            "Qwen3ForCausalLM": (transformers.Qwen3Config, {"attention_bias": False}),
+        }[architecture]
+        config = config_class(
             vocab_size=model.vocab_size, hidden_size=model.hidden_size,
             num_hidden_layers=model.num_layers, num_attention_heads=model.num_attention_heads,
             num_key_value_heads=model.query_groups, head_dim=model.head_dim,
@@ -281,9 +328,7 @@ def to_hf_config(model: ModelConfig, special_ids: dict[str, int | None]):
             rms_norm_eps=model.layernorm_epsilon, attention_dropout=model.attention_dropout,
             initializer_range=model.init_method_std,
             tie_word_embeddings=not model.untie_embeddings_and_output_weights,
-            bos_token_id=special_ids.get("eod"), eos_token_id=special_ids.get("eod"),
-            **({"attention_bias": model.add_bias_linear, "mlp_bias": model.add_bias_linear}
-               if llama else {}))
+            bos_token_id=special_ids.get("eod"), eos_token_id=special_ids.get("eod"), **biases)
     else:
         config = transformers.MegatronBertConfig(
             vocab_size=model.vocab_size, hidden_size=model.hidden_size,
@@ -353,15 +398,17 @@ def from_hf_config(config) -> ModelConfig:
             attention_dropout=config.attention_probs_dropout_prob,
             init_method_std=config.initializer_range, layernorm_epsilon=config.layer_norm_eps,
             bert_binary_head=True, num_tokentypes=config.type_vocab_size)
-    if config.model_type in ("llama", "qwen2"):
+    if config.model_type in ("llama", "qwen2", "qwen3"):
         return _from_llama_config(config)
     raise ConversionError(f"config.json has model_type = {config.model_type!r}; supported are "
                           f"'gpt2' (GPT2LMHeadModel), 'llama' (LlamaForCausalLM), 'qwen2' "
-                          f"(Qwen2ForCausalLM) and 'megatron-bert' (MegatronBertForPreTraining)")
+                          f"(Qwen2ForCausalLM), 'qwen3' (Qwen3ForCausalLM) and 'megatron-bert' "
+                          f"(MegatronBertForPreTraining)")
 
 
 def _from_llama_config(config) -> ModelConfig:
-    """LlamaForCausalLM and Qwen2ForCausalLM (Llama with biases on q, k and v only)."""
+    """LlamaForCausalLM, Qwen2ForCausalLM (Llama with biases on q, k and v only) and
+    Qwen3ForCausalLM (Llama with RMSNorm over each head's queries and keys: --qk-layernorm)."""
     _require(config.hidden_act in SILU, "hidden_act", config.hidden_act,
              'SwiGLU, silu(gate) * up ("silu")')
     rope = config.rope_parameters  # transformers folds an older rope_theta and rope_scaling in
@@ -374,18 +421,24 @@ def _from_llama_config(config) -> ModelConfig:
             _require(rope.get(key) == value, f"rope_parameters[{key!r}]", rope.get(key),
                      f"--use-rope-scaling with Megatron-LM's fixed {key} = {value}")
         scaling = {"rope_scaling": True, "rope_scaling_factor": float(rope["factor"])}
-    head_dim = config.hidden_size // config.num_attention_heads
-    _require((getattr(config, "head_dim", None) or head_dim) == head_dim, "head_dim",
-             getattr(config, "head_dim", None), f"hidden_size / num_attention_heads = {head_dim}")
+    head_dim = getattr(config, "head_dim", None)  # Qwen3's may differ from hidden / heads
+    if head_dim == config.hidden_size // config.num_attention_heads:
+        head_dim = None
     if config.model_type == "llama":
         _require(config.mlp_bias == config.attention_bias, "mlp_bias", config.mlp_bias,
                  f"biases in the MLP exactly when attention has them (attention_bias = "
                  f"{config.attention_bias}): --disable-bias-linear removes both")
-        biases = {"add_bias_linear": config.attention_bias}
+        layout = {"add_bias_linear": config.attention_bias}
     else:
         _require(all(kind == "full_attention" for kind in config.layer_types), "layer_types",
                  config.layer_types, "full causal attention in every layer (no sliding window)")
-        biases = {"add_bias_linear": False, "add_qkv_bias": True}
+        if config.model_type == "qwen2":
+            layout = {"add_bias_linear": False, "add_qkv_bias": True}
+        else:
+            _require(not config.attention_bias, "attention_bias", config.attention_bias,
+                     "Qwen3 without biases (false): biases on q, k, v and o_proj but not the MLP "
+                     "are no combination of --add-qkv-bias and --disable-bias-linear")
+            layout = {"add_bias_linear": False, "qk_layernorm": True}
     groups = config.num_key_value_heads
     return ModelConfig(
         model_type="gpt", num_layers=config.num_hidden_layers, hidden_size=config.hidden_size,
@@ -397,7 +450,7 @@ def _from_llama_config(config) -> ModelConfig:
         normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
         rotary_base=float(rope["rope_theta"]),
         num_query_groups=None if groups == config.num_attention_heads else groups,
-        untie_embeddings_and_output_weights=not config.tie_word_embeddings, **scaling, **biases)
+        kv_channels=head_dim, untie_embeddings_and_output_weights=not config.tie_word_embeddings, **scaling, **layout)
 
 
 # -- tokenizers --------------------------------------------------------------------------------------
@@ -414,12 +467,11 @@ def export_tokenizer(data: DataConfig, output: str) -> str | None:
         return f"the HuggingFaceTokenizer of {data.tokenizer_model}"
     if kind in SENTENCEPIECE_TYPES:
         shutil.copyfile(data.tokenizer_model, os.path.join(output, "tokenizer.model"))
-        bos = " (pass --tokenizer-type Llama2Tokenizer to put <s> before each text again)" \
-            if kind == "Llama2Tokenizer" else ""
+        bos = ", putting <s> before each text" if kind == "Llama2Tokenizer" else ""
         return (f"{data.tokenizer_model} copied as tokenizer.model, a raw SentencePiece model: "
-                f"load it with sentencepiece.SentencePieceProcessor (AutoTokenizer would guess "
-                f"another class from config.json); import_from_hf.py reads it back as "
-                f"SentencePieceTokenizer{bos}")
+                f"load it with sentencepiece.SentencePieceProcessor{bos} (AutoTokenizer would "
+                f"guess another class from config.json); import_from_hf.py reads it back as "
+                f"{_raw_sentencepiece_type(kind)}")
     if kind == "GPT2BPETokenizer":
         from tokenizers import ByteLevelBPETokenizer
 
@@ -480,9 +532,10 @@ def export_to_hf(state: FullState, output: str, data: DataConfig | None = None) 
     written = export_tokenizer(data, output)
     notes.append(f"tokenizer: {written}" if written else "no tokenizer files (the run used token "
                                                          "ids directly)")
-    with open(os.path.join(output, "megatron_2bw.json"), "w") as f:  # provenance
+    with open(os.path.join(output, PROVENANCE_FILE), "w") as f:
         json.dump({"iteration": state.iteration, "consumed_samples": state.consumed_samples,
-                   "config": state.config.to_dict()}, f, indent=2)
+                   "tokenizer_type": data.tokenizer_type, "config": state.config.to_dict()},
+                  f, indent=2)
     return notes
 
 
@@ -537,6 +590,22 @@ RAW_SENTENCEPIECE_FILES = ("tokenizer.model", "spiece.model")
 TRANSFORMERS_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
+def _raw_sentencepiece_type(exported_type: str | None) -> str:
+    """The --tokenizer-type a raw SentencePiece model comes back as: Llama2Tokenizer if export
+    recorded one (it puts <s> before each text), else SentencePieceTokenizer (which
+    GPTSentencePieceTokenizer is too)."""
+    return "Llama2Tokenizer" if exported_type == "Llama2Tokenizer" else "SentencePieceTokenizer"
+
+
+def _exported_tokenizer_type(path: str) -> str | None:
+    """The --tokenizer-type export recorded in `path` (None: not written by export)."""
+    provenance = os.path.join(path, PROVENANCE_FILE)
+    if not os.path.isfile(provenance):
+        return None
+    with open(provenance) as f:
+        return json.load(f).get("tokenizer_type")
+
+
 def import_tokenizer(path: str, directory: str) -> DataConfig | None:
     """Copy the model directory's tokenizer (if any) to `directory`; the data flags that use it."""
     import transformers
@@ -549,7 +618,8 @@ def import_tokenizer(path: str, directory: str) -> DataConfig | None:
         os.makedirs(directory, exist_ok=True)
         model = os.path.join(os.path.abspath(directory), "tokenizer.model")
         shutil.copyfile(os.path.join(path, raw[0]), model)
-        return DataConfig(tokenizer_type="SentencePieceTokenizer", tokenizer_model=model)
+        return DataConfig(tokenizer_type=_raw_sentencepiece_type(_exported_tokenizer_type(path)),
+                          tokenizer_model=model)
     transformers.AutoTokenizer.from_pretrained(path, local_files_only=True).save_pretrained(directory)
     return DataConfig(tokenizer_type="HuggingFaceTokenizer",
                       tokenizer_model=os.path.abspath(directory))

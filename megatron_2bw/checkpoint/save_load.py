@@ -35,15 +35,16 @@ MODEL_FILE = "model_optim_rng.pt"
 CONVERT_HINT = ("convert it with tools/convert_checkpoint.py --load {root} --save NEW_DIR "
                 "--target-tensor-parallel-size {t} --target-pipeline-parallel-size {p}")
 # Model fields that fix the parameters' shapes or what they compute: a checkpoint only loads into
-# the same architecture.
+# the same architecture. (head_dim, a property: --kv-channels equal to hidden / heads is no change.)
 ARCHITECTURE_FIELDS = ("model_type", "num_layers", "hidden_size", "num_attention_heads",
                        "ffn_hidden_size", "max_position_embeddings", "vocab_size", "num_tokentypes",
                        "bert_binary_head", "untie_embeddings_and_output_weights", "normalization",
                        "add_bias_linear", "add_qkv_bias", "swiglu", "position_embedding_type",
                        "rotary_percent", "rotary_base", "rotary_interleaved", "rope_scaling",
-                       "rope_scaling_factor", "num_query_groups")
+                       "rope_scaling_factor", "num_query_groups", "head_dim", "qk_layernorm",
+                       "apply_layernorm_1p")
 # the flag that sets a field, where it is not the field's name
-ARCHITECTURE_FLAGS = {"add_bias_linear": "--disable-bias-linear",
+ARCHITECTURE_FLAGS = {"add_bias_linear": "--disable-bias-linear", "head_dim": "--kv-channels",
                       "num_query_groups": "--group-query-attention --num-query-groups"}
 
 

@@ -43,7 +43,7 @@ from megatron_2bw.models.classification import (OPTIONAL_PREFIXES, BertClassifie
 from megatron_2bw.optim.grad_scaler import build_loss_scaler
 from megatron_2bw.optim.lr_schedule import learning_rate
 from megatron_2bw.optim.optimizer import build_torch_optimizer
-from megatron_2bw.tensor_parallel.layers import sum_sequence_parallel_grads
+from megatron_2bw.tensor_parallel.layers import sum_tensor_partial_grads
 from megatron_2bw.tensor_parallel.random import seed_everything
 from megatron_2bw.training import print_rank0, setup
 
@@ -201,8 +201,8 @@ class ClassifierTrainer:
             loss = self.model.loss(logits, batch["label"]) / self.accumulation
             (loss * scale).backward()
             loss_sum += loss.item()
-        sum_sequence_parallel_grads([p.grad for p in self.params], [p.spec for p in self.params],
-                                    self.layout.group("tensor"))
+        sum_tensor_partial_grads([p.grad for p in self.params], [p.spec for p in self.params],
+                                 self.layout.group("tensor"))
         self._average_over_replicas()
         grad_norm = self._grad_norm() / scale
         skipped = not math.isfinite(grad_norm)  # fp16 overflow: the same verdict on every rank

@@ -26,7 +26,7 @@ class BertHeads(nn.Module):
         h = config.hidden_size
         self.final_norm = build_norm(config)
         self.lm_transform = ReplicatedLinear(h, h)
-        self.lm_norm = LayerNorm(h, config.layernorm_epsilon)
+        self.lm_norm = LayerNorm(h, config.layernorm_epsilon, config.apply_layernorm_1p)
         self.lm_bias = make_param((padded_vocab_size,), group, 0, "zeros")
         self.binary_head = None
         if config.bert_binary_head:

@@ -27,38 +27,45 @@ except Exception:  # noqa: BLE001 - any import failure means "no apex"
     _apex_layer_norm = None
 
 
-class LayerNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float):
+class _Norm(nn.Module):
+    """A norm's gain; under --apply-layernorm-1p (Megatron-LM's zero-centred gamma) stored as
+    gain - 1 and initialised to 0, where low-precision numbers have finer steps than near 1."""
+
+    def __init__(self, hidden_size: int, eps: float, zero_centered: bool = False):
         super().__init__()
-        self.eps = eps
-        self.weight = replicated_param((hidden_size,), "ones")
+        self.eps, self.zero_centered = eps, zero_centered
+        self.weight = replicated_param((hidden_size,), "zeros" if zero_centered else "ones")
+
+    def gain(self) -> torch.Tensor:
+        return self.weight + 1 if self.zero_centered else self.weight
+
+
+class LayerNorm(_Norm):
+    def __init__(self, hidden_size: int, eps: float, zero_centered: bool = False):
+        super().__init__(hidden_size, eps, zero_centered)
         self.bias = replicated_param((hidden_size,), "zeros")
 
     def forward(self, x):
         if _apex_layer_norm is not None and x.is_cuda:
-            return _apex_layer_norm(x, self.weight, self.bias, self.weight.shape, self.eps)
-        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
+            return _apex_layer_norm(x, self.gain(), self.bias, self.weight.shape, self.eps)
+        return F.layer_norm(x, self.weight.shape, self.gain(), self.bias, self.eps)
 
 
-class RMSNorm(nn.Module):
-    """x / sqrt(mean(x^2) + eps) * weight, computed in fp32 (Llama's norm: no centring, no bias)."""
-
-    def __init__(self, hidden_size: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = replicated_param((hidden_size,), "ones")
+class RMSNorm(_Norm):
+    """x / sqrt(mean(x^2) + eps) * gain, computed in fp32 (Llama's norm: no centring, no bias)."""
 
     def forward(self, x):
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return normed.to(x.dtype) * self.weight
+        return normed.to(x.dtype) * self.gain()
 
 
-def build_norm(config: ModelConfig, sequence_parallel: bool = False) -> nn.Module:
-    """The norm --normalization names, for the layers' and the final norm."""
+def build_norm(config: ModelConfig, tensor_partial_grad: bool = False,
+               size: int | None = None) -> nn.Module:
+    """The norm --normalization names, over `size` channels (default the hidden size)."""
     norm = RMSNorm if config.normalization == "RMSNorm" else LayerNorm
-    module = norm(config.hidden_size, config.layernorm_epsilon)
-    mark_sequence_parallel(module.parameters(), sequence_parallel)
+    module = norm(size or config.hidden_size, config.layernorm_epsilon, config.apply_layernorm_1p)
+    mark_tensor_partial_grads(module.parameters(), tensor_partial_grad)
     return module
 
 
@@ -66,10 +73,11 @@ def uses_sequence_parallel(config: ModelConfig, group) -> bool:
     return config.sequence_ranks(group_size(group)) > 1
 
 
-def mark_sequence_parallel(params, sequence_parallel: bool) -> None:
-    """Replicated parameters applied to this rank's part of the sequence only."""
+def mark_tensor_partial_grads(params, partial: bool) -> None:
+    """Replicated parameters applied to this rank's part of the work only (its part of the
+    sequence, or its heads)."""
     for param in params:
-        param.spec.sequence_parallel = sequence_parallel
+        param.spec.tensor_partial_grad = partial
 
 
 class Dropout(nn.Dropout):
@@ -102,8 +110,8 @@ class Embedding(nn.Module):
             if config.position_embedding_type == "learned_absolute" else None)
         self.tokentype_embeddings = (replicated_param((config.num_tokentypes, h), "normal")
                                      if config.num_tokentypes else None)
-        mark_sequence_parallel([p for p in (self.position_embeddings, self.tokentype_embeddings)
-                                if p is not None], self.sequence_parallel)
+        mark_tensor_partial_grads([p for p in (self.position_embeddings, self.tokentype_embeddings)
+                                   if p is not None], self.sequence_parallel)
         self.dropout = Dropout(config.hidden_dropout, self.sequence_parallel)
 
     def _lookup(self, ids, table):
@@ -178,9 +186,11 @@ def apply_rotary(x, rotary, interleaved: bool):
 
 
 class ParallelAttention(nn.Module):
-    """Self-attention with query groups (and their heads) split over the tensor-parallel group."""
+    """Self-attention with query groups (and their heads) split over the tensor-parallel group.
+    `layer_number` (1-based, global) is --apply-query-key-layer-scaling's coefficient."""
 
-    def __init__(self, config: ModelConfig, group, causal: bool, recompute_core: bool):
+    def __init__(self, config: ModelConfig, group, causal: bool, recompute_core: bool,
+                 layer_number: int = 1):
         super().__init__()
         h, t = config.hidden_size, group_size(group)
         sequence_parallel = uses_sequence_parallel(config, group)
@@ -191,12 +201,20 @@ class ParallelAttention(nn.Module):
         self.causal, self.recompute_core = causal, recompute_core
         self.rotary_interleaved = config.rotary_interleaved
         self.dropout_p = config.attention_dropout
+        self.softmax_in_fp32 = config.attention_softmax_in_fp32 or \
+            config.apply_query_key_layer_scaling
+        self.score_coefficient = layer_number if config.apply_query_key_layer_scaling else 1
         # rows ordered (query group, its query heads then k then v, head_dim), so a contiguous
         # shard holds whole groups; with one group per head that is (head, q/k/v, head_dim)
         self.qkv = ColumnParallelLinear(h, config.qkv_size, group,
                                         bias=config.add_bias_linear or config.add_qkv_bias,
                                         sequence_parallel=sequence_parallel)
-        self.dense = RowParallelLinear(h, h, group, bias=config.add_bias_linear, init="output",
+        # --qk-layernorm: one norm per role shared by all heads, so each tensor rank's gradient
+        # covers its own heads only
+        self.q_norm, self.k_norm = (build_norm(config, t > 1, config.head_dim) for _ in "qk") \
+            if config.qk_layernorm else (None, None)
+        self.dense = RowParallelLinear(config.attention_size, h, group,
+                                       bias=config.add_bias_linear, init="output",
                                        sequence_parallel=sequence_parallel)
 
     def project_qkv(self, x, rotary=None):
@@ -208,6 +226,8 @@ class ParallelAttention(nn.Module):
         q, k, v = qkv.split([self.heads_per_group, 1, 1], dim=3)
         q = q.reshape(b, s, self.local_heads, self.head_dim).transpose(1, 2)
         k, v = (t.squeeze(3).transpose(1, 2) for t in (k, v))
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if rotary is not None:
             q = apply_rotary(q, rotary, self.rotary_interleaved)
             k = apply_rotary(k, rotary, self.rotary_interleaved)
@@ -217,9 +237,13 @@ class ParallelAttention(nn.Module):
 
     def core(self, q, k, v, mask):
         dropout = self.dropout_p if self.training else 0.0
+        causal = self.causal and mask is None
         with get_rng_tracker().fork():  # this rank's heads: independent dropout per tp rank
+            if self.softmax_in_fp32 and q.dtype != torch.float32:
+                return softmax_in_fp32_attention(q, k, v, mask, causal, dropout,
+                                                 self.score_coefficient)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
-                                                  is_causal=self.causal and mask is None)
+                                                  is_causal=causal)
 
     def forward(self, x, mask=None, rotary=None):
         q, k, v = self.project_qkv(x, rotary)
@@ -228,6 +252,26 @@ class ParallelAttention(nn.Module):
         else:
             context = self.core(q, k, v, mask)
         return self.dense(context.transpose(1, 2).flatten(2))
+
+
+def softmax_in_fp32_attention(q, k, v, mask, causal: bool, dropout: float, coefficient: int = 1):
+    """Megatron-LM's unfused attention under --attention-softmax-in-fp32: scores q k^T / sqrt(d)
+    in the working precision (also divided by `coefficient`, the layer's number, under
+    --apply-query-key-layer-scaling, so fp16 scores of deep layers stay in range), then
+    multiplied back, masked and softmaxed in fp32; the probabilities return to the working
+    precision for dropout and the product with v. `mask` (True: attend) as for
+    scaled_dot_product_attention."""
+    b, heads, s, d = q.shape
+    scores = torch.baddbmm(q.new_empty(b * heads, s, k.shape[2]), q.flatten(0, 1),
+                           k.flatten(0, 1).transpose(1, 2), beta=0.0,
+                           alpha=1.0 / (math.sqrt(d) * coefficient))
+    scores = scores.view(b, heads, s, -1).float() * coefficient
+    if causal:
+        mask = torch.ones(s, k.shape[2], dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, -10000.0)  # Megatron's fill: a masked row stays finite
+    probs = F.dropout(scores.softmax(-1).to(q.dtype), dropout)
+    return torch.matmul(probs, v)
 
 
 class ParallelMLP(nn.Module):
@@ -253,11 +297,12 @@ class ParallelMLP(nn.Module):
 
 
 class TransformerLayer(nn.Module):
-    def __init__(self, config: ModelConfig, group, causal: bool, recompute_core: bool = False):
+    def __init__(self, config: ModelConfig, group, causal: bool, recompute_core: bool = False,
+                 layer_number: int = 1):
         super().__init__()
         sequence_parallel = uses_sequence_parallel(config, group)
         self.input_norm = build_norm(config, sequence_parallel)
-        self.attention = ParallelAttention(config, group, causal, recompute_core)
+        self.attention = ParallelAttention(config, group, causal, recompute_core, layer_number)
         self.post_attention_norm = build_norm(config, sequence_parallel)
         self.mlp = ParallelMLP(config, group)
         self.dropout = Dropout(config.hidden_dropout, sequence_parallel)
@@ -277,8 +322,9 @@ class TransformerStack(nn.Module):
         recompute = recompute or RecomputeConfig()
         self.recompute = recompute
         selective = recompute.granularity == "selective"
-        self.layers = nn.ModuleDict({str(i): TransformerLayer(config, group, causal, selective)
-                                     for i in layers})
+        self.layers = nn.ModuleDict({
+            str(i): TransformerLayer(config, group, causal, selective, layer_number=i + 1)
+            for i in layers})
         self.rotary = RotaryEmbedding(config) if config.position_embedding_type == "rope" else None
         # under --sequence-parallel a rank holds 1/t of the sequence; rotary tables cover all of it
         self.sequence_ranks = config.sequence_ranks(group_size(group))

@@ -39,7 +39,7 @@ from megatron_2bw.distributed.comm import all_reduce, group_rank, group_size, re
 from megatron_2bw.optim.distributed import DistributedOptimizer
 from megatron_2bw.optim.optimizer import initialize_state
 from megatron_2bw.pipeline.weights import WeightVersions
-from megatron_2bw.tensor_parallel.layers import sum_sequence_parallel_grads
+from megatron_2bw.tensor_parallel.layers import sum_tensor_partial_grads
 
 
 @dataclass
@@ -123,7 +123,7 @@ class GradientUpdater:
         timer and timer.start()
         v = self.versions
         buffer = v.main_grad_buffer
-        sum_sequence_parallel_grads(v.main_grads, v.specs, self.tensor_group)
+        sum_tensor_partial_grads(v.main_grads, v.specs, self.tensor_group)
         if self.overflow_injection is not None and self.overflow_injection(batch):
             buffer[0] = float("inf")
         replicated = group_size(self.data_group) > 1

@@ -24,7 +24,8 @@ though twice as many collectives pay their fixed costs. The embedding's all-redu
 reduce-scatter (half an all-reduce) and an all-gather in its backward (the other half); the last
 stage adds an all-gather of the sequence before the final norm (half an all-reduce); pipeline
 messages hold s/t tokens; and each batch's reduce first sums the sequence-parallel parameters'
-gradients (norms, row-parallel biases, position tables) over the tensor-parallel group.
+gradients (norms, row-parallel biases, position tables) over the tensor-parallel group, as it
+does at any t > 1 for --qk-layernorm's norms (each rank normalises its own heads' q and k).
 Recomputation adds a forward ("full": the layer with its all-reduces; "selective": the attention
 core). On CPU ranks each pass also costs the processor time of its pipeline messages (a receive
 from one neighbour, a send to the other: `HardwareSpec.p2p_processor_s`, measured by
@@ -48,7 +49,7 @@ from megatron_2bw.distributed.layout import ParallelLayout
 from megatron_2bw.pipeline.partition import layer_ranges
 from megatron_2bw.planner.hardware import HardwareSpec
 from megatron_2bw.planner.memory import (dtype_bytes, grad_buffer_bytes,
-                                         stage_parameters, stage_sequence_parallel_parameters)
+                                         stage_parameters, stage_tensor_partial_grad_parameters)
 from megatron_2bw.planner.profile import ComputeCosts
 
 RECOMPUTE_OPTIONS = (None, "selective", "full")
@@ -396,10 +397,10 @@ def stage_costs(model: ModelConfig, hardware: HardwareSpec, costs: ComputeCosts,
         # processor seconds of the gradients' reduction (measured groups only: none at d = 1)
         data_processor = buckets * hardware.allreduce_processor_s(d, g * P / buckets)
         local = ((2 * g + 4) if separate_master else 0) * P + 12 * P  # move + zero, grad norm
-        # --sequence-parallel: the blocking all-reduce of the replicated parameters' gradients
-        # over the tensor-parallel group (update.py, sum_sequence_parallel_grads)
-        summed = g * stage_sequence_parallel_parameters(model, t, layers, first, last)
-        sequence_ar = net.allreduce_time("tensor", summed, s) if summed else 0.0
+        # the blocking all-reduce over the tensor-parallel group of the replicated parameters'
+        # gradients each rank computes in part (update.py, sum_tensor_partial_grads)
+        summed = g * stage_tensor_partial_grad_parameters(model, t, layers, first, last)
+        partial_ar = net.allreduce_time("tensor", summed, s) if summed else 0.0
         # optimizer + unscaling; then the new working version is written from the master weights
         step = (OPTIMIZER_STEP_BYTES[optimizer] + 8) * P / shards + \
             ((4 + e) * P if separate_master else 0)
@@ -412,7 +413,7 @@ def stage_costs(model: ModelConfig, hardware: HardwareSpec, costs: ComputeCosts,
             forward_s=forward, backward_s=backward,
             send_act_s=0.0 if last else net.transfer_time(s, s + 1, message),
             send_grad_s=0.0 if first else net.transfer_time(s, s - 1, message),
-            reduce_s=local / memory_rate + sequence_ar,
+            reduce_s=local / memory_rate + partial_ar,
             reduce_async_s=stats_ar,
             step_s=step / memory_rate + step_comm,
             tied_async_s=tied_ar if first and not last else 0.0,

@@ -92,7 +92,7 @@ def _model_key(model: ModelConfig) -> tuple:
 @lru_cache(maxsize=256)
 def _shard_tensors(model_key: tuple, tensor_parallel: int, layers: int, pre_process: bool,
                    post_process: bool) -> tuple[tuple[int, bool], ...]:
-    """(elements, gradient summed over the tensor group under --sequence-parallel) of each
+    """(elements, gradient summed over the tensor group: `ParamSpec.tensor_partial_grad`) of each
     parameter tensor of one rank's shard of the stage, built with that shard's shapes."""
     from megatron_2bw.models import MODELS  # the models import torch layers: keep import lazy
     model = ModelConfig(**dict(model_key))
@@ -100,12 +100,12 @@ def _shard_tensors(model_key: tuple, tensor_parallel: int, layers: int, pre_proc
     with torch.device("meta"):
         module = MODELS[model.model_type](model, group, model.padded_vocab_size(tensor_parallel),
                                           range(layers), pre_process, post_process)
-    return tuple((p.numel(), p.spec.sequence_parallel) for p in module.parameters())
+    return tuple((p.numel(), p.spec.tensor_partial_grad) for p in module.parameters())
 
 
 def _count(model: ModelConfig, tensor_parallel: int, layers: int, first: bool, last: bool,
            measure) -> int:
-    """`measure` of the shard's (elements, sequence-parallel) tensors."""
+    """`measure` of the shard's (elements, tensor-partial gradient) tensors."""
     key = _model_key(model)
     edges = measure(_shard_tensors(key, tensor_parallel, 0, first, last))
     per_layer = measure(_shard_tensors(key, tensor_parallel, 1, False, False)) - \
@@ -126,11 +126,11 @@ def stage_parameter_tensors(model: ModelConfig, tensor_parallel: int, layers: in
     return _count(model, tensor_parallel, layers, first, last, len)
 
 
-def stage_sequence_parallel_parameters(model: ModelConfig, tensor_parallel: int, layers: int,
-                                       first: bool, last: bool) -> int:
+def stage_tensor_partial_grad_parameters(model: ModelConfig, tensor_parallel: int, layers: int,
+                                         first: bool, last: bool) -> int:
     """Parameters of that shard whose gradients are summed over the tensor-parallel group once per
-    batch under --sequence-parallel (norms, row-parallel biases, position and token-type tables:
-    tensor_parallel/layers.sum_sequence_parallel_grads); 0 without it or at t = 1."""
+    batch (tensor_parallel/layers.sum_tensor_partial_grads): under --sequence-parallel the norms,
+    row-parallel biases, position and token-type tables; --qk-layernorm's norms; 0 at t = 1."""
     return _count(model, tensor_parallel, layers, first, last,
                   lambda tensors: sum(n for n, summed in tensors if summed))
 
@@ -156,19 +156,75 @@ def ffn_wide_tensors(model: ModelConfig) -> int:
     return 4 if model.swiglu else 2
 
 
-def core_input_elements(model: ModelConfig, tensor_parallel: int) -> float:
-    """Elements per token of one rank's q, k and v storages, what the attention core's input holds
-    (ParallelAttention.project_qkv): each is h/t when copied (rotated, repeated to every query head
-    of its group, or q reshaped out of several groups); a view keeps the whole QKV output
-    (qkv_size/t) alive instead."""
-    m, t = model, tensor_parallel
-    rope = m.position_embedding_type == "rope"
+def softmax_in_fp32(model: ModelConfig) -> bool:
+    """--attention-softmax-in-fp32, or --apply-query-key-layer-scaling, which implies it
+    (ParallelAttention)."""
+    return model.attention_softmax_in_fp32 or model.apply_query_key_layer_scaling
+
+
+def unfused_attention(model: ModelConfig, element_bytes: int) -> bool:
+    """Whether the attention core is transformer.softmax_in_fp32_attention (Megatron-LM's unfused
+    attention, which keeps its s x s scores): the fp32 softmax with fp16/bf16 activations; fp32
+    ones keep scaled_dot_product_attention."""
+    return softmax_in_fp32(model) and element_bytes < 4
+
+
+def qkv_stash_bytes(model: ModelConfig, tensor_parallel: int, element_bytes: int,
+                    selective: bool = False) -> float:
+    """Bytes per token one rank keeps of the attention's q, k and v for its backward.
+
+    The core keeps its own copies, h/t elements each (grouped-query attention repeats k and v to
+    every query head first; PyTorch's math path scales q and k, the unfused path makes them
+    batch-contiguous for its matmuls). Under selective recomputation the core's inputs are kept
+    instead (ParallelAttention.project_qkv): each h/t when copied (rotated, normed, repeated to
+    every query head of its group, or q reshaped out of several groups); a view keeps the whole
+    QKV output (qkv_size/t) alive instead.
+    --qk-layernorm adds its two norms' stashes over q and k (h/t and query_groups*head_dim/t
+    elements): `norm_stash_bytes` per element, except that a norm keeping its input as it is
+    (LayerNorm; RMSNorm in fp32, whose cast to fp32 is the input itself) keeps views of the QKV
+    output (k's, and q's unless copied out of several groups), so the whole output, counted once
+    whoever else keeps it."""
+    m, t, e = model, tensor_parallel, element_bytes
+    h = m.hidden_size
     one_per_head = m.query_groups == m.num_attention_heads
-    q_view = not rope and (one_per_head or m.query_groups == t)
-    k_view = not rope and one_per_head
-    copies = 3 - q_view - k_view - one_per_head  # v is a view with one group per head
-    viewed = m.qkv_size if q_view or one_per_head else 0
-    return (copies * m.hidden_size + viewed) / t
+    q_copied = not one_per_head and m.query_groups != t  # out of several local groups
+    if selective:
+        new_qk = m.position_embedding_type == "rope" or m.qk_layernorm
+        q_view = not new_qk and not q_copied
+        k_view = not new_qk and one_per_head
+        copies = 3 - q_view - k_view - one_per_head  # v is a view with one group per head
+        qkv_output_kept = q_view or one_per_head
+    else:
+        copies, qkv_output_kept = 3, False
+    norms = 0.0
+    if m.qk_layernorm:
+        normed = h + m.query_groups * m.head_dim
+        if m.normalization == "RMSNorm" and e != 4:  # the input cast to fp32: new tensors
+            norms = norm_stash_bytes(m, e) * normed
+        else:
+            norms = (norm_stash_bytes(m, e) - e) * normed
+            copies += q_copied
+            qkv_output_kept = True
+    return (e * (copies * h + qkv_output_kept * m.qkv_size) + norms) / t
+
+
+def attention_core_bytes(model: ModelConfig, tensor_parallel: int, micro_batch_size: int,
+                         element_bytes: int) -> float:
+    """Bytes the attention core keeps for its backward besides q, k and v, per microbatch (one
+    rank), over its a*s*s/t scores per sample. PyTorch's math path keeps the softmax output and
+    the dropout output (e each) and the dropout mask (1) per score; fused SDPA kernels keep only a
+    log-sum-exp per row, which the measured profile picks up. The unfused path
+    (`unfused_attention`) keeps the fp32 softmax output (4), the probabilities its product with v
+    reads (e: the dropout's output, or without attention dropout the cast probabilities) and the
+    dropout mask (1, with dropout) per score, and the inverted mask it fills the scores by (bool:
+    s*s of GPT's causal mask, b*s of BERT's padding mask)."""
+    m, e, b = model, element_bytes, micro_batch_size
+    scores = m.num_attention_heads * m.seq_length ** 2 * b / tensor_parallel
+    if not unfused_attention(m, e):
+        return (2 * e + MASK_BYTES) * scores
+    dropout_mask = MASK_BYTES if m.attention_dropout > 0 else 0
+    filled = MASK_BYTES * m.seq_length * (b if m.model_type == "bert" else m.seq_length)
+    return (4 + e + dropout_mask) * scores + filled
 
 
 def layer_activation_bytes(model: ModelConfig, tensor_parallel: int, micro_batch_size: int,
@@ -178,31 +234,30 @@ def layer_activation_bytes(model: ModelConfig, tensor_parallel: int, micro_batch
     Korthikanti et al. (2022) counting, generalised to an element size e and the architecture
     switches: replicated over the tensor-parallel group are the two norms' stashes
     (`norm_stash_bytes`), the inputs of the QKV and fc1 linears (e each), two hidden-dropout masks
-    (1 byte each) and, with rotary embeddings, the cos and sin tables (fp32, or copies in the
-    working dtype: 8 bytes per position and rotated channel; the stage's layers share them, counted
-    per layer as the measured profile counts them); sharded are Q, K, V (3e: grouped-query
-    attention repeats k and v to every query head before the core, which keeps them so), the dense
-    input (e) and the MLP's `ffn_wide_tensors` (f/h * e each); the attention core keeps the
-    softmax output and the dropout output (e each) and the dropout mask (1) per score, a*s*s per
-    sample. That is PyTorch's math attention path; fused SDPA kernels keep only a log-sum-exp per
-    row, which the measured profile picks up. "selective" recomputation drops the core's a*s*s
-    terms and keeps its inputs (`core_input_elements`).
+    (1 byte each), with rotary embeddings the cos and sin tables (fp32, or copies in the working
+    dtype: 8 bytes per position and rotated channel; the stage's layers share them, counted per
+    layer as the measured profile counts them) and, under --apply-layernorm-1p, the gain (weight +
+    1, e per channel) each norm computes; sharded are what the attention keeps of Q, K
+    and V (`qkv_stash_bytes`: 3e per h/t, more with --qk-layernorm's norms), the dense input (e)
+    and the MLP's `ffn_wide_tensors` (f/h * e each), and the attention core's stashes per score,
+    a*s*s per sample (`attention_core_bytes`). "selective" recomputation drops the core's stashes
+    and keeps its inputs.
     No bias (--disable-bias-linear) changes nothing here: bias gradients need no activation.
     --sequence-parallel (t > 1) divides the norms' stashes, the dropout masks and the QKV and fc1
     inputs by t (ColumnParallelLinear keeps its part of the sequence and gathers it again in the
     backward); the rotary tables stay whole (they cover the whole sequence).
     """
     t, e, m = tensor_parallel, element_bytes, model
-    s, h, a, f = m.seq_length, m.hidden_size, m.num_attention_heads, m.ffn_hidden_size
-    sbh = s * micro_batch_size * h
+    s, h, f = m.seq_length, m.hidden_size, m.ffn_hidden_size
+    sb = s * micro_batch_size
     rope = m.position_embedding_type == "rope"
     rotary_tables = 8 * s * int(m.head_dim * m.rotary_percent) if rope else 0
     split = (2 * norm_stash_bytes(m, e) + 2 * MASK_BYTES + 2 * e) / m.sequence_ranks(t)
-    replicated = split * sbh + rotary_tables
-    qkv = core_input_elements(m, t) if selective else 3 * h / t
-    sharded = qkv * e * s * micro_batch_size + (e * sbh + ffn_wide_tensors(m) * e * s
-                                                * micro_batch_size * f) / t
-    core = 0.0 if selective else (2 * e + MASK_BYTES) * a * s * s * micro_batch_size / t
+    norm_channels = 2 * h + (2 * m.head_dim if m.qk_layernorm else 0)
+    gains = e * norm_channels if m.apply_layernorm_1p else 0
+    replicated = split * sb * h + rotary_tables + gains
+    sharded = qkv_stash_bytes(m, t, e, selective) * sb + e * sb * (h + ffn_wide_tensors(m) * f) / t
+    core = 0.0 if selective else attention_core_bytes(m, t, micro_batch_size, e)
     return replicated + sharded + core
 
 

@@ -16,10 +16,12 @@ with the hardware's stated `efficiency` (0.4 in the shipped files). Assumptions:
   grouped-query attention repeats k and v to every head first, so it saves nothing here);
   backward does twice the forward's matmul FLOPs.
 - memory traffic: each element-wise kernel reads and writes its tensors once (the norms as the
-  model code runs them: RMSNorm in several fp32 kernels, the row-parallel bias add unless
-  --disable-bias-linear, dropout + residual, GELU or SwiGLU's silu and product, k and v repeated
-  for grouped-query attention, rotary embeddings on q and k, the layout copies around attention,
-  the softmax chain over the b*a*s*s scores, the fp32 cross entropy over the vocabulary); the
+  model code runs them: RMSNorm in several fp32 kernels, with --qk-layernorm also over this
+  rank's q and k; the row-parallel bias add unless --disable-bias-linear, dropout + residual,
+  GELU or SwiGLU's silu and product, k and v repeated for grouped-query attention, rotary
+  embeddings on q and k, the layout copies around attention, the softmax chain over the b*a*s*s
+  scores (in fp32, with casts to it and back, under --attention-softmax-in-fp32 with fp16/bf16:
+  Megatron-LM's unfused attention), the fp32 cross entropy over the vocabulary); the
   backward moves twice the forward's bytes. The norms and the residual path are replicated over
   the tensor-parallel group (not divided by t), except under --sequence-parallel, where each rank
   runs them (and the embedding's position add and dropout) on its s/t tokens; the copies that
@@ -39,11 +41,12 @@ efficient.
 layer, the embedding and the head for the requested tensor-parallel sizes and micro batch sizes,
 counts the bytes a layer stashes with saved-tensor hooks, and caches the numbers as JSON per
 (hardware name, model shape and architecture switches, --sequence-parallel when a t > 1 is
-measured, dtype); under --sequence-parallel a t > 1 layer and head are fed [b, s/t, h], as in
-training. A tensor-parallel size t is timed
-in this one process on one rank's shard (`ShardShapeGroup`: the shard's shapes, no collectives; cost.py adds those), so the
-narrower kernels' lower efficiency is measured, not assumed. Micro batch sizes not measured are
-interpolated linearly in b; a t not measured scales the t = 1 figures by the analytic ratio.
+measured, the fp32 softmax when the dtype is fp16/bf16, dtype); under --sequence-parallel a t > 1
+layer and head are fed [b, s/t, h], as in training. A tensor-parallel size t is timed in this one
+process on one rank's shard (`ShardShapeGroup`: the shard's shapes, no collectives; cost.py adds
+those), so the narrower kernels' lower efficiency is measured, not assumed. Micro batch sizes
+not measured are interpolated linearly in b; a t not measured scales the t = 1 figures by the
+analytic ratio.
 """
 from __future__ import annotations
 
@@ -62,8 +65,9 @@ from megatron_2bw.distributed.comm import ShardShapeGroup
 from megatron_2bw.distributed.launch import settle_host_allocator
 from megatron_2bw.planner.hardware import HardwareSpec, timed_call
 from megatron_2bw.planner.memory import (MASK_BYTES, dtype_bytes, grad_buffer_bytes,
-                                         layer_activation_bytes,
-                                         stage_parameter_tensors, stage_parameters)
+                                         layer_activation_bytes, softmax_in_fp32,
+                                         stage_parameter_tensors, stage_parameters,
+                                         unfused_attention)
 
 
 @dataclass(frozen=True)
@@ -131,20 +135,32 @@ class AnalyticProfile:
     def attention_core(self, t: int, b: int) -> _Work:
         m, e = self.model, self.e
         scores = m.num_attention_heads * m.seq_length ** 2 * b / t
-        # write scores, mask, softmax, dropout (+ its mask), read for the product with V: q and k
-        # scaling, two batched matmuls and four element-wise kernels
-        return _Work(4 * b * m.seq_length ** 2 * m.hidden_size / t,
-                     (8 * e + MASK_BYTES) * scores, 8)
+        flops = 4 * b * m.seq_length ** 2 * m.hidden_size / t
+        if not unfused_attention(m, e):
+            # write scores, mask, softmax, dropout (+ its mask), read for the product with V: q
+            # and k scaling, two batched matmuls and four element-wise kernels
+            return _Work(flops, (8 * e + MASK_BYTES) * scores, 8)
+        # softmax_in_fp32_attention: baddbmm writes the scores (e), cast to fp32 (e + 4), scaled
+        # by the layer's coefficient (8), masked (8), softmax (8), cast back (4 + e), dropout
+        # (2e + mask) if any, read for the product with V (e); q and k made batch-contiguous,
+        # two batched matmuls, five element-wise kernels, the mask's (GPT's causal one built:
+        # ones, tril, invert; BERT's inverted) and the dropout's
+        dropout = m.attention_dropout > 0
+        mask_kernels = 1 if m.model_type == "bert" else 3
+        return _Work(flops, (32 + 4 * e + dropout * (2 * e + MASK_BYTES)) * scores,
+                     9 + mask_kernels + dropout)
 
     def norm(self, elements: float) -> _Work:
         """One norm over `elements`: LayerNorm one kernel (read, write); RMSNorm as the model code
         runs it in fp32: pow (8 bytes per element), mean (4), eps and rsqrt, multiply (8), the
-        weight (2e), and in half precision the casts to fp32 and back (4 + e each)."""
-        e = self.e
-        if self.model.normalization == "LayerNorm":
-            return _Work(0.0, 2 * e * elements, 1)
+        weight (2e), and in half precision the casts to fp32 and back (4 + e each). Under
+        --apply-layernorm-1p one more kernel adds 1 to the (tiny) weight."""
+        e, m = self.e, self.model
+        if m.normalization == "LayerNorm":
+            return _Work(0.0, 2 * e * elements, 1 + m.apply_layernorm_1p)
         casts = 0 if e == 4 else 2
-        return _Work(0.0, (20 + 2 * e + casts * (4 + e)) * elements, 6 + casts)
+        return _Work(0.0, (20 + 2 * e + casts * (4 + e)) * elements,
+                     6 + casts + m.apply_layernorm_1p)
 
     def attention_layout(self, t: int, b: int) -> _Work:
         """What ParallelAttention.project_qkv does besides views, per layer: with grouped-query
@@ -175,14 +191,17 @@ class AnalyticProfile:
         row_bias = 2 * e if m.add_bias_linear else 0
         local_sbh = sb * h / m.sequence_ranks(t)
         replicated = 2 * (row_bias + 5 * e + MASK_BYTES) * local_sbh
-        # sharded: q/k scaling copies and the context layout copy (6e), GELU over f (2e) or
-        # SwiGLU's silu (2e) and product (3e)
+        # sharded: q/k copies for the core (scaled, or batch-contiguous for the unfused one) and
+        # the context layout copy (6e), GELU over f (2e) or SwiGLU's silu (2e) and product (3e)
         sharded = (6 * e * sb * h + (5 if m.swiglu else 2) * e * sb * f) / t
         # kernels besides the core and the norms: 4 linears, 2 x (bias, dropout, residual), GELU
         # (or silu and product), the layout copy
         kernels = 4 + 2 * (2 + m.add_bias_linear) + (2 if m.swiglu else 1) + 1
-        return (_Work(linears, replicated + sharded, kernels) + self.norm(local_sbh) * 2
+        work = (_Work(linears, replicated + sharded, kernels) + self.norm(local_sbh) * 2
                 + self.attention_layout(t, b) + self.attention_core(t, b))
+        if m.qk_layernorm:  # over this rank's queries and keys, the whole sequence
+            work += self.norm(sb * h / t) + self.norm(sb * m.query_groups * m.head_dim / t)
+        return work
 
     def weight_gradient_accumulation(self, parameters: float, tensors: int) -> _Work:
         return _Work(0.0, (self.e + 2 * self.g) * parameters, tensors)
@@ -429,13 +448,17 @@ def _profile_identity(model: ModelConfig) -> dict:
 # short names of the architecture switches in a cache file's name
 _SWITCH_NAMES = {"normalization": "", "bias_linear": "bias", "qkv_bias": "qkvbias",
                  "swiglu": "swiglu", "position_embedding_type": "pos", "rotary_percent": "rot",
-                 "rotary_interleaved": "interleaved", "query_groups": "g"}
+                 "rotary_interleaved": "interleaved", "query_groups": "g",
+                 "qk_layernorm": "qknorm", "layernorm_1p": "norm1p",
+                 "softmax_in_fp32": "fp32softmax"}
 
 
 def _architecture(model: ModelConfig) -> dict:
     """The Llama-style switches (config.ModelConfig) set away from GPT-2's layout, each of which
-    changes a layer's time or bytes; a GPT-2 model's identity and file name stay as they were
-    before the switches existed. Untying the output layer changes neither (same shapes)."""
+    changes a layer's time or bytes, and the fp32 softmax (numerics, which measured_profile drops
+    in fp32, where it changes nothing; layer scaling implies it and times the same); a GPT-2
+    model's identity and file name stay as they were before the switches existed. Untying the
+    output layer changes neither (same shapes)."""
     m = model
     rope = m.position_embedding_type == "rope"
     switches = {"normalization": m.normalization, "bias_linear": m.add_bias_linear,
@@ -443,15 +466,17 @@ def _architecture(model: ModelConfig) -> dict:
                 "position_embedding_type": m.position_embedding_type,
                 "rotary_percent": m.rotary_percent if rope else 1.0,
                 "rotary_interleaved": rope and m.rotary_interleaved,
-                "query_groups": m.query_groups}
+                "query_groups": m.query_groups, "qk_layernorm": m.qk_layernorm,
+                "layernorm_1p": m.apply_layernorm_1p, "softmax_in_fp32": softmax_in_fp32(m)}
     gpt2 = {"normalization": "LayerNorm", "bias_linear": True, "qkv_bias": True, "swiglu": False,
             "position_embedding_type": "learned_absolute", "rotary_percent": 1.0,
-            "rotary_interleaved": False, "query_groups": m.num_attention_heads}
+            "rotary_interleaved": False, "query_groups": m.num_attention_heads,
+            "qk_layernorm": False, "layernorm_1p": False, "softmax_in_fp32": False}
     return {key: value for key, value in switches.items() if value != gpt2[key]}
 
 
 def architecture_name(model: ModelConfig) -> str:
-    """e.g. "-RMSNorm-nobias-swiglu-posrope-g2" ("" for GPT-2's layout)."""
+    """e.g. "-RMSNorm-nobias-swiglu-posrope-g2-qknorm" ("" for GPT-2's layout)."""
     parts = []
     for key, value in _architecture(model).items():
         if isinstance(value, bool):
@@ -605,10 +630,15 @@ def measured_profile(model: ModelConfig, precision: PrecisionConfig, hardware: H
     drifts by 20-40% within seconds, and a process's first measurements run slow. With
     `processes` > 1 (`profiling_processes`) each round runs that many copies at once.
     --sequence-parallel changes what a t > 1 shard is fed: it is part of the cached profile's
-    identity when such a t is measured (t = 1 alone is the model without it, cached as that)."""
+    identity when such a t is measured (t = 1 alone is the model without it, cached as that).
+    Likewise the fp32 softmax flags change nothing in fp32: such a profile is the model's without
+    them."""
     analytic = AnalyticProfile(model, precision, hardware)
     if not any(t > 1 for t in tensor_parallel_sizes):
         model = dataclasses.replace(model, sequence_parallel=False)
+    if not unfused_attention(model, dtype_bytes(precision)):
+        model = dataclasses.replace(model, attention_softmax_in_fp32=False,
+                                    apply_query_key_layer_scaling=False)
     path = _cache_path(Path(cache_dir or default_cache_dir()), hardware.name, model, precision,
                        processes)
     try:

@@ -33,9 +33,10 @@ class ParamSpec:
     init_name: str | None = None  # overrides the parameter's name for seeding (tied copies)
     tied: bool = False  # word embeddings shared by the first and last pipeline stage
     tied_copy: bool = False  # the last stage's copy: excluded from the grad norm (counted once)
-    # replicated, but used on this rank's part of the sequence only (--sequence-parallel): its
-    # gradient is summed over the tensor-parallel group
-    sequence_parallel: bool = False
+    # replicated, but each tensor-parallel rank's gradient covers only its part of the work (its
+    # part of the sequence under --sequence-parallel; its heads for --qk-layernorm's norms): the
+    # gradients are summed over the tensor-parallel group
+    tensor_partial_grad: bool = False
 
     @property
     def replicated(self) -> bool:
@@ -136,7 +137,7 @@ class RowParallelLinear(nn.Module):
         self.weight = make_param((out_features, in_features), group, 1, init)
         self.bias = replicated_param((out_features,), "zeros") if bias else None
         if self.bias is not None:
-            self.bias.spec.sequence_parallel = self.sequence_parallel
+            self.bias.spec.tensor_partial_grad = self.sequence_parallel
 
     def forward(self, x):
         if not self.input_is_parallel:
@@ -184,10 +185,10 @@ class ReplicatedLinear(nn.Module):
 
 
 @torch.no_grad()
-def sum_sequence_parallel_grads(grads: list[torch.Tensor], specs: list[ParamSpec], group) -> None:
-    """Each rank's gradient of a replicated parameter used under --sequence-parallel covers its
-    part of the sequence only: sum them over the tensor-parallel group (one all-reduce)."""
-    chosen = [g for g, spec in zip(grads, specs) if spec.sequence_parallel]
+def sum_tensor_partial_grads(grads: list[torch.Tensor], specs: list[ParamSpec], group) -> None:
+    """Sum the gradients of the replicated parameters each rank applies to its part of the work
+    only (`ParamSpec.tensor_partial_grad`) over the tensor-parallel group (one all-reduce)."""
+    chosen = [g for g, spec in zip(grads, specs) if spec.tensor_partial_grad]
     if not chosen:
         return
     flat = _flatten_dense_tensors(chosen)

@@ -80,12 +80,15 @@ def test_shards_pad_the_vocabulary_with_zeros_and_cut_along_the_partition_dim():
         shard_of(full, "final_norm.weight", (12, 4), None, 0, 1)
 
 
+# Llama's switches, with Qwen3's query/key norms and zero-centred gains
 LLAMA_FIELDS = dict(normalization="RMSNorm", add_bias_linear=False, swiglu=True, ffn_hidden_size=64,
                     position_embedding_type="rope", num_query_groups=2,
-                    untie_embeddings_and_output_weights=True)
+                    untie_embeddings_and_output_weights=True, qk_layernorm=True,
+                    apply_layernorm_1p=True)
 LLAMA_FLAGS = ["--normalization", "RMSNorm", "--disable-bias-linear", "--swiglu",
                "--position-embedding-type", "rope", "--group-query-attention", "--num-query-groups",
-               "2", "--untie-embeddings-and-output-weights"]
+               "2", "--untie-embeddings-and-output-weights", "--qk-layernorm",
+               "--apply-layernorm-1p"]
 
 
 def test_llama_layout_reshards_by_whole_query_groups_and_gate_up_pairs(tmp_path):
@@ -108,3 +111,7 @@ def test_llama_layout_reshards_by_whole_query_groups_and_gate_up_pairs(tmp_path)
     with pytest.raises(CheckpointError, match="normalization = 'RMSNorm', this run has 'LayerNorm' "
                                               "\\(set by --normalization"):
         check_architecture(state.config, layer_norm, "ckpt")
+    without_qk_norms = config_from_flags(pretrain_flags(1, 1, 8, *LLAMA_FLAGS[:-2]))
+    with pytest.raises(CheckpointError, match="qk_layernorm = True, this run has False "
+                                              "\\(set by --qk-layernorm"):
+        check_architecture(state.config, without_qk_norms, "ckpt")

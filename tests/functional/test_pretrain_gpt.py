@@ -28,8 +28,10 @@ def losses(output: str) -> list[float]:
     ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",  # Llama's layout
      "--normalization", "RMSNorm", "--disable-bias-linear", "--swiglu", "--position-embedding-type",
      "rope", "--group-query-attention", "--num-query-groups", "2",
-     "--untie-embeddings-and-output-weights", "--sequence-parallel"],
-], ids=["t2d2", "t2p2-2bw", "t2p2-2bw-llama-sequence-parallel"])
+     "--untie-embeddings-and-output-weights", "--sequence-parallel",
+     "--qk-layernorm", "--apply-layernorm-1p",  # and Qwen3's, in bf16 with an fp32 softmax
+     "--bf16", "--attention-softmax-in-fp32", "--apply-query-key-layer-scaling"],
+], ids=["t2d2", "t2p2-2bw", "t2p2-2bw-qwen3-bf16-sequence-parallel"])
 def test_loss_falls(layout):
     result = subprocess.run([TORCHRUN, "--nproc-per-node", "4", "--master-port", str(free_port()),
                              "pretrain_gpt.py", *TINY, *layout], cwd=ROOT, capture_output=True,

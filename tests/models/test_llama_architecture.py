@@ -1,7 +1,8 @@
 """GPT with Llama's switches (RMSNorm, no biases, SwiGLU, rotary positions, grouped-query attention,
 untied head) against independent references:
 - transformers' LlamaForCausalLM, given the same weights through a mapping written here, computes
-  the same logits;
+  the same logits; with --qk-layernorm (and the gains stored as gain - 1, --apply-layernorm-1p)
+  transformers' Qwen3ForCausalLM does;
 - the rotary embeddings rotate each channel pair as a complex multiplication by e^(i * pos * theta);
 - Megatron-LM's default --ffn-hidden-size under --swiglu.
 Tensor and pipeline parallelism with these switches: tests/pipeline/test_pipeline_equivalence.py."""
@@ -30,9 +31,12 @@ def llama_like(**overrides) -> ModelConfig:
 
 
 def hf_state_dict(model, config: ModelConfig) -> dict:
-    """Our parameters under transformers' Llama names: qkv rows (group, its query heads then k
-    then v, head_dim); fc1 rows alternate gate and up."""
-    ours = {name: p.detach() for name, p in model.named_parameters()}
+    """Our parameters under transformers' Llama (and Qwen3) names: qkv rows (group, its query heads
+    then k then v, head_dim); fc1 rows alternate gate and up; gains stored as gain - 1 under
+    --apply-layernorm-1p."""
+    offset = 1.0 if config.apply_layernorm_1p else 0.0
+    ours = {name: p.detach() + offset if name.endswith("norm.weight") else p.detach()
+            for name, p in model.named_parameters()}
     d, per_group = config.head_dim, HEADS // GROUPS
     hf = {"model.embed_tokens.weight": ours["embedding.word_embeddings.weight"][:VOCAB],
           "lm_head.weight": ours["output_layer"][:VOCAB],
@@ -51,16 +55,34 @@ def hf_state_dict(model, config: ModelConfig) -> dict:
             theirs + "mlp.down_proj.weight": ours[layer + "mlp.fc2.weight"],
             theirs + "input_layernorm.weight": ours[layer + "input_norm.weight"],
             theirs + "post_attention_layernorm.weight": ours[layer + "post_attention_norm.weight"]})
+        if config.qk_layernorm:
+            hf[theirs + "self_attn.q_norm.weight"] = ours[layer + "attention.q_norm.weight"]
+            hf[theirs + "self_attn.k_norm.weight"] = ours[layer + "attention.k_norm.weight"]
     return hf
+
+
+def randomize_norms(model) -> None:
+    """Norms start at gain 1 (stored 0 under --apply-layernorm-1p): random gains make a test see
+    them."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(-0.5, 0.5) if p.spec.init == "zeros" else p.uniform_(0.5, 1.5)
+
+
+def same_logits(model, reference) -> torch.Tensor:
+    """Our logits, after checking transformers' `reference` computes them too."""
+    tokens = torch.randint(0, VOCAB, (3, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours, theirs = model.logits(tokens), reference(tokens).logits
+    assert torch.allclose(ours, theirs, atol=1e-5), (ours - theirs).abs().max()
+    return theirs
 
 
 def test_llama_switches_compute_transformers_llama():
     config = llama_like()
     model = build_stage_model(config, None, 1, range(config.num_layers), True, True, 1234)
-    with torch.no_grad():  # norms start at ones; random gains make the test see them
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5)
+    randomize_norms(model)
     hf_config = transformers.LlamaConfig(
         vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=2,
         num_attention_heads=HEADS, num_key_value_heads=GROUPS, max_position_embeddings=16,
@@ -69,15 +91,33 @@ def test_llama_switches_compute_transformers_llama():
     reference = transformers.LlamaForCausalLM(hf_config).eval()
     missing, unexpected = reference.load_state_dict(hf_state_dict(model, config), strict=False)
     assert not unexpected and all("rotary" in name for name in missing)
-    tokens = torch.randint(0, VOCAB, (3, 16), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        ours, theirs = model.logits(tokens), reference(tokens).logits
-    assert torch.allclose(ours, theirs, atol=1e-5), (ours - theirs).abs().max()
+    theirs = same_logits(model, reference)
     # and the comparison can fail: GPT-2's layout on the same weights computes something else
     plain = build_stage_model(llama_like(normalization="LayerNorm"), None, 1, range(2), True, True,
                               1234)
+    tokens = torch.randint(0, VOCAB, (3, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert (plain.logits(tokens) - theirs).abs().max() > 1e-2
+
+
+def test_qk_layernorm_and_zero_centred_gains_compute_transformers_qwen3():
+    """--qk-layernorm normalises each head's queries and keys before the rotary embeddings, as
+    Qwen3 does; --apply-layernorm-1p stores every gain (q/k norms included) as gain - 1."""
+    config = llama_like(qk_layernorm=True, apply_layernorm_1p=True)
+    model = build_stage_model(config, None, 1, range(config.num_layers), True, True, 1234)
+    attention = model.transformer.layers["0"].attention
+    assert attention.q_norm.weight.shape == (config.head_dim,)
+    assert not attention.q_norm.weight.any()  # zero-centred: the gain 1 is stored as 0
+    randomize_norms(model)
+    hf_config = transformers.Qwen3Config(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=2,
+        num_attention_heads=HEADS, num_key_value_heads=GROUPS, head_dim=config.head_dim,
+        max_position_embeddings=16, rms_norm_eps=1e-6, rope_theta=500000.0,
+        tie_word_embeddings=False, attention_bias=False)
+    reference = transformers.Qwen3ForCausalLM(hf_config).eval()
+    missing, unexpected = reference.load_state_dict(hf_state_dict(model, config), strict=False)
+    assert not unexpected and all("rotary" in name for name in missing)
+    same_logits(model, reference)
 
 
 def complex_rotation(x: torch.Tensor, positions: torch.Tensor, rotated: int, base: float,

@@ -157,3 +157,19 @@ def test_sequence_parallel_matches_one_process(architecture, feed, t, p, world):
     process's weights, 2BW the delayed-update reference's; replicated norms, biases and position
     embeddings get their gradient summed over the tensor-parallel group."""
     check_flush_and_2bw(architecture, feed, t, p, world, {"sequence_parallel": True})
+
+
+# Qwen3's layout: Llama's with a norm over each head's queries and keys; gains stored as gain - 1;
+# heads twice hidden / heads wide
+QK_NORMED = {**LLAMA, "qk_layernorm": True, "apply_layernorm_1p": True, "kv_channels": 16}
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["", "sequence-parallel"])
+def test_qk_layernorm_matches_one_process(sequence_parallel):
+    """--qk-layernorm at t2 x p2: each tensor-parallel rank normalises its own heads' queries and
+    keys with the shared gains, whose gradients are summed over the tensor-parallel group; with
+    --kv-channels the attention is wider than the hidden size. Flush
+    reaches one process's weights, 2BW the delayed-update reference's; the q/k gains trained."""
+    two_bw = check_flush_and_2bw(QK_NORMED, position_reset_feed, 2, 2, 4,
+                                 {"sequence_parallel": sequence_parallel})
+    assert two_bw["transformer.layers.0.attention.q_norm.weight"].abs().max() > 0

@@ -6,7 +6,7 @@ from megatron_2bw.config import ModelConfig, ParallelConfig, PrecisionConfig
 from megatron_2bw.planner.cost import (Candidate, Network, core_sharing, StageCost, balanced_layer_split,
                                        paper_time_per_batch, piece_times, stage_costs)
 from megatron_2bw.planner.hardware import HardwareSpec
-from megatron_2bw.planner.memory import stage_parameters, stage_sequence_parallel_parameters
+from megatron_2bw.planner.memory import stage_parameters, stage_tensor_partial_grad_parameters
 from megatron_2bw.planner.profile import ComputeCosts
 
 
@@ -155,13 +155,30 @@ def test_sequence_parallel_halves_the_messages_and_splits_the_embeddings_all_red
     assert split_last.backward_s == pytest.approx(last.backward_s)
     for plain, split, layers, first_stage, last_stage in ((first, split_first, 1, True, False),
                                                            (last, split_last, 3, False, True)):
-        summed = 4 * stage_sequence_parallel_parameters(sp, 2, layers, first_stage, last_stage)
+        summed = 4 * stage_tensor_partial_grad_parameters(sp, 2, layers, first_stage, last_stage)
         assert summed > 0
         assert split.reduce_s - plain.reduce_s == pytest.approx(2 * 1 / 2 * summed / 100 + 2.0)
     # --sequence-parallel at t = 1 changes nothing
     single = Candidate(1, 2, 1, 1, None, "flush", layer_split=(1, 3))
     assert stage_costs(sp, hw, COSTS, single, PrecisionConfig(), "adam") == \
         stage_costs(MODEL, hw, COSTS, single, PrecisionConfig(), "adam")
+
+
+def test_qk_layernorm_gradients_are_summed_over_the_tensor_group_each_batch():
+    """Each rank applies the q/k norms to its own heads: at t = 2 (with or without
+    --sequence-parallel) each reduce first all-reduces their fp32 gradients, two LayerNorms'
+    weights and biases over the head size per layer; nothing at t = 1."""
+    qk = dataclasses.replace(MODEL, qk_layernorm=True)
+    hw = toy_hardware(devices_per_node=8, nodes=1)
+    for t in (1, 2):
+        candidate = Candidate(t, 2, 1, 1, None, "flush", layer_split=(1, 3))
+        plain = stage_costs(MODEL, hw, COSTS, candidate, PrecisionConfig(), "adam")
+        normed = stage_costs(qk, hw, COSTS, candidate, PrecisionConfig(), "adam")
+        for layers, before, after in zip((1, 3), plain, normed):
+            summed = 4 * layers * 4 * 16
+            allreduce = 2 * 1 / 2 * summed / 100 + 2.0 if t == 2 else 0.0
+            # (the norms' 64 parameters a layer move and zero in no time at 1 TB/s)
+            assert after.reduce_s - before.reduce_s == pytest.approx(allreduce, abs=1e-6)
 
 
 def test_every_pipeline_message_costs_its_processor_time():

@@ -6,10 +6,10 @@ import torch
 from megatron_2bw.config import ModelConfig, ParallelConfig, PrecisionConfig, RecomputeConfig
 from megatron_2bw.distributed.comm import ShardShapeGroup
 from megatron_2bw.models import MODELS
-from megatron_2bw.planner.memory import (core_input_elements, estimate_stage_memory,
+from megatron_2bw.planner.memory import (attention_core_bytes, estimate_stage_memory,
                                          layer_activation_bytes, layer_parameters,
-                                         stage_parameter_tensors, stage_parameters,
-                                         stage_sequence_parallel_parameters)
+                                         qkv_stash_bytes, stage_parameter_tensors,
+                                         stage_parameters, stage_tensor_partial_grad_parameters)
 
 MODEL = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32,
                     vocab_size=1000)  # vocabulary padded to 1024
@@ -28,6 +28,9 @@ LLAMA = dataclasses.replace(MODEL, ffn_hidden_size=LLAMA_F, **LLAMA_SWITCHES)
 LLAMA_WEIGHTS = (2 * H + H + 2 * LLAMA_F + LLAMA_F) * H
 MODEL_SP = dataclasses.replace(MODEL, sequence_parallel=True)  # --sequence-parallel
 LLAMA_SP = dataclasses.replace(LLAMA, sequence_parallel=True)
+# --qk-layernorm (with --apply-layernorm-1p: the same parameters, zero-centred)
+MODEL_QK = dataclasses.replace(MODEL, qk_layernorm=True, apply_layernorm_1p=True)
+LLAMA_QK_SP = dataclasses.replace(LLAMA_SP, qk_layernorm=True)
 
 
 def test_parameter_counts_follow_the_model_code():
@@ -62,8 +65,8 @@ def test_llama_parameter_counts(t):
 
 
 @pytest.mark.parametrize("t", [1, 2])
-@pytest.mark.parametrize("model", [MODEL, LLAMA, MODEL_SP, LLAMA_SP],
-                         ids=["gpt2", "llama", "gpt2-sp", "llama-sp"])
+@pytest.mark.parametrize("model", [MODEL, LLAMA, MODEL_SP, LLAMA_SP, MODEL_QK, LLAMA_QK_SP],
+                         ids=["gpt2", "llama", "gpt2-sp", "llama-sp", "gpt2-qk", "llama-qk-sp"])
 @pytest.mark.parametrize("layers, first, last", [(2, True, False), (2, False, True),
                                                  (4, True, True), (1, False, False)])
 def test_stage_parameters_equal_the_built_stage(model, t, layers, first, last):
@@ -75,19 +78,31 @@ def test_stage_parameters_equal_the_built_stage(model, t, layers, first, last):
     assert stage_parameters(model, t, layers, first, last) == \
         sum(p.numel() for p in stage.parameters())
     assert stage_parameter_tensors(model, t, layers, first, last) == len(list(stage.parameters()))
-    assert stage_sequence_parallel_parameters(model, t, layers, first, last) == \
-        sum(p.numel() for p in stage.parameters() if p.spec.sequence_parallel)
+    assert stage_tensor_partial_grad_parameters(model, t, layers, first, last) == \
+        sum(p.numel() for p in stage.parameters() if p.spec.tensor_partial_grad)
 
 
 def test_sequence_parallel_parameters_are_the_replicated_ones_used_on_part_of_the_sequence():
     """Two LayerNorms and the two row-parallel biases per layer, the position table; the final
     norm runs on the gathered sequence. Llama: the two RMSNorm weights. None at t = 1."""
-    assert stage_sequence_parallel_parameters(MODEL_SP, 2, 1, False, False) == 6 * H
-    assert stage_sequence_parallel_parameters(MODEL_SP, 2, 2, True, False) == 12 * H + S * H
-    assert stage_sequence_parallel_parameters(MODEL_SP, 2, 2, False, True) == 12 * H
-    assert stage_sequence_parallel_parameters(LLAMA_SP, 2, 2, True, True) == 4 * H
-    assert stage_sequence_parallel_parameters(MODEL_SP, 1, 4, True, True) == 0
-    assert stage_sequence_parallel_parameters(MODEL, 2, 4, True, True) == 0
+    assert stage_tensor_partial_grad_parameters(MODEL_SP, 2, 1, False, False) == 6 * H
+    assert stage_tensor_partial_grad_parameters(MODEL_SP, 2, 2, True, False) == 12 * H + S * H
+    assert stage_tensor_partial_grad_parameters(MODEL_SP, 2, 2, False, True) == 12 * H
+    assert stage_tensor_partial_grad_parameters(LLAMA_SP, 2, 2, True, True) == 4 * H
+    assert stage_tensor_partial_grad_parameters(MODEL_SP, 1, 4, True, True) == 0
+    assert stage_tensor_partial_grad_parameters(MODEL, 2, 4, True, True) == 0
+
+
+def test_qk_layernorm_parameters_are_replicated_and_summed_over_the_tensor_group():
+    """Two norms over the head size per layer (LayerNorm: weight and bias), replicated; each rank
+    applies them to its own heads, so at t = 2 their gradients are summed, with or without
+    --sequence-parallel."""
+    D = H // A
+    for t in (1, 2):
+        assert layer_parameters(MODEL_QK, t) == layer_parameters(MODEL, t) + 4 * D
+    assert stage_tensor_partial_grad_parameters(MODEL_QK, 2, 2, False, False) == 2 * 4 * D
+    assert stage_tensor_partial_grad_parameters(MODEL_QK, 1, 2, False, False) == 0
+    assert stage_tensor_partial_grad_parameters(LLAMA_QK_SP, 2, 1, False, False) == 2 * H + 2 * D
 
 
 def test_activation_formula_is_korthikantis_count():
@@ -163,9 +178,73 @@ def test_sequence_parallel_stages_hold_their_part_of_the_sequence():
     ({"num_query_groups": 2}, 1, 3 * H),  # q copied out of 2 groups; k, v repeated
     ({"num_query_groups": 2}, 2, (2 * H + 2 * H) / 2),  # 1 group a rank: q a view of QKV (2h/t)
     ({"num_query_groups": 2, "position_embedding_type": "rope"}, 2, 3 * H / 2),
+    # --qk-layernorm: normed q and k; the LayerNorms keep their inputs, views of the QKV output
+    ({"qk_layernorm": True}, 1, 5 * H),  # which v's view keeps anyway
+    ({"qk_layernorm": True, "num_query_groups": 2}, 1, 3 * H + 2 * H + H),  # + q's copy
+    ({"qk_layernorm": True, "num_query_groups": 2}, 2, (3 * H + 2 * H) / 2),  # q a view at t = 2
+    # RMSNorm in half precision: q's and k's fp32 copies (2 elements' bytes each) and their
+    # normalised values
+    ({"qk_layernorm": True, "normalization": "RMSNorm"}, 1, 5 * H + 3 * 2 * H),
 ])
-def test_what_the_attention_core_input_holds(switches, t, elements):
-    assert core_input_elements(dataclasses.replace(MODEL, **switches), t) == elements
+def test_what_the_attention_keeps_of_q_k_and_v_under_selective_recomputation(switches, t,
+                                                                             elements):
+    """The core's inputs and --qk-layernorm's stashes, in 2-byte elements per token."""
+    model = dataclasses.replace(MODEL, **switches)
+    assert qkv_stash_bytes(model, t, 2, selective=True) == 2 * elements
+
+
+def test_qk_layernorm_stashes():
+    """Without recomputation the core keeps its own copies of q, k and v (3h/t), and the q/k norms
+    their stashes over this rank's heads: LayerNorm its inputs, views of the whole QKV output;
+    RMSNorm in fp32 those views and the normalised values (h + kv elements), in half precision
+    fp32 copies of its inputs instead of the views."""
+    qk = dataclasses.replace(MODEL, qk_layernorm=True)
+    for t in (1, 2):
+        assert qkv_stash_bytes(qk, t, 2) == 2 * (3 * H + 3 * H) / t
+    llama = dataclasses.replace(LLAMA, qk_layernorm=True)  # kv = 2 groups x 16 = H / 2
+    normed = H + H / 2
+    # QKV output 2h, q copied out of 2 groups at t = 1 (a view at t = 2), normalised values
+    assert qkv_stash_bytes(llama, 1, 4) == 4 * (3 * H + 2 * H + H + normed)
+    assert qkv_stash_bytes(llama, 2, 4) == 4 * (3 * H + 2 * H + normed) / 2
+    assert qkv_stash_bytes(llama, 1, 2) == 2 * 3 * H + (4 + 2) * normed
+    assert layer_activation_bytes(llama, 2, 1, 2) - layer_activation_bytes(LLAMA, 2, 1, 2) == \
+        (4 + 2) * normed / 2 * S
+
+
+def test_layernorm_1p_norms_keep_the_gains_they_compute():
+    """weight + 1, e per channel: the layer's two norms over h, --qk-layernorm's two over the head
+    size; replicated (whatever t)."""
+    one_p = dataclasses.replace(MODEL, apply_layernorm_1p=True)
+    qk = dataclasses.replace(MODEL_QK, apply_layernorm_1p=False)
+    for t in (1, 2):
+        assert layer_activation_bytes(one_p, t, 1, 2) - layer_activation_bytes(MODEL, t, 1, 2) == \
+            2 * 2 * H
+        assert layer_activation_bytes(MODEL_QK, t, 1, 2) - layer_activation_bytes(qk, t, 1, 2) == \
+            2 * (2 * H + 2 * H // A)
+
+
+def test_the_fp32_softmax_under_half_precision_keeps_the_unfused_attentions_scores():
+    """The fp32 softmax output (4), the dropout output (e) and mask (1) per score, and the
+    inverted causal mask (s*s); the SDPA path's 2e + 1 otherwise. In fp32 the flags change
+    nothing; selective recomputation recomputes the core either way."""
+    scores = A * S * S
+    fp32_softmax = dataclasses.replace(MODEL, attention_softmax_in_fp32=True)
+    layer_scaling = dataclasses.replace(MODEL, apply_query_key_layer_scaling=True)
+    for t in (1, 2):
+        assert attention_core_bytes(MODEL, t, 1, 2) == 5 * scores / t
+        assert attention_core_bytes(fp32_softmax, t, 1, 2) == 7 * scores / t + S * S
+        assert attention_core_bytes(layer_scaling, t, 1, 2) == 7 * scores / t + S * S
+        assert attention_core_bytes(fp32_softmax, t, 1, 4) == attention_core_bytes(MODEL, t, 1, 4)
+    assert layer_activation_bytes(fp32_softmax, 2, 1, 2) - layer_activation_bytes(MODEL, 2, 1, 2) \
+        == 2 * scores / 2 + S * S
+    assert layer_activation_bytes(fp32_softmax, 1, 1, 2, selective=True) == \
+        layer_activation_bytes(MODEL, 1, 1, 2, selective=True)
+    # no attention dropout: the product with v reads the cast probabilities, no mask
+    no_dropout = dataclasses.replace(fp32_softmax, attention_dropout=0.0)
+    assert attention_core_bytes(no_dropout, 1, 3, 2) == 6 * 3 * scores + S * S
+    # BERT fills by its padding mask, [b, 1, 1, s]
+    bert = dataclasses.replace(fp32_softmax, model_type="bert")
+    assert attention_core_bytes(bert, 1, 3, 2) == 7 * 3 * scores + 3 * S
 
 
 def memory(precision=PrecisionConfig(fp16=True), schedule="2bw", stage=0, recompute=None,

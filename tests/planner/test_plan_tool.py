@@ -41,21 +41,45 @@ def test_typed_parallel_flags_pin_the_search(capsys):
             for p in plans} == {(2, "flush", "selective")}
 
 
+PINNED = ["--world-size", "8", "--hardware", "dgx-a100", "--tensor-model-parallel-size", "2",
+          "--pipeline-model-parallel-size", "2", "--micro-batch-size", "4",
+          "--pipeline-schedule", "2bw"]
+
+
+def titles(capsys) -> list[str]:
+    return [line for line in capsys.readouterr().out.splitlines() if line.startswith("gpt L")]
+
+
 def test_sequence_parallel_reaches_the_plan(capsys):
     """--sequence-parallel is a model flag: the plans follow it (less activation memory on each
     stage of the same configuration) without searching it."""
-    pinned = ["--world-size", "8", "--hardware", "dgx-a100", "--tensor-model-parallel-size", "2",
-              "--pipeline-model-parallel-size", "2", "--micro-batch-size", "4",
-              "--pipeline-schedule", "2bw"]
-    plain = plan.main(TINY + pinned)
-    split = plan.main(TINY + pinned + ["--sequence-parallel"])
+    plain = plan.main(TINY + PINNED)
+    split = plan.main(TINY + PINNED + ["--sequence-parallel"])
     assert [p.candidate for p in split] == [p.candidate for p in plain]
     for a, b in zip(plain, split):
         assert all(s.activations < p.activations for p, s in zip(a.stage_memory, b.stage_memory))
-    plan.main(TINY + pinned + ["--sequence-parallel", "--swiglu"])
-    titles = [line for line in capsys.readouterr().out.splitlines() if line.startswith("gpt L")]
-    assert "sequence" not in titles[0] and " sequence-parallel, batch" in titles[1]
-    assert " swiglu sequence-parallel, batch" in titles[2]  # the layout's switches are named
+    plan.main(TINY + PINNED + ["--sequence-parallel", "--swiglu"])
+    named = titles(capsys)
+    assert "sequence" not in named[0] and " sequence-parallel, batch" in named[1]
+    assert " swiglu sequence-parallel, batch" in named[2]  # the layout's switches are named
+
+
+def test_the_attention_switches_reach_the_plan(capsys):
+    """bf16: the fp32 softmax's unfused attention stashes its scores in fp32 (more activation
+    memory on each stage of the same configuration unless recomputation drops them);
+    --qk-layernorm, --apply-layernorm-1p and the fp32 softmax are named in the title."""
+    plain = plan.main(TINY + PINNED + ["--bf16"])
+    unfused = plan.main(TINY + PINNED + ["--bf16", "--attention-softmax-in-fp32"])
+    assert [p.candidate for p in unfused] == [p.candidate for p in plain]
+    for a, b in zip(plain, unfused):
+        for p, u in zip(a.stage_memory, b.stage_memory):
+            assert u.activations > p.activations if a.candidate.recompute is None \
+                else u.activations == p.activations
+    plan.main(TINY + PINNED + ["--bf16", "--qk-layernorm", "--apply-layernorm-1p",
+                               "--apply-query-key-layer-scaling"])
+    named = titles(capsys)
+    assert " fp32softmax, batch" in named[1]
+    assert " qknorm norm1p fp32softmax, batch" in named[2]
 
 
 def run_tool(*args, cwd=None):

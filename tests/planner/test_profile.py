@@ -8,7 +8,8 @@ import torch
 from megatron_2bw.config import Config, ModelConfig, PrecisionConfig, TrainingConfig
 from megatron_2bw.planner import profile as profile_module
 from megatron_2bw.planner.hardware import HardwareSpec
-from megatron_2bw.planner.memory import MASK_BYTES, layer_activation_bytes, layer_parameters
+from megatron_2bw.planner.memory import (MASK_BYTES, layer_activation_bytes, layer_parameters,
+                                         unfused_attention)
 from megatron_2bw.planner.profile import (AnalyticProfile, MeasuredProfile, linear_flops_per_token,
                                           measure_costs, measure_costs_at_once,
                                           measure_costs_per_copy, measured_profile,
@@ -75,13 +76,71 @@ def test_logged_model_flops_follow_the_architecture(model):
     # fp32, k and v repeated and q copied out of its groups, 2 x 5 for rotary embeddings, the
     # core's 8; backward: twice that, 4 weight-gradient kernels, 6 accumulations
     (LLAMA, 44, 98),
-], ids=["gpt2", "llama"])
+    # GPT-2's and 2 LayerNorms over q and k, each of the 4 norms adding 1 to its weight; backward:
+    # twice that, 8 weight-gradient kernels, 16 accumulations
+    (dataclasses.replace(MODEL, qk_layernorm=True, apply_layernorm_1p=True), 28, 80),
+], ids=["gpt2", "llama", "gpt2-qk-1p"])
 def test_analytic_kernel_launches_cost_a_fixed_time_per_microbatch(model, forward, backward):
     slow = dataclasses.replace(HARDWARE, kernel_overhead_s=1e-3)
     plain = AnalyticProfile(model, PrecisionConfig(), HARDWARE).costs(1, 2)
     costly = AnalyticProfile(model, PrecisionConfig(), slow).costs(1, 2)
     assert costly.layer_forward_s - plain.layer_forward_s == pytest.approx(forward * 1e-3)
     assert costly.layer_backward_s - plain.layer_backward_s == pytest.approx(backward * 1e-3)
+
+
+def test_analytic_qk_layernorm_runs_two_norms_over_this_ranks_heads():
+    """Two LayerNorms (read, write) over q and k of this rank's heads and the whole sequence, also
+    under --sequence-parallel; the backward moves twice that and accumulates their gradients."""
+    memory_only = dataclasses.replace(HARDWARE, peak_flops={"float32": 1e30},
+                                      kernel_overhead_s=0.0)
+    b, sbh, e = 2, 2 * 32 * 64, 4
+    for switches in ({}, {"sequence_parallel": True}):
+        plain = AnalyticProfile(dataclasses.replace(MODEL, **switches), PrecisionConfig(),
+                                memory_only)
+        qk = AnalyticProfile(dataclasses.replace(MODEL, qk_layernorm=True, **switches),
+                             PrecisionConfig(), memory_only)
+        for t in (1, 2):
+            normed = 2 * e * 2 * sbh / t  # q and k: h/t channels each (one group per head)
+            accumulated = (4 + 2 * 4) * 4 * 16  # two norms' weights and biases over 16 channels
+            assert qk.costs(t, b).layer_forward_s - plain.costs(t, b).layer_forward_s == \
+                pytest.approx(normed / 0.5e11)
+            assert qk.costs(t, b).layer_backward_s - plain.costs(t, b).layer_backward_s == \
+                pytest.approx((2 * normed + accumulated) / 0.5e11)
+
+
+def test_analytic_fp32_softmax_runs_the_unfused_attention_under_half_precision():
+    """bf16: per score the fp32 chain's 32 + 4e bytes and the dropout's 2e + mask, instead of the
+    SDPA math path's 8e + mask; 13 kernels instead of 8 (q and k made batch-contiguous, two
+    batched matmuls, casts to fp32 and back, scaling, masking, softmax, the causal mask built and
+    inverted, dropout); BERT's given mask is only inverted. Without attention dropout neither its
+    bytes nor its kernel. fp32: unchanged."""
+    bf16 = PrecisionConfig(bf16=True)
+    memory_only = dataclasses.replace(HARDWARE, peak_flops={"bfloat16": 1e30},
+                                      kernel_overhead_s=0.0)
+    launches_only = dataclasses.replace(HARDWARE, peak_flops={"bfloat16": 1e30},
+                                        memory_bandwidth=1e30, kernel_overhead_s=1e-3)
+    b, e, scores = 2, 2, 4 * 32 * 32 * 2
+    fp32_softmax = dataclasses.replace(MODEL, attention_softmax_in_fp32=True)
+    for hardware, extra in ((memory_only, (32 - 2 * e) * scores / 0.5e11),
+                            (launches_only, 5 * 1e-3)):
+        plain = AnalyticProfile(MODEL, bf16, hardware).costs(1, b)
+        unfused = AnalyticProfile(fp32_softmax, bf16, hardware).costs(1, b)
+        assert unfused.attention_core_forward_s - plain.attention_core_forward_s == \
+            pytest.approx(extra)
+        assert unfused.layer_forward_s - plain.layer_forward_s == pytest.approx(extra)
+        assert unfused.layer_backward_s - plain.layer_backward_s == pytest.approx(2 * extra)
+    bert = ModelConfig(model_type="bert", num_layers=2, hidden_size=64, num_attention_heads=4,
+                       seq_length=32, vocab_size=1000, attention_softmax_in_fp32=True)
+    no_dropout = dataclasses.replace(fp32_softmax, attention_dropout=0.0)
+    gpt_core, bert_core, no_dropout_core = (
+        AnalyticProfile(model, bf16, HARDWARE).attention_core(1, b)
+        for model in (fp32_softmax, bert, no_dropout))
+    assert (gpt_core.kernels, bert_core.kernels, no_dropout_core.kernels) == (13, 11, 12)
+    assert gpt_core.bytes - no_dropout_core.bytes == (2 * e + MASK_BYTES) * scores
+    unfused = AnalyticProfile(fp32_softmax, bf16, HARDWARE).costs(1, b)
+    assert unfused.layer_activation_bytes == layer_activation_bytes(fp32_softmax, 1, b, e)
+    assert AnalyticProfile(fp32_softmax, PrecisionConfig(), HARDWARE).costs(1, b) == \
+        AnalyticProfile(MODEL, PrecisionConfig(), HARDWARE).costs(1, b)
 
 
 def test_analytic_tensor_parallel_shard_is_cheaper_but_not_by_t():
@@ -110,32 +169,52 @@ def test_saved_tensor_count_of_the_real_layer():
 
 def cpu_layer_bytes(model: ModelConfig, t: int, b: int, e: int, selective: bool) -> float:
     """layer_activation_bytes as PyTorch on a CPU stashes them: its dropout keeps the mask in the
-    working dtype (e bytes, not MASK_BYTES), and the norms keep their statistics (LayerNorm a mean
-    and an rstd per token, RMSNorm an fp32 rsqrt); the hidden masks and the norms' statistics of
-    s/t tokens under --sequence-parallel."""
+    working dtype (e bytes, not MASK_BYTES), and the norms keep their statistics per row
+    (LayerNorm a mean and an rstd, RMSNorm an fp32 rsqrt): a row per token for the layer's two
+    norms (and, like the hidden masks, s/t tokens under --sequence-parallel), per token and head
+    of this rank's q and k for --qk-layernorm's."""
     s, h, sb = model.seq_length, model.hidden_size, model.seq_length * b
     r = model.sequence_ranks(t)
-    masks = 2 * sb * h / r + (0 if selective else model.num_attention_heads * s * s * b / t)
-    statistics = 2 * sb * (2 * e if model.normalization == "LayerNorm" else 4) / r
+    attention_dropout = model.attention_dropout > 0 and not selective
+    masks = 2 * sb * h / r + attention_dropout * model.num_attention_heads * s * s * b / t
+    rows = 2 * sb / r + model.qk_layernorm * sb * (model.num_attention_heads
+                                                   + model.query_groups) / t
+    statistics = rows * (2 * e if model.normalization == "LayerNorm" else 4)
     return layer_activation_bytes(model, t, b, e, selective) + (e - MASK_BYTES) * masks + statistics
 
 
 ONE_GROUP_PER_HEAD = dataclasses.replace(LLAMA, num_query_groups=None)  # rotary q, k; v a view
+# --qk-layernorm: LayerNorms over views of the QKV output; RMSNorms over q copied out of groups
+QK_LAYERNORM = dataclasses.replace(MODEL, qk_layernorm=True, apply_layernorm_1p=True)
+LLAMA_QK = dataclasses.replace(LLAMA, qk_layernorm=True)
+ONE_GROUP_PER_HEAD_QK = dataclasses.replace(ONE_GROUP_PER_HEAD, qk_layernorm=True)
+# bf16: Megatron-LM's unfused attention (layer scaling implies the fp32 softmax); Llama's
+# without attention dropout
+LAYER_SCALING = dataclasses.replace(MODEL, apply_query_key_layer_scaling=True)
+LLAMA_QK_FP32_SOFTMAX = dataclasses.replace(LLAMA_QK, attention_softmax_in_fp32=True,
+                                            attention_dropout=0.0)
 
 
 @pytest.mark.parametrize("t, sequence_parallel", [(1, False), (2, False), (2, True)],
                          ids=["t1", "t2", "t2-sequence-parallel"])
-@pytest.mark.parametrize("model", [MODEL, LLAMA, ONE_GROUP_PER_HEAD],
-                         ids=["gpt2", "llama", "llama-mha"])
+@pytest.mark.parametrize("model", [MODEL, LLAMA, ONE_GROUP_PER_HEAD, QK_LAYERNORM, LLAMA_QK,
+                                   ONE_GROUP_PER_HEAD_QK, LAYER_SCALING, LLAMA_QK_FP32_SOFTMAX],
+                         ids=["gpt2", "llama", "llama-mha", "gpt2-qk", "llama-qk", "llama-mha-qk",
+                              "gpt2-layer-scaling", "llama-qk-fp32-softmax"])
 def test_the_activation_formula_is_what_a_real_layer_saves(model, t, sequence_parallel):
-    """The analytic count against the bytes a real layer's shard stashes (with dropout PyTorch
-    takes its math attention path, the one the formula counts), exact but for the CPU's dropout
-    masks and norm statistics (`cpu_layer_bytes`). Full stashes in fp32 only: in bf16 the CPU's
-    math path computes the core in fp32. Under --sequence-parallel the layer is fed its s/t
-    tokens, as in training, and gathers the sequence for its linears itself."""
+    """The analytic count against the bytes a real layer's shard stashes, exact but for the
+    CPU's dropout masks and norm statistics (`cpu_layer_bytes`). The core's own stashes are
+    compared where the formula's attention path runs: in fp32 PyTorch's math path (taken with
+    attention dropout; without, fused kernels), in bf16 the unfused attention of the fp32
+    softmax (otherwise the CPU's math path computes the core in fp32). Under --sequence-parallel
+    the layer is fed its s/t tokens, as in training, and gathers the sequence for its linears
+    itself."""
     b = 2
     model = dataclasses.replace(model, sequence_parallel=sequence_parallel)
-    for dtype, e, checked in ((torch.float32, 4, (False, True)), (torch.bfloat16, 2, (True,))):
+    with_core = (False, True)
+    for dtype, e, checked in (
+            (torch.float32, 4, with_core if model.attention_dropout > 0 else (True,)),
+            (torch.bfloat16, 2, with_core if unfused_attention(model, 2) else (True,))):
         body = profile_module._piece(model, t, 1, False, False, dtype, torch.device("cpu"))
         layer = next(iter(body.transformer.layers.values()))
         rotary = None if body.transformer.rotary is None else body.transformer.rotary(32)
@@ -360,6 +439,10 @@ def test_a_cached_profile_serves_only_the_same_model_and_torch(tmp_path, monkeyp
     ({"num_query_groups": 2}, "-g2"),
     ({"num_query_groups": 4}, None),  # one group per head: GPT-2's attention
     ({"untie_embeddings_and_output_weights": True}, None),  # the same shapes, the same times
+    ({"qk_layernorm": True}, "-qknorm"),
+    ({"apply_layernorm_1p": True}, "-norm1p"),
+    ({"attention_softmax_in_fp32": True}, None),  # fp32: scaled_dot_product_attention as before
+    ({"apply_query_key_layer_scaling": True}, None),
 ])
 def test_a_cached_profile_serves_only_the_same_architecture(tmp_path, monkeypatch, switches, name):
     calls = []
@@ -379,6 +462,25 @@ def test_a_cached_profile_serves_only_the_same_architecture(tmp_path, monkeypatc
     assert profile_module._profile_identity(other) != profile_module._profile_identity(MODEL)
     measured_profile(other, PrecisionConfig(), HARDWARE, [1], tmp_path, rounds=1)
     assert len(calls) == 2  # its own file serves it next time
+
+
+def test_the_fp32_softmax_has_its_own_profile_under_half_precision(tmp_path, monkeypatch):
+    """bf16: the unfused attention is measured apart from SDPA's; layer scaling, which implies the
+    fp32 softmax and runs the same kernels (the measured layer is the first: coefficient 1),
+    shares its file."""
+    calls = []
+    monkeypatch.setattr(profile_module, "measure_costs",
+                        lambda model, precision, sizes, device=None, repeats=7:
+                        calls.append(model) or {key: {"layer_forward_s": 1.0} for key in sizes})
+    bf16 = PrecisionConfig(bf16=True)
+    fp32_softmax = dataclasses.replace(MODEL, attention_softmax_in_fp32=True)
+    for model in (MODEL, fp32_softmax, dataclasses.replace(MODEL,
+                                                           apply_query_key_layer_scaling=True)):
+        measured_profile(model, bf16, HARDWARE, [1], tmp_path, rounds=1)
+    assert calls == [MODEL, fp32_softmax]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "toy__gpt-h64-a4-f256-s32-v1024-dropout0.1-0.1__bfloat16.json",
+        "toy__gpt-h64-a4-f256-s32-v1024-fp32softmax-dropout0.1-0.1__bfloat16.json"]
 
 
 def test_sequence_parallel_is_in_the_cache_identity_when_a_t_above_1_is_measured(tmp_path,

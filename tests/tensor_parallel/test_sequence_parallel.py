@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from megatron_2bw.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
                                                  VocabParallelEmbedding, initialize_parameters,
-                                                 sum_sequence_parallel_grads)
+                                                 sum_tensor_partial_grads)
 from tests.distributed_helpers import run_ranks
 from tests.tensor_parallel.test_layers import _full, _full_grad
 
@@ -29,7 +29,7 @@ def _sequence_parallel_pair(rank, world):
     x_part = x[:, part].clone().requires_grad_()
     y_part = fc2(F.gelu(fc1(x_part)))
     (y_part * upstream[:, part]).sum().backward()
-    sum_sequence_parallel_grads([fc2.bias.grad], [fc2.bias.spec], group)
+    sum_tensor_partial_grads([fc2.bias.grad], [fc2.bias.spec], group)
 
     reference = {name: _full(p).clone().requires_grad_() for name, p in
                  [("w1", fc1.weight), ("b1", fc1.bias), ("w2", fc2.weight), ("b2", fc2.bias)]}
@@ -42,7 +42,7 @@ def _sequence_parallel_pair(rank, world):
     torch.testing.assert_close(x_part.grad, x_ref.grad[:, part], atol=1e-5, rtol=1e-5)
     for name, param in [("w1", fc1.weight), ("b1", fc1.bias), ("w2", fc2.weight), ("b2", fc2.bias)]:
         torch.testing.assert_close(_full_grad(param), reference[name].grad, atol=1e-5, rtol=1e-5)
-    assert fc2.bias.spec.sequence_parallel and not fc1.bias.spec.sequence_parallel
+    assert fc2.bias.spec.tensor_partial_grad and not fc1.bias.spec.tensor_partial_grad
 
     embedding = VocabParallelEmbedding(VOCAB, HIDDEN, group, sequence_parallel=True)
     initialize_parameters(embedding, seed=5, std=0.5, num_layers=2)
@@ -61,7 +61,7 @@ def _stage_activations(rank, world):
     batch = {"tokens": torch.randint(0, 101, (2, config.model.seq_length + 1),
                                      generator=torch.Generator().manual_seed(0))}
     sharded = [name for name, spec in zip(stage.versions.names, stage.versions.specs)
-               if spec.sequence_parallel]
+               if spec.tensor_partial_grad]
     hidden = stage.model.embedding(batch["tokens"][:, :-1]) if layout.stage == 0 else None
     return stage.executor.p2p.shape, None if hidden is None else tuple(hidden.shape), sharded
 
