@@ -18,6 +18,8 @@ SEQ_LENGTH=${SEQ_LENGTH:-128}
 TOKENIZER_ARGS=${TOKENIZER_ARGS:-}
 MODEL_ARGS=${MODEL_ARGS:-}
 RESULTS_DIR=${RESULTS_DIR:-results/glue}
+# Set to a directory to also write the GLUE server's test prediction files there (CoLA.tsv, ...).
+TEST_PREDICTIONS=${TEST_PREDICTIONS:-}
 PYTHON=${PYTHON:-python}
 
 REPO_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -40,6 +42,7 @@ for T in $TASKS; do
         --seed "$SEED" \
         --seq-length "$SEQ_LENGTH" \
         --tensor-model-parallel-size "$TP" \
+        ${TEST_PREDICTIONS:+--test-predictions "$TEST_PREDICTIONS"} \
         $TOKENIZER_ARGS $MODEL_ARGS
     RESULT_FILES+=("$RESULTS_DIR/$T.json")
 done

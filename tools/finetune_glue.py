@@ -2,12 +2,16 @@
 
     torchrun --standalone --nproc-per-node 2 tools/finetune_glue.py --task MNLI \\
         --data-dir data/glue/MNLI --load checkpoints/bert --tensor-model-parallel-size 2 \\
-        --epochs 3 --lr 2e-5 --micro-batch-size 32 --seq-length 128 --results results/MNLI.json
+        --epochs 3 --lr 2e-5 --micro-batch-size 32 --seq-length 128 --results results/MNLI.json \\
+        --test-predictions results/glue_submission
 
 Tasks: MNLI (dev matched and mismatched), QQP, QNLI, SST-2, CoLA, STS-B, MRPC, RTE. The data is a
 task directory of the GLUE distribution (--data-dir, .tsv files) or a local Hugging Face `datasets`
 copy of the task (--datasets-dir). Flags are pretrain_bert.py's; model and tokenizer flags left
-unset come from the checkpoint. Layout and results format: docs/glue.md and docs/bert.md.
+unset come from the checkpoint. With --test-predictions DIR the final model predicts the task's
+test split(s) and writes the GLUE server's submission file(s) into DIR (MNLI-m.tsv and MNLI-mm.tsv,
+else e.g. CoLA.tsv: "index<tab>prediction" rows); the test files are checked before training.
+Layout, results and submission formats: docs/glue.md and docs/bert.md.
 """
 from __future__ import annotations
 
@@ -35,6 +39,9 @@ def add_glue_args(parser) -> None:
                                           "(save_to_disk directory or per-split parquet/jsonl)")
     g.add_argument("--results", help="write the per-epoch dev metrics to this JSON file")
     g.add_argument("--epochs", type=int, default=3)
+    g.add_argument("--test-predictions", metavar="DIR",
+                   help="after fine-tuning, predict the task's test split(s) and write the GLUE "
+                        "server's submission file(s) into DIR (e.g. MNLI-m.tsv, MNLI-mm.tsv)")
 
 
 def settings_from_args(args) -> GlueSettings:
@@ -44,7 +51,7 @@ def settings_from_args(args) -> GlueSettings:
     if fraction is None and ("optimizer", "lr_warmup_iters") not in explicit_fields(args):
         fraction = DEFAULT_WARMUP_FRACTION
     return GlueSettings(args.task, args.data_dir, args.datasets_dir, args.results, args.epochs,
-                        fraction)
+                        fraction, args.test_predictions)
 
 
 def main(argv=None) -> dict:

@@ -10,7 +10,9 @@ batch of --global-batch-size examples (default --micro-batch-size x d) in Megatr
 accumulates micro-batches, averages gradients over the data-parallel replicas, clips by the global
 norm and steps AdamW with linear warm-up and decay. --bf16 and --fp16 run the model under autocast
 (fp16 with loss scaling). After every epoch each dev split is evaluated and the results file
-(glue.format_results_table reads it) is rewritten.
+(glue.format_results_table reads it) is rewritten. With a test-predictions directory the final
+model then predicts every test split and writes the files the GLUE benchmark server takes
+(glue.submission_tsv); the test files are read before training, so a bad one fails at once.
 """
 from __future__ import annotations
 
@@ -36,8 +38,9 @@ from megatron_2bw.config import Config, DataConfig
 from megatron_2bw.data.tokenizers import build_tokenizer
 from megatron_2bw.distributed.comm import all_reduce, group_size
 from megatron_2bw.distributed.layout import ParallelLayout
-from megatron_2bw.evaluation.glue import (GlueTask, build_features, get_task, read_task,
-                                          read_task_from_datasets_dir, task_metrics)
+from megatron_2bw.evaluation.glue import (Example, GlueTask, build_features, get_task, read_task,
+                                          read_task_from_datasets_dir, submission_tsv,
+                                          task_metrics)
 from megatron_2bw.models.classification import (OPTIONAL_PREFIXES, BertClassifier,
                                                 build_classifier, pretrained_name)
 from megatron_2bw.optim.grad_scaler import build_loss_scaler
@@ -61,6 +64,7 @@ class GlueSettings:
     results: str | None = None  # JSON results file
     epochs: int = 3
     lr_warmup_fraction: float | None = None  # of all steps; None: --lr-warmup-iters (or 0.1)
+    test_predictions: str | None = None  # directory for the GLUE server's test prediction files
 
     def __post_init__(self):
         get_task(self.task)  # an unknown task fails here, with the list of known ones
@@ -72,6 +76,9 @@ class GlueSettings:
         if self.lr_warmup_fraction is not None and not 0.0 <= self.lr_warmup_fraction < 1.0:
             raise ConfigError(f"--lr-warmup-fraction must be in [0, 1), got "
                               f"{self.lr_warmup_fraction}")
+        if self.test_predictions is not None and os.path.isfile(self.test_predictions):
+            raise ConfigError(f"--test-predictions names a directory for the prediction files; "
+                              f"{self.test_predictions} is a file")
 
     @property
     def source(self) -> str:
@@ -141,21 +148,40 @@ def load_pretrained_encoder(model: BertClassifier, pretrained: PretrainedBert) -
 # -- task data -----------------------------------------------------------------------------------
 
 @dataclass
+class SubmissionSplit:
+    """A test split, predicted for the GLUE server's submission files."""
+    indices: list[int]  # each example's index in the test file, for the submission file
+    features: dict[str, np.ndarray]
+
+
+@dataclass
 class TaskData:
     train: dict[str, np.ndarray]  # build_features arrays
     dev: dict[str, dict[str, np.ndarray]]  # split name -> features
+    test: dict[str, SubmissionSplit]  # split name -> examples; read only for --test-predictions
 
 
 def load_task_data(task: GlueTask, settings: GlueSettings, tokenizer, seq_length: int) -> TaskData:
-    def features(split: str) -> dict[str, np.ndarray]:
+    def examples(split: str) -> list[Example]:
         if settings.data_dir is not None:
-            examples = read_task(task.name, settings.data_dir, split)
+            read = read_task(task.name, settings.data_dir, split)
         else:
-            examples = read_task_from_datasets_dir(task.name, settings.datasets_dir, split)
-        if not examples:
+            read = read_task_from_datasets_dir(task.name, settings.datasets_dir, split)
+        if not read:
             raise ValueError(f"{settings.source}: the {split} split of {task.name} has no examples")
-        return build_features(examples, tokenizer, seq_length)
-    return TaskData(features("train"), {split: features(split) for split in task.dev_splits})
+        return read
+
+    def features(split: str) -> dict[str, np.ndarray]:
+        return build_features(examples(split), tokenizer, seq_length)
+
+    def test_split(split: str) -> SubmissionSplit:
+        read = examples(split)
+        return SubmissionSplit([example.index for example in read],
+                               build_features(read, tokenizer, seq_length))
+
+    test_splits = task.test_splits if settings.test_predictions is not None else ()
+    return TaskData(features("train"), {split: features(split) for split in task.dev_splits},
+                    {split: test_split(split) for split in test_splits})
 
 
 def _batch(features: dict[str, np.ndarray], indices, device) -> dict[str, torch.Tensor]:
@@ -268,14 +294,33 @@ class ClassifierTrainer:
 
 # -- results -------------------------------------------------------------------------------------
 
-def write_results(path: str, results: dict) -> None:
-    """Atomically, so a reader never sees half a file (it is rewritten after every epoch)."""
+def _write_atomically(path: str, text: str) -> None:
+    """Write to a temporary name, then rename, so a reader never sees half a file."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp.{os.getpid()}"
     with open(tmp, "w") as f:
-        json.dump(results, f, indent=2)
-        f.write("\n")
+        f.write(text)
     os.replace(tmp, path)
+
+
+def write_results(path: str, results: dict) -> None:
+    """Atomically: the file is rewritten after every epoch."""
+    _write_atomically(path, json.dumps(results, indent=2) + "\n")
+
+
+def write_test_predictions(trainer: ClassifierTrainer, task: GlueTask,
+                           test: dict[str, SubmissionSplit], directory: str) -> list[str]:
+    """Predict every test split with the trainer's model and write the GLUE server's file for it
+    (glue.submission_tsv) into `directory`, on rank 0; returns the paths. Every rank must call
+    this: the data-parallel replicas share the predictions."""
+    paths = []
+    for split, data in test.items():
+        predictions = trainer.predict(data.features)
+        path = os.path.join(directory, task.submission_file(split))
+        if trainer.layout.rank == 0:
+            _write_atomically(path, submission_tsv(task.name, data.indices, predictions))
+        paths.append(path)
+    return paths
 
 
 def _mean_over_replicas(value: float, layout: ParallelLayout) -> float:
@@ -345,4 +390,7 @@ def finetune(config: Config, settings: GlueSettings, pretrained: PretrainedBert)
             write_results(settings.results, results)
     if settings.results:
         print_rank0(layout, f" wrote {settings.results}")
+    if settings.test_predictions is not None:
+        paths = write_test_predictions(trainer, task, data.test, settings.test_predictions)
+        print_rank0(layout, f" wrote test predictions {', '.join(paths)}")
     return results

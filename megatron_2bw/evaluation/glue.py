@@ -6,7 +6,9 @@ Two data sources are understood:
   `test_matched.tsv`, `test_mismatched.tsv`), read by `read_task`;
 - a local Hugging Face `datasets` copy of the hub's `nyu-mll/glue` config, read by
   `read_task_from_datasets_dir`.
-Both yield the same `Example`s, so fine-tuning does not care where the data came from.
+Both yield the same `Example`s, so fine-tuning does not care where the data came from. Test
+examples carry their index in the test file, which `submission_tsv` writes into the prediction
+files the GLUE server takes.
 
 Splits are always named the GLUE way ("train", "dev", "dev_matched", "test", ...); the hub's
 "validation..." names are derived from them.
@@ -43,6 +45,8 @@ class GlueTask:
     headerless_columns: tuple[str, ...] | None = None
     # Megatron-LM's and transformers' QQP readers skip rows with missing fields: so does QQP here
     skip_malformed_rows: bool = False
+    # header name of the test files' example index, which the submission files repeat
+    tsv_test_index_column: str = "index"
 
     @property
     def is_regression(self) -> bool:
@@ -65,6 +69,14 @@ class GlueTask:
         if split not in self.splits:
             raise ValueError(f"{self.name} has no split {split!r}; expected one of {self.splits}")
 
+    def submission_file(self, test_split: str) -> str:
+        """The GLUE server's name for the predictions of a test split: CoLA.tsv, MNLI-m.tsv, ..."""
+        if test_split not in self.test_splits:
+            raise ValueError(f"{self.name} has no test split {test_split!r}; expected one of "
+                             f"{self.test_splits}")
+        suffix = {"test_matched": "-m", "test_mismatched": "-mm"}.get(test_split, "")
+        return f"{self.name}{suffix}.tsv"
+
 
 _BINARY = ("0", "1")
 _ENTAILMENT = ("entailment", "not_entailment")
@@ -77,7 +89,8 @@ TASKS: dict[str, GlueTask] = {task.name: task for task in [
               ("contradiction", "contradiction"))),
     GlueTask("QQP", _BINARY, ("f1", "accuracy"), ("dev",), ("question1", "question2"),
              "is_duplicate", "qqp", ("question1", "question2"),
-             (("not_duplicate", "0"), ("duplicate", "1")), skip_malformed_rows=True),
+             (("not_duplicate", "0"), ("duplicate", "1")), skip_malformed_rows=True,
+             tsv_test_index_column="id"),
     GlueTask("QNLI", _ENTAILMENT, ("accuracy",), ("dev",), ("question", "sentence"), "label",
              "qnli", ("question", "sentence"), tuple(zip(_ENTAILMENT, _ENTAILMENT))),
     GlueTask("SST-2", _BINARY, ("accuracy",), ("dev",), ("sentence",), "label",
@@ -111,6 +124,14 @@ class Example:
     text_a: str
     text_b: str | None  # None for single-sentence tasks (SST-2, CoLA)
     label: int | float | None  # class index, regression score, or None for unlabeled test rows
+    index: int | None = None  # test examples only: their index in the test file (submission_tsv)
+
+
+def _parse_index(value, where: str) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{where}: test example index {value!r} is not an integer") from None
 
 
 # ---------------------------------------------------------------------------- GLUE .tsv files
@@ -149,9 +170,10 @@ def _parse_label(task: GlueTask, value: str, where: str) -> int | float:
 def read_task(task: str, data_dir: str | Path, split: str) -> list[Example]:
     """Read `{data_dir}/{split}.tsv` of the GLUE distribution.
 
-    Test files have no label column: their examples carry label None. Raises FileNotFoundError
-    for a missing file and ValueError naming the file (and line) for a missing column, a short
-    row or an unknown label.
+    Test files have no label column: their examples carry label None, and their index column
+    (`tsv_test_index_column`) as `index`. Raises FileNotFoundError for a missing file and ValueError
+    naming the file (and line) for a missing column, a short row, an unknown label or a
+    non-integer test index.
     """
     spec = get_task(task)
     spec.check_split(split)
@@ -173,9 +195,11 @@ def read_task(task: str, data_dir: str | Path, split: str) -> list[Example]:
 
     text_positions = [position(column) for column in spec.tsv_text_columns]
     # An unlabeled test file is normal; any other split must be labeled.
-    label_position = (None if split in spec.test_splits and spec.tsv_label_column not in header
+    is_test = split in spec.test_splits
+    label_position = (None if is_test and spec.tsv_label_column not in header
                       else position(spec.tsv_label_column))
-    needed_fields = 1 + max(text_positions + [label_position or 0])
+    index_position = position(spec.tsv_test_index_column) if is_test else None
+    needed_fields = 1 + max(text_positions + [label_position or 0, index_position or 0])
 
     examples, skipped_lines = [], []
     for line_number, fields in rows:
@@ -186,9 +210,11 @@ def read_task(task: str, data_dir: str | Path, split: str) -> list[Example]:
             raise ValueError(f"{path}:{line_number}: expected at least {needed_fields} "
                              f"tab-separated fields, found {len(fields)}")
         texts = [fields[i].strip() for i in text_positions]
+        where = f"{path}:{line_number}"
         label = (None if label_position is None
-                 else _parse_label(spec, fields[label_position].strip(), f"{path}:{line_number}"))
-        examples.append(Example(texts[0], texts[1] if len(texts) > 1 else None, label))
+                 else _parse_label(spec, fields[label_position].strip(), where))
+        index = None if index_position is None else _parse_index(fields[index_position], where)
+        examples.append(Example(texts[0], texts[1] if len(texts) > 1 else None, label, index))
     if skipped_lines:
         warnings.warn(f"{path}: skipped {len(skipped_lines)} malformed rows "
                       f"(lines {skipped_lines[:5]}{' ...' if len(skipped_lines) > 5 else ''})")
@@ -198,6 +224,7 @@ def read_task(task: str, data_dir: str | Path, split: str) -> list[Example]:
 # ----------------------------------------------------------------- Hugging Face `datasets` copies
 
 _DATA_FILE_SUFFIXES = (".parquet", ".json", ".jsonl")
+HUB_INDEX_COLUMN = "idx"  # the hub's example index, which the submission files repeat for test rows
 
 
 def _hub_split(split: str) -> str:
@@ -281,12 +308,13 @@ def read_task_from_datasets_dir(task: str, path: str | Path, split: str) -> list
     Split names are GLUE's ("dev", "dev_matched", ...), looked up as the hub's ("validation",
     "validation_matched", ...) or verbatim. Columns are the hub's (e.g. MNLI premise/hypothesis)
     with an integer `label` (class index in the hub's order, or -1 for unlabeled test rows; a
-    float score for STS-B).
+    float score for STS-B). Test splits also need the hub's `idx` column, the examples' `index`.
     """
     spec = get_task(task)
     spec.check_split(split)
     dataset, where = _load_datasets_split(Path(path), split)
-    columns = [*spec.hub_text_columns, "label"]
+    is_test = split in spec.test_splits
+    columns = [*spec.hub_text_columns, "label", *([HUB_INDEX_COLUMN] if is_test else [])]
     missing = [column for column in columns if column not in dataset.column_names]
     if missing:
         raise ValueError(f"{where}: no column {missing[0]!r} for {spec.name}; "
@@ -294,9 +322,12 @@ def read_task_from_datasets_dir(task: str, path: str | Path, split: str) -> list
     label_index = None if spec.is_regression else _label_index_of_hub_int(spec, dataset, where)
     data = dataset.select_columns(columns).to_dict()
     examples = []
-    for row, (*texts, label) in enumerate(zip(*(data[column] for column in columns))):
+    text_count = len(spec.hub_text_columns)
+    for row, values in enumerate(zip(*(data[column] for column in columns))):
+        texts, label = values[:text_count], values[text_count]
+        index = _parse_index(values[text_count + 1], f"{where}: row {row}") if is_test else None
         if label is None or label == -1:
-            if split not in spec.test_splits:
+            if not is_test:
                 raise ValueError(f"{where}: row {row} of split {split!r} has no label (-1); "
                                  f"only test splits may be unlabeled")
             label = None
@@ -309,7 +340,7 @@ def read_task_from_datasets_dir(task: str, path: str | Path, split: str) -> list
                              f"expected an integer in 0..{len(label_index) - 1}, or -1")
         else:
             label = label_index[label]
-        examples.append(Example(texts[0], texts[1] if len(texts) > 1 else None, label))
+        examples.append(Example(texts[0], texts[1] if len(texts) > 1 else None, label, index))
     return examples
 
 
@@ -377,6 +408,24 @@ def task_metrics(task: str, predictions: ArrayLike, labels: ArrayLike) -> dict[s
     """The task's official metrics. Predictions are class indices, or scores for STS-B."""
     spec = get_task(task)
     return {name: METRICS[name](predictions, labels) for name in spec.metric_names}
+
+
+def submission_tsv(task: str, indices: Sequence[int], predictions: ArrayLike) -> str:
+    """A test split's predictions in the GLUE server's format: the header "index<tab>prediction",
+    then one row per example, in file order, with the example's own index and its predicted label
+    string (`GlueTask.labels`, e.g. "entailment", "0"), or for STS-B the score clipped to the
+    server's range [0, 5] with three decimals."""
+    spec = get_task(task)
+    predictions = np.asarray(predictions)
+    if len(indices) != len(predictions):
+        raise ValueError(f"{spec.name}: {len(predictions)} predictions for {len(indices)} test "
+                         f"examples")
+    if spec.is_regression:
+        cells = [f"{score:.3f}" for score in np.clip(predictions, 0.0, 5.0)]
+    else:
+        cells = [spec.labels[class_index] for class_index in predictions]
+    rows = [f"{index}\t{cell}" for index, cell in zip(indices, cells)]
+    return "\n".join(["index\tprediction", *rows]) + "\n"
 
 
 def format_results_table(result_files: Sequence[str | Path]) -> str:

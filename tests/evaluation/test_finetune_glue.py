@@ -1,7 +1,8 @@
 """tools/finetune_glue.py on a learnable synthetic SST-2 (label: does the marker word "excellent"
 occur?) from a freshly initialised tiny BERT checkpoint: it reaches high dev accuracy, writes a
-results file format_results_table reads, and t=2 (reading the same data as a local `datasets` copy)
-gives the metrics of t=1 (with d=2). Bad inputs fail with an error naming the file."""
+results file format_results_table reads and the GLUE server's test prediction file, and t=2
+(reading the same data as a local `datasets` copy) gives the metrics and predictions of t=1 (with
+d=2). Bad inputs fail with an error naming the file."""
 import json
 import os
 import random
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from megatron_2bw.arguments import ConfigError
 from megatron_2bw.checkpoint import save_checkpoint
@@ -18,8 +20,9 @@ from megatron_2bw.checkpoint.reshard import read_full_state
 from megatron_2bw.config import CheckpointConfig, Config, DataConfig, ModelConfig, TrainingConfig
 from megatron_2bw.data.tokenizers import build_tokenizer
 from megatron_2bw.distributed.layout import ParallelLayout
-from megatron_2bw.evaluation.finetune import (GlueSettings, PretrainedBert, load_pretrained_encoder,
-                                              load_task_data)
+from megatron_2bw.evaluation.finetune import (ClassifierTrainer, GlueSettings, PretrainedBert,
+                                              load_pretrained_encoder, load_task_data,
+                                              write_test_predictions)
 from megatron_2bw.evaluation.glue import format_results_table, get_task
 from megatron_2bw.models.classification import build_classifier
 from megatron_2bw.training import build_stage
@@ -72,16 +75,23 @@ def workspace(tmp_path_factory):
     vocab = base / "vocab.txt"
     vocab.write_text("\n".join(SPECIAL + WORDS + [MARKER]) + "\n")
     rng = random.Random(0)
-    train, dev = sst2_rows(rng, 512), sst2_rows(rng, 128)
+    train, dev, test = sst2_rows(rng, 512), sst2_rows(rng, 128), sst2_rows(rng, 63)
+    # test examples are identified by the file's own index column, here not their row numbers
+    test_indices = rng.sample(range(1000), len(test))
     write_tsv(base / "SST-2" / "train.tsv", train)
     write_tsv(base / "SST-2" / "dev.tsv", dev)
+    write_tsv(base / "SST-2" / "test.tsv", [(index, text) for index, (text, _) in
+                                            zip(test_indices, test)], header="index\tsentence")
     hub = base / "sst2_hub"  # the hub's per-split JSON lines: validation = GLUE's dev
     hub.mkdir()
-    for name, rows in (("train", train), ("validation", dev)):
+    for name, rows, indices in (("train", train, range(len(train))),
+                                ("validation", dev, range(len(dev))),
+                                ("test", [(text, -1) for text, _ in test], test_indices)):
         (hub / f"{name}.jsonl").write_text("".join(
             json.dumps({"sentence": text, "label": label, "idx": i}) + "\n"
-            for i, (text, label) in enumerate(rows)))
-    return {"base": base, "vocab": vocab,
+            for i, (text, label) in zip(indices, rows)))
+    return {"base": base, "vocab": vocab, "test_indices": test_indices,
+            "test_labels": [label for _, label in test],
             "bert": save_fresh_checkpoint(base / "bert", "bert", vocab),
             "bert_no_pooler": save_fresh_checkpoint(base / "bert_no_pooler", "bert", vocab,
                                                     bert_binary_head=False),
@@ -101,16 +111,19 @@ def run_tool(nproc: int, args: list[str], log: Path) -> str:
 
 def test_finetuning_learns_the_task_and_t2_matches_t1(workspace):
     """t=1 x d=2 (micro-batch 8) and t=2 x d=1 (micro-batch 16), also with --sequence-parallel,
-    see the same global batches."""
+    see the same global batches; both write the same test predictions."""
     base = workspace["base"]
     common = ["--task", "SST-2", "--load", str(workspace["bert"]), "--epochs", "3", "--lr", "1e-3",
               "--global-batch-size", "16", "--seed", "5"]
     run_tool(2, [*common, "--micro-batch-size", "8", "--data-dir", str(base / "SST-2"),
-                 "--results", str(base / "t1.json")], base / "t1.log")
+                 "--results", str(base / "t1.json"), "--test-predictions", str(base / "t1_test")],
+             base / "t1.log")
     output = run_tool(2, [*common, "--micro-batch-size", "16", "--tensor-model-parallel-size", "2",
-                          "--datasets-dir", str(base / "sst2_hub"),
-                          "--results", str(base / "t2.json")], base / "t2.log")
+                          "--datasets-dir", str(base / "sst2_hub"), "--results",
+                          str(base / "t2.json"), "--test-predictions", str(base / "t2_test")],
+                      base / "t2.log")
     assert "world 2 = t 2 x d 1" in output
+    assert f"wrote test predictions {base / 't2_test' / 'SST-2.tsv'}" in output
     run_tool(2, [*common, "--micro-batch-size", "16", "--tensor-model-parallel-size", "2",
                  "--sequence-parallel", "--data-dir", str(base / "SST-2"),
                  "--results", str(base / "t2sp.json")], base / "t2sp.log")
@@ -125,6 +138,18 @@ def test_finetuning_learns_the_task_and_t2_matches_t1(workspace):
     table = format_results_table([base / "t1.json"])
     assert table.splitlines()[1].split() == ["SST-2", "dev", "3", "accuracy",
                                              f"{t1['epochs'][-1]['metrics']['accuracy']:.4f}"]
+
+    # one file in the server's format, rows in test-file order under the file's own indices
+    assert os.listdir(base / "t1_test") == ["SST-2.tsv"]
+    submission = (base / "t1_test" / "SST-2.tsv").read_text()
+    assert submission == (base / "t2_test" / "SST-2.tsv").read_text()
+    header, *rows = [line.split("\t") for line in submission.splitlines()]
+    assert header == ["index", "prediction"]
+    assert [int(index) for index, _ in rows] == workspace["test_indices"]
+    assert {prediction for _, prediction in rows} == {"0", "1"}
+    correct = [prediction == str(label) for (_, prediction), label
+               in zip(rows, workspace["test_labels"])]
+    assert sum(correct) >= 0.9 * len(correct)
 
 
 def test_encoder_weights_come_from_the_checkpoint(workspace):
@@ -159,17 +184,70 @@ def test_regression_head_for_sts_b():
     assert torch.allclose(model.loss(logits, labels), ((logits.squeeze(-1) - labels) ** 2).mean())
 
 
-def test_mnli_reads_both_dev_sets(workspace, tmp_path):
+def write_mnli_task(directory: Path, test_indices: dict[str, list[int]]) -> None:
+    """Tiny MNLI files: two labeled rows per train/dev file, test files with the given indices."""
     header = "sentence1\tsentence2\tgold_label"
     rows = [("the movie", "a film", "entailment"), ("the plot", "music", "neutral")]
     for split in ("train", "dev_matched", "dev_mismatched"):
-        write_tsv(tmp_path / f"{split}.tsv", [(f"{a}\t{b}", label) for a, b, label in rows], header)
-    tokenizer = build_tokenizer(DataConfig(tokenizer_type="BertWordPieceLowerCase",
-                                           vocab_file=str(workspace["vocab"])))
+        write_tsv(directory / f"{split}.tsv", [(f"{a}\t{b}", label) for a, b, label in rows],
+                  header)
+    rng = random.Random(1)
+    for split, indices in test_indices.items():
+        write_tsv(directory / f"{split}.tsv",
+                  [(index, f"{text}\t{other}") for index, (text, _), (other, _)
+                   in zip(indices, sst2_rows(rng, len(indices)), sst2_rows(rng, len(indices)))],
+                  "index\tsentence1\tsentence2")
+
+
+def workspace_tokenizer(workspace):
+    return build_tokenizer(DataConfig(tokenizer_type="BertWordPieceLowerCase",
+                                      vocab_file=str(workspace["vocab"])))
+
+
+def test_mnli_reads_both_dev_sets(workspace, tmp_path):
+    write_mnli_task(tmp_path, {})
     data = load_task_data(get_task("MNLI"), GlueSettings("MNLI", data_dir=str(tmp_path)),
-                          tokenizer, 16)
+                          workspace_tokenizer(workspace), 16)
     assert list(data.dev) == ["dev_matched", "dev_mismatched"]
     assert data.train["label"].tolist() == [1, 2]  # contradiction, entailment, neutral
+    assert data.test == {}  # test files are only read for --test-predictions
+
+
+def test_mnli_test_predictions_are_the_argmax_of_the_logits(workspace, tmp_path):
+    """Both MNLI test files get a submission file holding, under each example's own index, the
+    label of the model's largest logit (micro-batches of 2 over 5 and 3 examples)."""
+    test_indices = {"test_matched": [31, 4, 17, 8, 0], "test_mismatched": [12, 11, 205]}
+    write_mnli_task(tmp_path / "MNLI", test_indices)
+    task = get_task("MNLI")
+    settings = GlueSettings("MNLI", data_dir=str(tmp_path / "MNLI"),
+                            test_predictions=str(tmp_path / "submission"))
+    data = load_task_data(task, settings, workspace_tokenizer(workspace), 16)
+    model_config = read_full_state(str(workspace["bert"]), with_optimizer=False).config.model
+    model = build_classifier(model_config, None, 1, num_classes=task.num_classes, seed=0).eval()
+
+    def logits(split: str) -> torch.Tensor:
+        features = data.test[split].features
+        with torch.no_grad():
+            return model({key: torch.from_numpy(features[key])
+                          for key in ("text", "types", "padding_mask")})
+
+    with torch.no_grad():  # a fresh model's logits barely vary: center them to vary the argmax
+        model.classifier.bias -= logits("test_matched").mean(dim=0)
+    expected = {split: [task.labels[i] for i in logits(split).argmax(dim=-1).tolist()]
+                for split in test_indices}
+    assert set(expected["test_matched"]) == set(expected["test_mismatched"]) == set(task.labels)
+    config = Config(model=model_config,
+                    training=TrainingConfig(micro_batch_size=2, global_batch_size=2))
+    trainer = ClassifierTrainer(config, ParallelLayout(1, 1, 1), torch.device("cpu"), model)
+
+    paths = write_test_predictions(trainer, task, data.test, settings.test_predictions)
+
+    assert paths == [str(tmp_path / "submission" / name) for name in ("MNLI-m.tsv", "MNLI-mm.tsv")]
+    assert sorted(os.listdir(tmp_path / "submission")) == ["MNLI-m.tsv", "MNLI-mm.tsv"]
+    for path, (split, indices) in zip(paths, test_indices.items()):
+        header, *rows = [line.split("\t") for line in Path(path).read_text().splitlines()]
+        assert header == ["index", "prediction"]
+        assert rows == [[str(index), label] for index, label in zip(indices, expected[split])]
 
 
 # -- bad input -----------------------------------------------------------------------------------
@@ -177,6 +255,19 @@ def test_mnli_reads_both_dev_sets(workspace, tmp_path):
 def main_args(workspace, data_dir, load=None) -> list[str]:
     return ["--task", "SST-2", "--data-dir", str(data_dir), "--load",
             str(load or workspace["bert"]), "--micro-batch-size", "4"]
+
+
+def test_missing_test_file_fails_before_training(workspace, tmp_path):
+    write_tsv(tmp_path / "train.tsv", [("the movie", 1)])
+    write_tsv(tmp_path / "dev.tsv", [("the movie", 1)])
+    args = [*main_args(workspace, tmp_path), "--test-predictions", str(tmp_path / "out")]
+    with pytest.raises(FileNotFoundError, match=f"{tmp_path / 'test.tsv'}: no such file"):
+        finetune_glue.main(args)
+    assert not dist.is_initialized()  # failed while reading the data, before any training
+    (tmp_path / "out").write_text("")
+    with pytest.raises(ConfigError, match=f"--test-predictions names a directory for the "
+                                          f"prediction files; {tmp_path / 'out'} is a file"):
+        finetune_glue.main(args)
 
 
 def test_missing_task_file_names_it(workspace, tmp_path):

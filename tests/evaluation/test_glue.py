@@ -11,7 +11,7 @@ import pytest
 
 from megatron_2bw.evaluation.glue import (
     TASKS, Example, build_features, format_results_table, get_task, read_task,
-    read_task_from_datasets_dir, task_metrics)
+    read_task_from_datasets_dir, submission_tsv, task_metrics)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -104,14 +104,26 @@ def test_every_task_reads_its_glue_layout(tmp_path):
         Example("Paris is the capital of France.", "Paris is in France.", 0)]
 
 
-def test_test_files_are_unlabeled(tmp_path):
-    write_tsv(tmp_path / "test.tsv", HEADERS["CoLA", "test"], [[0, "Birds fly."]])
-    assert read_task("CoLA", tmp_path, "test") == [Example("Birds fly.", None, None)]
+def test_test_files_are_unlabeled_and_carry_their_index(tmp_path):
+    write_tsv(tmp_path / "test.tsv", HEADERS["CoLA", "test"], [[17, "Birds fly."], [3, "Fly."]])
+    assert read_task("CoLA", tmp_path, "test") == [Example("Birds fly.", None, None, 17),
+                                                   Example("Fly.", None, None, 3)]
     write_tsv(tmp_path / "test_mismatched.tsv", HEADERS["MNLI", "test"],
-              [mnli_row(0, "A.", "B.", "x")[:10]])
-    assert read_task("MNLI", tmp_path, "test_mismatched") == [Example("A.", "B.", None)]
+              [mnli_row(4, "A.", "B.", "x")[:10]])
+    assert read_task("MNLI", tmp_path, "test_mismatched") == [Example("A.", "B.", None, 4)]
     write_tsv(tmp_path / "test.tsv", HEADERS["QQP", "test"], [[5, "Why?", "Why not?"]])
-    assert read_task("QQP", tmp_path, "test") == [Example("Why?", "Why not?", None)]
+    assert read_task("QQP", tmp_path, "test") == [Example("Why?", "Why not?", None, 5)]
+
+
+def test_test_file_without_integer_index_is_refused(tmp_path):
+    # e.g. a train-style file given as the test file: without the index no submission can be made
+    write_tsv(tmp_path / "test.tsv", HEADERS["SST-2", "train"], [["a film", 1]])
+    with pytest.raises(ValueError, match=r"test.tsv: no column 'index'; the header has "
+                                         r"\['sentence', 'label'\]"):
+        read_task("SST-2", tmp_path, "test")
+    write_tsv(tmp_path / "test.tsv", HEADERS["SST-2", "test"], [[0, "a film"], ["x1", "dull"]])
+    with pytest.raises(ValueError, match=r"test.tsv:3: test example index 'x1' is not an integer"):
+        read_task("SST-2", tmp_path, "test")
 
 
 def test_task_registry():
@@ -179,14 +191,14 @@ def test_datasets_dict_maps_hub_label_order_to_glue_order(tmp_path):
         {"premise": ["p0", "p1", "p2"], "hypothesis": ["h0", "h1", "h2"], "label": [0, 1, 2],
          "idx": [0, 1, 2]}, features=MNLI_HUB_FEATURES)
     test = datasets.Dataset.from_dict(
-        {"premise": ["t"], "hypothesis": ["u"], "label": [-1], "idx": [0]},
+        {"premise": ["t"], "hypothesis": ["u"], "label": [-1], "idx": [7]},
         features=MNLI_HUB_FEATURES)
     datasets.DatasetDict(validation_matched=validation, test_matched=test).save_to_disk(tmp_path)
     # hub ints: entailment=0, neutral=1, contradiction=2; ours: contradiction, entailment, neutral
     assert read_task_from_datasets_dir("MNLI", tmp_path, "dev_matched") == [
         Example("p0", "h0", 1), Example("p1", "h1", 2), Example("p2", "h2", 0)]
     assert read_task_from_datasets_dir("MNLI", tmp_path, "test_matched") == [
-        Example("t", "u", None)]
+        Example("t", "u", None, 7)]
     with pytest.raises(ValueError, match=r"no split validation_mismatched or dev_mismatched; "
                                          r"it holds \['validation_matched', 'test_matched'\]"):
         read_task_from_datasets_dir("MNLI", tmp_path, "dev_mismatched")
@@ -222,14 +234,15 @@ def test_hub_parquet_and_jsonl_files(tmp_path):
         .to_parquet(tmp_path / "train-00000-of-00001.parquet")
     datasets.Dataset.from_dict({"sentence": ["fine"], "label": [1], "idx": [0]}) \
         .to_parquet(tmp_path / "train-00001-of-00002.parquet")
-    datasets.Dataset.from_dict({"sentence": ["meh"], "label": [-1], "idx": [0]}) \
+    datasets.Dataset.from_dict({"sentence": ["meh"], "label": [-1], "idx": [3]}) \
         .to_json(tmp_path / "test.jsonl")
     (tmp_path / "validation").mkdir()
     datasets.Dataset.from_dict({"sentence": ["ok"], "label": [0], "idx": [0]}) \
         .to_parquet(tmp_path / "validation/0000.parquet")
     assert read_task_from_datasets_dir("SST-2", tmp_path, "train") == [
         Example("great", None, 1), Example("awful", None, 0), Example("fine", None, 1)]
-    assert read_task_from_datasets_dir("SST-2", tmp_path, "test") == [Example("meh", None, None)]
+    assert read_task_from_datasets_dir("SST-2", tmp_path, "test") == [
+        Example("meh", None, None, 3)]
     assert read_task_from_datasets_dir("SST-2", tmp_path, "dev") == [Example("ok", None, 0)]
 
     stsb_dir = tmp_path / "stsb"
@@ -254,7 +267,13 @@ def test_datasets_errors(tmp_path):
     with pytest.raises(ValueError, match=r"validation.jsonl: no column 'sentence' for CoLA"):
         read_task_from_datasets_dir("CoLA", tmp_path / "cola", "dev")
 
-    datasets.Dataset.from_dict({"sentence": ["a"], "label": [5]}).to_json(tmp_path / "cola/test.jsonl")
+    datasets.Dataset.from_dict({"sentence": ["a"], "label": [-1]}) \
+        .to_json(tmp_path / "cola/test.jsonl")
+    with pytest.raises(ValueError, match=r"test.jsonl: no column 'idx' for CoLA"):
+        read_task_from_datasets_dir("CoLA", tmp_path / "cola", "test")
+
+    datasets.Dataset.from_dict({"sentence": ["a"], "label": [5], "idx": [0]}) \
+        .to_json(tmp_path / "cola/test.jsonl")
     with pytest.raises(ValueError, match=r"row 0: unknown CoLA label 5"):
         read_task_from_datasets_dir("CoLA", tmp_path / "cola", "test")
 
@@ -334,6 +353,36 @@ def test_task_metrics():
         "spearman": pytest.approx(1.0)}
 
 
+# ------------------------------------------------------------------ GLUE server submission files
+
+
+def test_submission_file_names():
+    mnli = get_task("MNLI")
+    assert [mnli.submission_file(split) for split in mnli.test_splits] == ["MNLI-m.tsv",
+                                                                           "MNLI-mm.tsv"]
+    assert [task.submission_file("test") for name, task in TASKS.items() if name != "MNLI"] == [
+        "QQP.tsv", "QNLI.tsv", "SST-2.tsv", "CoLA.tsv", "STS-B.tsv", "MRPC.tsv", "RTE.tsv"]
+    with pytest.raises(ValueError, match=r"RTE has no test split 'dev'; expected one of "
+                                         r"\('test',\)"):
+        get_task("RTE").submission_file("dev")
+
+
+def test_submission_rows_hold_file_indices_and_label_strings():
+    # the server's label strings are the TSV files' (GlueTask.labels): MNLI's by name, CoLA's 0/1
+    assert submission_tsv("MNLI", [9, 2, 40], np.array([1, 2, 0])) == (
+        "index\tprediction\n9\tentailment\n2\tneutral\n40\tcontradiction\n")
+    assert submission_tsv("QNLI", [5, 6], [1, 0]) == (
+        "index\tprediction\n5\tnot_entailment\n6\tentailment\n")
+    assert submission_tsv("CoLA", [100, 7], [0, 1]) == "index\tprediction\n100\t0\n7\t1\n"
+    with pytest.raises(ValueError, match="SST-2: 1 predictions for 2 test examples"):
+        submission_tsv("SST-2", [0, 1], [1])
+
+
+def test_sts_b_scores_are_clipped_to_the_server_range():
+    assert submission_tsv("STS-B", [3, 1, 4], np.array([-0.4, 2.34567, 5.7], dtype=np.float32)) == (
+        "index\tprediction\n3\t0.000\n1\t2.346\n4\t5.000\n")
+
+
 # ---------------------------------------------------------------------- results table and script
 
 
@@ -387,7 +436,8 @@ def test_evaluate_glue_script_runs_each_task_and_prints_table(tmp_path):
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
            "PYTHON": sys.executable, "TASKS": "MNLI CoLA MRPC", "TP": "2", "EPOCHS": "3",
            "CHECKPOINT": str(tmp_path / "ckpt"), "GLUE_DIR": str(tmp_path / "glue"),
-           "RESULTS_DIR": str(tmp_path / "results")}
+           "RESULTS_DIR": str(tmp_path / "results"),
+           "TEST_PREDICTIONS": str(tmp_path / "my submission")}  # a space: quoted in the script
     run = subprocess.run(["bash", str(REPO_ROOT / "examples/evaluate_glue.sh")], env=env,
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr
@@ -402,6 +452,7 @@ def test_evaluate_glue_script_runs_each_task_and_prints_table(tmp_path):
     assert flags["--load"] == str(tmp_path / "ckpt")
     assert flags["--results"] == str(tmp_path / "results/MNLI.json")
     assert flags["--tensor-model-parallel-size"] == "2" and flags["--epochs"] == "3"
+    assert flags["--test-predictions"] == str(tmp_path / "my submission")
     assert {"--lr", "--micro-batch-size", "--seed"} <= set(flags)
     # the tokenizer and model shape come from the checkpoint unless TOKENIZER_ARGS/MODEL_ARGS say
     assert not {"--tokenizer-type", "--vocab-file", "--num-layers", "--hidden-size"} & set(flags)
