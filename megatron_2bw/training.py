@@ -182,11 +182,12 @@ def segment_ends(config: Config, start: int) -> list[int]:
 def model_flops_per_iteration(config: Config) -> float:
     """Analytic model FLOPs of one iteration (forward + backward, x4/3 with full recomputation):
     per token and layer the four linears' (planner.profile.linear_flops_per_token: 24h^2 in
-    GPT-2's layout) and 4sh for the attention scores and their product with V."""
-    from megatron_2bw.planner.profile import linear_flops_per_token
+    GPT-2's layout) and the attention scores' and their product with V's
+    (planner.profile.attention_flops_per_token: 4sh in GPT-2's layout)."""
+    from megatron_2bw.planner.profile import attention_flops_per_token, linear_flops_per_token
     m = config.model
     tokens = config.training.global_batch_size * m.seq_length
-    per_token_layer = linear_flops_per_token(m) + 4 * m.seq_length * m.hidden_size
+    per_token_layer = linear_flops_per_token(m) + attention_flops_per_token(m)
     per_token = m.num_layers * per_token_layer + 2 * m.hidden_size * m.vocab_size
     factor = 4 if config.recompute.granularity == "full" else 3
     return factor * tokens * per_token

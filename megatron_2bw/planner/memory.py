@@ -173,19 +173,20 @@ def qkv_stash_bytes(model: ModelConfig, tensor_parallel: int, element_bytes: int
                     selective: bool = False) -> float:
     """Bytes per token one rank keeps of the attention's q, k and v for its backward.
 
-    The core keeps its own copies, h/t elements each (grouped-query attention repeats k and v to
-    every query head first; PyTorch's math path scales q and k, the unfused path makes them
-    batch-contiguous for its matmuls). Under selective recomputation the core's inputs are kept
-    instead (ParallelAttention.project_qkv): each h/t when copied (rotated, normed, repeated to
-    every query head of its group, or q reshaped out of several groups); a view keeps the whole
-    QKV output (qkv_size/t) alive instead.
-    --qk-layernorm adds its two norms' stashes over q and k (h/t and query_groups*head_dim/t
+    The core keeps its own copies, ad/t elements each, the width of all a query heads of d
+    channels (config.attention_size; grouped-query attention repeats k and v to every query head
+    first; PyTorch's math path scales q and k, the unfused path makes them batch-contiguous for
+    its matmuls). Under selective recomputation the core's inputs are kept instead
+    (ParallelAttention.project_qkv): each ad/t when copied (rotated, normed, repeated to every
+    query head of its group, or q reshaped out of several groups); a view keeps the whole QKV
+    output (qkv_size/t) alive instead.
+    --qk-layernorm adds its two norms' stashes over q and k (ad/t and query_groups*d/t
     elements): `norm_stash_bytes` per element, except that a norm keeping its input as it is
     (LayerNorm; RMSNorm in fp32, whose cast to fp32 is the input itself) keeps views of the QKV
     output (k's, and q's unless copied out of several groups), so the whole output, counted once
     whoever else keeps it."""
     m, t, e = model, tensor_parallel, element_bytes
-    h = m.hidden_size
+    width = m.attention_size  # of q, and of k and v repeated to every query head
     one_per_head = m.query_groups == m.num_attention_heads
     q_copied = not one_per_head and m.query_groups != t  # out of several local groups
     if selective:
@@ -198,14 +199,14 @@ def qkv_stash_bytes(model: ModelConfig, tensor_parallel: int, element_bytes: int
         copies, qkv_output_kept = 3, False
     norms = 0.0
     if m.qk_layernorm:
-        normed = h + m.query_groups * m.head_dim
+        normed = width + m.query_groups * m.head_dim
         if m.normalization == "RMSNorm" and e != 4:  # the input cast to fp32: new tensors
             norms = norm_stash_bytes(m, e) * normed
         else:
             norms = (norm_stash_bytes(m, e) - e) * normed
             copies += q_copied
             qkv_output_kept = True
-    return (e * (copies * h + qkv_output_kept * m.qkv_size) + norms) / t
+    return (e * (copies * width + qkv_output_kept * m.qkv_size) + norms) / t
 
 
 def attention_core_bytes(model: ModelConfig, tensor_parallel: int, micro_batch_size: int,
@@ -238,10 +239,11 @@ def layer_activation_bytes(model: ModelConfig, tensor_parallel: int, micro_batch
     dtype: 8 bytes per position and rotated channel; the stage's layers share them, counted per
     layer as the measured profile counts them) and, under --apply-layernorm-1p, the gain (weight +
     1, e per channel) each norm computes; sharded are what the attention keeps of Q, K
-    and V (`qkv_stash_bytes`: 3e per h/t, more with --qk-layernorm's norms), the dense input (e)
-    and the MLP's `ffn_wide_tensors` (f/h * e each), and the attention core's stashes per score,
-    a*s*s per sample (`attention_core_bytes`). "selective" recomputation drops the core's stashes
-    and keeps its inputs.
+    and V (`qkv_stash_bytes`: 3e per ad/t, ad the attention's width, a heads of d channels,
+    config.attention_size: h unless --kv-channels sets d; more with --qk-layernorm's norms), the
+    dense input (e per ad/t) and the MLP's `ffn_wide_tensors` (e per f/t each), and the attention
+    core's stashes per score, a*s*s per sample (`attention_core_bytes`). "selective"
+    recomputation drops the core's stashes and keeps its inputs.
     No bias (--disable-bias-linear) changes nothing here: bias gradients need no activation.
     --sequence-parallel (t > 1) divides the norms' stashes, the dropout masks and the QKV and fc1
     inputs by t (ColumnParallelLinear keeps its part of the sequence and gathers it again in the
@@ -256,7 +258,9 @@ def layer_activation_bytes(model: ModelConfig, tensor_parallel: int, micro_batch
     norm_channels = 2 * h + (2 * m.head_dim if m.qk_layernorm else 0)
     gains = e * norm_channels if m.apply_layernorm_1p else 0
     replicated = split * sb * h + rotary_tables + gains
-    sharded = qkv_stash_bytes(m, t, e, selective) * sb + e * sb * (h + ffn_wide_tensors(m) * f) / t
+    # the dense projection's input is the attention's context, attention_size wide
+    sharded = qkv_stash_bytes(m, t, e, selective) * sb + \
+        e * sb * (m.attention_size + ffn_wide_tensors(m) * f) / t
     core = 0.0 if selective else attention_core_bytes(m, t, micro_batch_size, e)
     return replicated + sharded + core
 

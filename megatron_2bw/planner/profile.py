@@ -8,13 +8,14 @@ every launch costs a fixed overhead:
     time = matmul FLOPs / (peak_flops * efficiency) + bytes moved / (memory_bandwidth * efficiency)
            + kernels * kernel_overhead_s
 with the hardware's stated `efficiency` (0.4 in the shipped files). Assumptions:
-- matmul FLOPs per layer forward: 2bsh(q + h + f1 + f)/t for the four linears
-  (`linear_flops_per_token`), where q is the QKV projection's output features (config.qkv_size:
-  3h, less with grouped-query attention) and f1 fc1's (f, or 2f with SwiGLU's fused gate and up):
-  2bs(4h^2 + 2hf)/t for GPT-2's layout; and 4bs^2h/t for the attention scores and their
-  product with V (causal masking is not credited: PyTorch's math path computes the full square;
-  grouped-query attention repeats k and v to every head first, so it saves nothing here);
-  backward does twice the forward's matmul FLOPs.
+- matmul FLOPs per layer forward: 2bsh(q + ad + f1 + f)/t for the four linears
+  (`linear_flops_per_token`), where ad is the attention's width, a heads of d channels
+  (config.attention_size: h unless --kv-channels sets d), q the QKV projection's output features
+  (config.qkv_size: 3ad, less with grouped-query attention) and f1 fc1's (f, or 2f with SwiGLU's
+  fused gate and up): 2bs(4h^2 + 2hf)/t for GPT-2's layout; and 4bs^2ad/t for the attention
+  scores and their product with V (`attention_flops_per_token`; causal masking is not credited:
+  PyTorch's math path computes the full square; grouped-query attention repeats k and v to every
+  head first, so it saves nothing here); backward does twice the forward's matmul FLOPs.
 - memory traffic: each element-wise kernel reads and writes its tensors once (the norms as the
   model code runs them: RMSNorm in several fp32 kernels, with --qk-layernorm also over this
   rank's q and k; the row-parallel bias add unless --disable-bias-linear, dropout + residual,
@@ -40,13 +41,13 @@ efficient.
 `MeasuredProfile`, on the device at hand: runs the real model code (megatron_2bw.models) for one
 layer, the embedding and the head for the requested tensor-parallel sizes and micro batch sizes,
 counts the bytes a layer stashes with saved-tensor hooks, and caches the numbers as JSON per
-(hardware name, model shape and architecture switches, --sequence-parallel when a t > 1 is
-measured, the fp32 softmax when the dtype is fp16/bf16, dtype); under --sequence-parallel a t > 1
-layer and head are fed [b, s/t, h], as in training. A tensor-parallel size t is timed in this one
-process on one rank's shard (`ShardShapeGroup`: the shard's shapes, no collectives; cost.py adds
-those), so the narrower kernels' lower efficiency is measured, not assumed. Micro batch sizes
-not measured are interpolated linearly in b; a t not measured scales the t = 1 figures by the
-analytic ratio.
+(hardware name, model shape (with a head size other than hidden / heads) and architecture
+switches, --sequence-parallel when a t > 1 is measured, the fp32 softmax when the dtype is
+fp16/bf16, dtype); under --sequence-parallel a t > 1 layer and head are fed [b, s/t, h], as in
+training. A tensor-parallel size t is timed in this one process on one rank's shard
+(`ShardShapeGroup`: the shard's shapes, no collectives; cost.py adds those), so the narrower
+kernels' lower efficiency is measured, not assumed. Micro batch sizes not measured are
+interpolated linearly in b; a t not measured scales the t = 1 figures by the analytic ratio.
 """
 from __future__ import annotations
 
@@ -112,11 +113,18 @@ class _Work:
 
 
 def linear_flops_per_token(model: ModelConfig) -> float:
-    """Forward matmul FLOPs of a whole layer's four linears per token: 2h(q + h + f1 + f), q the
-    QKV projection's output features, f1 fc1's (2f with SwiGLU); 24h^2 in GPT-2's layout."""
+    """Forward matmul FLOPs of a whole layer's four linears per token: 2h(q + ad + f1 + f), q the
+    QKV projection's output features, ad the dense projection's input (a heads of d channels,
+    config.attention_size), f1 fc1's (2f with SwiGLU); 24h^2 in GPT-2's layout."""
     m = model
     fc1 = 2 * m.ffn_hidden_size if m.swiglu else m.ffn_hidden_size
-    return 2 * m.hidden_size * (m.qkv_size + m.hidden_size + fc1 + m.ffn_hidden_size)
+    return 2 * m.hidden_size * (m.qkv_size + m.attention_size + fc1 + m.ffn_hidden_size)
+
+
+def attention_flops_per_token(model: ModelConfig) -> float:
+    """Forward matmul FLOPs of a layer's attention scores and their product with V per token:
+    4sad over the a heads of d channels (config.attention_size; 4sh in GPT-2's layout)."""
+    return 4 * model.seq_length * model.attention_size
 
 
 class AnalyticProfile:
@@ -135,7 +143,7 @@ class AnalyticProfile:
     def attention_core(self, t: int, b: int) -> _Work:
         m, e = self.model, self.e
         scores = m.num_attention_heads * m.seq_length ** 2 * b / t
-        flops = 4 * b * m.seq_length ** 2 * m.hidden_size / t
+        flops = b * m.seq_length * attention_flops_per_token(m) / t
         if not unfused_attention(m, e):
             # write scores, mask, softmax, dropout (+ its mask), read for the product with V: q
             # and k scaling, two batched matmuls and four element-wise kernels
@@ -169,21 +177,23 @@ class AnalyticProfile:
         two products, a sum: ~10e per rotated element, 5 kernels each, plus a concatenation when
         only some channels rotate and the tables' casts in half precision)."""
         m, e = self.model, self.e
-        sb, h, groups = m.seq_length * b, m.hidden_size, m.query_groups * m.head_dim
+        # widths of all queries and of k (or v) before it is repeated
+        sb, q_width, kv_width = m.seq_length * b, m.attention_size, m.query_groups * m.head_dim
         work = _Work()
-        if groups != h:
-            q_copy = 2 * h if m.query_groups > t else 0
-            work += _Work(0.0, e * sb * (2 * (groups + h) + q_copy) / t, 2 + bool(q_copy))
+        if m.query_groups != m.num_attention_heads:  # k and v repeated to every query head
+            q_copy = 2 * q_width if m.query_groups > t else 0
+            work += _Work(0.0, e * sb * (2 * (kv_width + q_width) + q_copy) / t, 2 + bool(q_copy))
         if m.position_embedding_type == "rope":
             partial = m.rotary_percent < 1
             per_tensor = 5 + partial + (0 if e == 4 else 2)
-            work += _Work(0.0, e * sb * (h + groups) * (10 * m.rotary_percent + 2 * partial) / t,
-                          2 * per_tensor)
+            per_element = 10 * m.rotary_percent + 2 * partial
+            work += _Work(0.0, e * sb * (q_width + kv_width) * per_element / t, 2 * per_tensor)
         return work
 
     def layer_forward(self, t: int, b: int) -> _Work:
         m, e = self.model, self.e
         h, f, sb = m.hidden_size, m.ffn_hidden_size, m.seq_length * b
+        attention_width = m.attention_size  # of q, k repeated to every head, and the context
         linears = sb * linear_flops_per_token(m) / t
         # replicated: 2 x (bias if any, dropout + mask, residual) (2e + 2e + 1 + 3e each); the
         # column-parallel biases are added inside their matmuls; s/t tokens of them (and of the
@@ -193,14 +203,15 @@ class AnalyticProfile:
         replicated = 2 * (row_bias + 5 * e + MASK_BYTES) * local_sbh
         # sharded: q/k copies for the core (scaled, or batch-contiguous for the unfused one) and
         # the context layout copy (6e), GELU over f (2e) or SwiGLU's silu (2e) and product (3e)
-        sharded = (6 * e * sb * h + (5 if m.swiglu else 2) * e * sb * f) / t
+        sharded = (6 * e * sb * attention_width + (5 if m.swiglu else 2) * e * sb * f) / t
         # kernels besides the core and the norms: 4 linears, 2 x (bias, dropout, residual), GELU
         # (or silu and product), the layout copy
         kernels = 4 + 2 * (2 + m.add_bias_linear) + (2 if m.swiglu else 1) + 1
         work = (_Work(linears, replicated + sharded, kernels) + self.norm(local_sbh) * 2
                 + self.attention_layout(t, b) + self.attention_core(t, b))
         if m.qk_layernorm:  # over this rank's queries and keys, the whole sequence
-            work += self.norm(sb * h / t) + self.norm(sb * m.query_groups * m.head_dim / t)
+            work += self.norm(sb * attention_width / t) + \
+                self.norm(sb * m.query_groups * m.head_dim / t)
         return work
 
     def weight_gradient_accumulation(self, parameters: float, tensors: int) -> _Work:
@@ -448,17 +459,18 @@ def _profile_identity(model: ModelConfig) -> dict:
 # short names of the architecture switches in a cache file's name
 _SWITCH_NAMES = {"normalization": "", "bias_linear": "bias", "qkv_bias": "qkvbias",
                  "swiglu": "swiglu", "position_embedding_type": "pos", "rotary_percent": "rot",
-                 "rotary_interleaved": "interleaved", "query_groups": "g",
+                 "rotary_interleaved": "interleaved", "query_groups": "g", "head_dim": "kv",
                  "qk_layernorm": "qknorm", "layernorm_1p": "norm1p",
                  "softmax_in_fp32": "fp32softmax"}
 
 
 def _architecture(model: ModelConfig) -> dict:
     """The Llama-style switches (config.ModelConfig) set away from GPT-2's layout, each of which
-    changes a layer's time or bytes, and the fp32 softmax (numerics, which measured_profile drops
-    in fp32, where it changes nothing; layer scaling implies it and times the same); a GPT-2
-    model's identity and file name stay as they were before the switches existed. Untying the
-    output layer changes neither (same shapes)."""
+    changes a layer's time or bytes (among them a head size other than hidden / heads,
+    --kv-channels, which the hidden size and heads of the file name do not tell), and the fp32
+    softmax (numerics, which measured_profile drops in fp32, where it changes nothing; layer
+    scaling implies it and times the same); a GPT-2 model's identity and file name stay as they
+    were before the switches existed. Untying the output layer changes neither (same shapes)."""
     m = model
     rope = m.position_embedding_type == "rope"
     switches = {"normalization": m.normalization, "bias_linear": m.add_bias_linear,
@@ -466,17 +478,19 @@ def _architecture(model: ModelConfig) -> dict:
                 "position_embedding_type": m.position_embedding_type,
                 "rotary_percent": m.rotary_percent if rope else 1.0,
                 "rotary_interleaved": rope and m.rotary_interleaved,
-                "query_groups": m.query_groups, "qk_layernorm": m.qk_layernorm,
-                "layernorm_1p": m.apply_layernorm_1p, "softmax_in_fp32": softmax_in_fp32(m)}
+                "query_groups": m.query_groups, "head_dim": m.head_dim,
+                "qk_layernorm": m.qk_layernorm, "layernorm_1p": m.apply_layernorm_1p,
+                "softmax_in_fp32": softmax_in_fp32(m)}
     gpt2 = {"normalization": "LayerNorm", "bias_linear": True, "qkv_bias": True, "swiglu": False,
             "position_embedding_type": "learned_absolute", "rotary_percent": 1.0,
             "rotary_interleaved": False, "query_groups": m.num_attention_heads,
-            "qk_layernorm": False, "layernorm_1p": False, "softmax_in_fp32": False}
+            "head_dim": m.hidden_size // m.num_attention_heads, "qk_layernorm": False,
+            "layernorm_1p": False, "softmax_in_fp32": False}
     return {key: value for key, value in switches.items() if value != gpt2[key]}
 
 
 def architecture_name(model: ModelConfig) -> str:
-    """e.g. "-RMSNorm-nobias-swiglu-posrope-g2-qknorm" ("" for GPT-2's layout)."""
+    """e.g. "-RMSNorm-nobias-swiglu-posrope-g2-kv128-qknorm" ("" for GPT-2's layout)."""
     parts = []
     for key, value in _architecture(model).items():
         if isinstance(value, bool):

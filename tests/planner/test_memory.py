@@ -31,6 +31,12 @@ LLAMA_SP = dataclasses.replace(LLAMA, sequence_parallel=True)
 # --qk-layernorm (with --apply-layernorm-1p: the same parameters, zero-centred)
 MODEL_QK = dataclasses.replace(MODEL, qk_layernorm=True, apply_layernorm_1p=True)
 LLAMA_QK_SP = dataclasses.replace(LLAMA_SP, qk_layernorm=True)
+# --kv-channels: heads wider than h/a (4 of 32: the attention 2h wide), and heads that do not
+# divide the hidden size (6 of 16: 1.5h wide; Llama's in 2 groups of 3)
+WIDE_HEADS = dataclasses.replace(MODEL, kv_channels=2 * H // A)
+UNEVEN_HEADS = dataclasses.replace(MODEL, num_attention_heads=6, kv_channels=H // A)
+LLAMA_QK_SP_WIDE_HEADS = dataclasses.replace(LLAMA_QK_SP, kv_channels=2 * H // A)
+LLAMA_SP_UNEVEN_HEADS = dataclasses.replace(LLAMA_SP, num_attention_heads=6, kv_channels=H // A)
 
 
 def test_parameter_counts_follow_the_model_code():
@@ -65,8 +71,21 @@ def test_llama_parameter_counts(t):
 
 
 @pytest.mark.parametrize("t", [1, 2])
-@pytest.mark.parametrize("model", [MODEL, LLAMA, MODEL_SP, LLAMA_SP, MODEL_QK, LLAMA_QK_SP],
-                         ids=["gpt2", "llama", "gpt2-sp", "llama-sp", "gpt2-qk", "llama-qk-sp"])
+def test_parameter_counts_follow_the_head_size(t):
+    """QKV maps h to 3w features, w = heads x head size, and the dense projection w back to h
+    (weights and column-parallel biases split over t; row-parallel biases and norms replicated)."""
+    for model, width in ((WIDE_HEADS, 2 * H), (UNEVEN_HEADS, 6 * H // A)):
+        split = (3 * width + width) * H + 3 * width + (2 * H * F + F)
+        assert layer_parameters(model, t) == split // t + 2 * H + 4 * H
+
+
+@pytest.mark.parametrize("t", [1, 2])
+@pytest.mark.parametrize("model", [MODEL, LLAMA, MODEL_SP, LLAMA_SP, MODEL_QK, LLAMA_QK_SP,
+                                   WIDE_HEADS, UNEVEN_HEADS, LLAMA_QK_SP_WIDE_HEADS,
+                                   LLAMA_SP_UNEVEN_HEADS],
+                         ids=["gpt2", "llama", "gpt2-sp", "llama-sp", "gpt2-qk", "llama-qk-sp",
+                              "gpt2-wide-heads", "gpt2-uneven-heads", "llama-qk-sp-wide-heads",
+                              "llama-sp-uneven-heads"])
 @pytest.mark.parametrize("layers, first, last", [(2, True, False), (2, False, True),
                                                  (4, True, True), (1, False, False)])
 def test_stage_parameters_equal_the_built_stage(model, t, layers, first, last):
@@ -113,6 +132,19 @@ def test_activation_formula_is_korthikantis_count():
     assert layer_activation_bytes(MODEL, 2, 1, 2) == sbh * (10 + 12) + 5 * A * S * S / 2
     assert layer_activation_bytes(MODEL, 1, 3, 2, selective=True) == 3 * sbh * 34
     assert layer_activation_bytes(MODEL, 1, 1, 4) == sbh * (16 * 4 + 2) + 9 * A * S * S
+
+
+@pytest.mark.parametrize("t", [1, 2])
+def test_activation_formula_follows_the_head_size(t):
+    """Korthikanti's count with the attention w = heads x head size wide: Q, K, V and the dense
+    input (4e per w/t) and every head's scores; the norms, the QKV and fc1 inputs, the masks (10
+    sbh) and the MLP (16 sbh / t) stay h-wide. Selective recomputation drops the scores only (q,
+    k and v are views of the QKV output, 3w)."""
+    sbh = S * H
+    for model, width, heads in ((WIDE_HEADS, 2 * H, A), (UNEVEN_HEADS, 6 * H // A, 6)):
+        kept = 10 * sbh + (4 * 2 * S * width + 16 * sbh) / t
+        assert layer_activation_bytes(model, t, 1, 2) == kept + 5 * heads * S * S / t
+        assert layer_activation_bytes(model, t, 1, 2, selective=True) == kept
 
 
 def test_activation_formula_follows_the_llama_switches():
@@ -185,6 +217,12 @@ def test_sequence_parallel_stages_hold_their_part_of_the_sequence():
     # RMSNorm in half precision: q's and k's fp32 copies (2 elements' bytes each) and their
     # normalised values
     ({"qk_layernorm": True, "normalization": "RMSNorm"}, 1, 5 * H + 3 * 2 * H),
+    # --kv-channels: as wide as the heads; 4 heads of 32 (2h, the QKV output 6h): rotated q and k
+    ({"kv_channels": 32, "position_embedding_type": "rope"}, 1, 2 * 2 * H + 6 * H),
+    # 2 groups of 2 heads of 32 at t = 2: q a view of the QKV output (2h + 2 x h), k, v repeated
+    ({"kv_channels": 32, "num_query_groups": 2}, 2, (4 * H + 2 * 2 * H) / 2),
+    # 6 heads of 16 (1.5h, the QKV output 4.5h): normed q and k, views of the QKV output
+    ({"num_attention_heads": 6, "kv_channels": 16, "qk_layernorm": True}, 1, 2 * 1.5 * H + 4.5 * H),
 ])
 def test_what_the_attention_keeps_of_q_k_and_v_under_selective_recomputation(switches, t,
                                                                              elements):
@@ -209,6 +247,12 @@ def test_qk_layernorm_stashes():
     assert qkv_stash_bytes(llama, 1, 2) == 2 * 3 * H + (4 + 2) * normed
     assert layer_activation_bytes(llama, 2, 1, 2) - layer_activation_bytes(LLAMA, 2, 1, 2) == \
         (4 + 2) * normed / 2 * S
+    # --kv-channels 32: q, k, v 2h wide, the QKV output 6h; Llama's normed q 2h and k 2 x 32
+    wide = dataclasses.replace(qk, kv_channels=32)
+    wide_llama = dataclasses.replace(llama, kv_channels=32)
+    for t in (1, 2):
+        assert qkv_stash_bytes(wide, t, 2) == 2 * (3 * 2 * H + 6 * H) / t
+        assert qkv_stash_bytes(wide_llama, t, 2) == (2 * 3 * 2 * H + (4 + 2) * 3 * H) / t
 
 
 def test_layernorm_1p_norms_keep_the_gains_they_compute():

@@ -10,7 +10,8 @@ from megatron_2bw.planner import profile as profile_module
 from megatron_2bw.planner.hardware import HardwareSpec
 from megatron_2bw.planner.memory import (MASK_BYTES, layer_activation_bytes, layer_parameters,
                                          unfused_attention)
-from megatron_2bw.planner.profile import (AnalyticProfile, MeasuredProfile, linear_flops_per_token,
+from megatron_2bw.planner.profile import (AnalyticProfile, MeasuredProfile,
+                                          attention_flops_per_token, linear_flops_per_token,
                                           measure_costs, measure_costs_at_once,
                                           measure_costs_per_copy, measured_profile,
                                           profiling_processes, saved_activation_bytes)
@@ -20,6 +21,10 @@ from tests.planner.test_memory import LLAMA_SWITCHES
 MODEL = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32,
                     vocab_size=1000)
 LLAMA = dataclasses.replace(MODEL, **LLAMA_SWITCHES, ffn_hidden_size=128)  # 2 groups of 2 heads
+# --kv-channels: heads wider than h/a (4 of 32: the attention 2h wide), and heads that do not
+# divide the hidden size (6 of 16: 1.5h wide)
+WIDE_HEADS = dataclasses.replace(MODEL, kv_channels=32)
+UNEVEN_HEADS = dataclasses.replace(MODEL, num_attention_heads=6, kv_channels=16)
 HARDWARE = HardwareSpec(name="toy", devices_per_node=8, nodes=1, memory_per_device_bytes=1e10,
                         intra_node_bandwidth=1e10, intra_node_latency_s=1e-5,
                         inter_node_bandwidth=1e9, inter_node_latency_s=1e-4,
@@ -27,21 +32,29 @@ HARDWARE = HardwareSpec(name="toy", devices_per_node=8, nodes=1, memory_per_devi
                         efficiency=0.5)
 
 
-def test_analytic_layer_time_is_flops_over_peak_plus_bytes_over_bandwidth():
-    b, s, h, f, a, e = 2, 32, 64, 256, 4, 4
-    flops = 2 * b * s * (4 * h * h + 2 * h * f) + 4 * b * s * s * h
-    moved = (18 * e + 2) * s * b * h + (6 * e * s * b * h + 2 * e * s * b * f) + \
-        (8 * e + 1) * a * s * s * b
-    costs = AnalyticProfile(MODEL, PrecisionConfig(), HARDWARE).costs(1, b)
+@pytest.mark.parametrize("t", [1, 2])
+@pytest.mark.parametrize("model, a, width", [(MODEL, 4, 64), (WIDE_HEADS, 4, 128),
+                                             (UNEVEN_HEADS, 6, 96)],
+                         ids=["gpt2", "wide-heads", "uneven-heads"])
+def test_analytic_layer_time_is_flops_over_peak_plus_bytes_over_bandwidth(model, a, width, t):
+    """The attention is `width` (a heads x head size) wide where it is not h (--kv-channels): QKV
+    projects h to 3 x width, the dense projection width back to h, the scores and their product
+    with V multiply over it, and so do the q/k copies and the context's layout copy (6e); the
+    norms, biases, dropouts and residuals (replicated) and the MLP stay h-wide."""
+    b, s, h, f, e = 2, 32, 64, 256, 4
+    flops = (2 * b * s * (4 * width * h + 2 * h * f) + 4 * b * s * s * width) / t
+    moved = (18 * e + 2) * s * b * h + (6 * e * s * b * width + 2 * e * s * b * f) / t + \
+        (8 * e + 1) * a * s * s * b / t
+    costs = AnalyticProfile(model, PrecisionConfig(), HARDWARE).costs(t, b)
     assert costs.layer_forward_s == pytest.approx(flops / 0.5e12 + moved / 0.5e11)
-    accumulation = (4 + 2 * 4) * layer_parameters(MODEL, 1)  # read 2 buffers, write 1 (fp32)
+    accumulation = (4 + 2 * 4) * layer_parameters(model, t)  # read 2 buffers, write 1 (fp32)
     assert costs.layer_backward_s == pytest.approx(2 * flops / 0.5e12 + (2 * moved + accumulation)
                                                    / 0.5e11)
-    assert costs.layer_activation_bytes == layer_activation_bytes(MODEL, 1, b, e)
+    assert costs.layer_activation_bytes == layer_activation_bytes(model, t, b, e)
     # bf16: the bf16 peak, 2-byte activations
-    half = AnalyticProfile(MODEL, PrecisionConfig(bf16=True), HARDWARE).costs(1, b)
+    half = AnalyticProfile(model, PrecisionConfig(bf16=True), HARDWARE).costs(t, b)
     assert half.layer_forward_s < costs.layer_forward_s
-    assert half.layer_activation_bytes == layer_activation_bytes(MODEL, 1, b, 2)
+    assert half.layer_activation_bytes == layer_activation_bytes(model, t, b, 2)
 
 
 def test_analytic_matmul_flops_follow_the_llama_switches():
@@ -56,16 +69,29 @@ def test_analytic_matmul_flops_follow_the_llama_switches():
     assert linear_flops_per_token(MODEL) == 24 * h * h  # GPT-2's layout, f = 4h
     swiglu = dataclasses.replace(MODEL, swiglu=True)  # f = 4h: fc1 2f x h, fc2 h x f
     assert linear_flops_per_token(swiglu) == 2 * h * (4 * h + 12 * h)
+    # --kv-channels 32: 4 heads of 32 (2h) and 2 x 2 groups of 32 (2h): QKV 4h features, the
+    # dense projection 2h x h, the scores over 2h; one rank of t = 2 does half
+    wide = dataclasses.replace(LLAMA, kv_channels=32)
+    wide_flops = 2 * b * s * (4 * h * h + 2 * h * h + 2 * f * h + f * h) + 4 * b * s * s * 2 * h
+    costs = AnalyticProfile(wide, PrecisionConfig(), compute_only).costs(2, b)
+    assert costs.layer_forward_s == pytest.approx(wide_flops / 2 / 0.5e12)
+    assert linear_flops_per_token(UNEVEN_HEADS) == 2 * h * (4.5 * h + 1.5 * h + 8 * h)
+    assert attention_flops_per_token(UNEVEN_HEADS) == 4 * s * 1.5 * h
 
 
-@pytest.mark.parametrize("model", [MODEL, LLAMA], ids=["gpt2", "llama"])
-def test_logged_model_flops_follow_the_architecture(model):
-    """training.py's throughput figure: 3 x tokens x (layers x (linears + 4sh) + logits)."""
+# h = 64 and s = 32 below: the linears' FLOPs per token and the attention's width
+@pytest.mark.parametrize("model, linears, attention_width", [
+    (MODEL, 24 * 64 * 64, 64),
+    (LLAMA, 2 * 64 * (2 * 64 + 64 + 2 * 128 + 128), 64),
+    (UNEVEN_HEADS, 2 * 64 * (4.5 * 64 + 1.5 * 64 + 8 * 64), 96),  # 6 heads of 16
+], ids=["gpt2", "llama", "uneven"])
+def test_logged_model_flops_follow_the_architecture(model, linears, attention_width):
+    """training.py's throughput figure: 3 x tokens x (layers x (linears + 4s·ad) + logits), the
+    attention a heads of d channels wide."""
     h, s, layers, vocab = 64, 32, 2, 1000
-    linears = 24 * h * h if model is MODEL else 2 * h * (2 * h + h + 2 * 128 + 128)
     config = Config(model=model, training=TrainingConfig(global_batch_size=8))
     assert model_flops_per_iteration(config) == \
-        3 * 8 * s * (layers * (linears + 4 * s * h) + 2 * h * vocab)
+        3 * 8 * s * (layers * (linears + 4 * s * attention_width) + 2 * h * vocab)
 
 
 @pytest.mark.parametrize("model, forward, backward", [
@@ -88,24 +114,44 @@ def test_analytic_kernel_launches_cost_a_fixed_time_per_microbatch(model, forwar
     assert costly.layer_backward_s - plain.layer_backward_s == pytest.approx(backward * 1e-3)
 
 
-def test_analytic_qk_layernorm_runs_two_norms_over_this_ranks_heads():
-    """Two LayerNorms (read, write) over q and k of this rank's heads and the whole sequence, also
-    under --sequence-parallel; the backward moves twice that and accumulates their gradients."""
+@pytest.mark.parametrize("model, width, head", [(MODEL, 64, 16), (WIDE_HEADS, 128, 32),
+                                                 (UNEVEN_HEADS, 96, 16)],
+                         ids=["gpt2", "wide-heads", "uneven-heads"])
+def test_analytic_qk_layernorm_runs_two_norms_over_this_ranks_heads(model, width, head):
+    """Two LayerNorms (read, write) over q and k of this rank's heads (`width` = heads x head
+    size channels each) and the whole sequence, also under --sequence-parallel; the backward
+    moves twice that and accumulates their gradients."""
     memory_only = dataclasses.replace(HARDWARE, peak_flops={"float32": 1e30},
                                       kernel_overhead_s=0.0)
-    b, sbh, e = 2, 2 * 32 * 64, 4
+    b, sb, e = 2, 2 * 32, 4
     for switches in ({}, {"sequence_parallel": True}):
-        plain = AnalyticProfile(dataclasses.replace(MODEL, **switches), PrecisionConfig(),
+        plain = AnalyticProfile(dataclasses.replace(model, **switches), PrecisionConfig(),
                                 memory_only)
-        qk = AnalyticProfile(dataclasses.replace(MODEL, qk_layernorm=True, **switches),
+        qk = AnalyticProfile(dataclasses.replace(model, qk_layernorm=True, **switches),
                              PrecisionConfig(), memory_only)
         for t in (1, 2):
-            normed = 2 * e * 2 * sbh / t  # q and k: h/t channels each (one group per head)
-            accumulated = (4 + 2 * 4) * 4 * 16  # two norms' weights and biases over 16 channels
+            normed = 2 * e * 2 * sb * width / t  # q and k alike (one group per head)
+            accumulated = (4 + 2 * 4) * 4 * head  # two norms' weights and biases over a head
             assert qk.costs(t, b).layer_forward_s - plain.costs(t, b).layer_forward_s == \
                 pytest.approx(normed / 0.5e11)
             assert qk.costs(t, b).layer_backward_s - plain.costs(t, b).layer_backward_s == \
                 pytest.approx((2 * normed + accumulated) / 0.5e11)
+
+
+@pytest.mark.parametrize("t", [1, 2])
+@pytest.mark.parametrize("heads, head", [(4, 16), (4, 32), (6, 16)],
+                         ids=["h-over-a", "wide-heads", "uneven-heads"])
+def test_analytic_attention_layout_moves_the_heads_channels(heads, head, t):
+    """Llama's 2 query groups with rotary embeddings: k and v repeated to every query head (read
+    the groups' channels, write the heads'), q copied out of the 2 groups a rank holds at t = 1,
+    q and k rotated (10e per channel): all over heads x head size channels, whatever h is."""
+    model = dataclasses.replace(LLAMA, num_attention_heads=heads, kv_channels=head)
+    e, sb = 4, 2 * 32
+    q, kv = heads * head, 2 * head
+    repeated = 2 * (kv + q) + (2 * q if t == 1 else 0)
+    rotated = 10 * (q + kv)
+    layout = AnalyticProfile(model, PrecisionConfig(), HARDWARE).attention_layout(t, 2)
+    assert layout.bytes == pytest.approx(e * sb * (repeated + rotated) / t)
 
 
 def test_analytic_fp32_softmax_runs_the_unfused_attention_under_half_precision():
@@ -193,14 +239,26 @@ ONE_GROUP_PER_HEAD_QK = dataclasses.replace(ONE_GROUP_PER_HEAD, qk_layernorm=Tru
 LAYER_SCALING = dataclasses.replace(MODEL, apply_query_key_layer_scaling=True)
 LLAMA_QK_FP32_SOFTMAX = dataclasses.replace(LLAMA_QK, attention_softmax_in_fp32=True,
                                             attention_dropout=0.0)
+# --kv-channels: 4 heads of 32 (2h), 6 heads of 16 (1.5h; Llama's in 2 groups of 3)
+QK_LAYERNORM_WIDE_HEADS = dataclasses.replace(QK_LAYERNORM, kv_channels=32)
+LLAMA_QK_WIDE_HEADS = dataclasses.replace(LLAMA_QK, kv_channels=32)
+LLAMA_MHA_UNEVEN_HEADS = dataclasses.replace(ONE_GROUP_PER_HEAD, num_attention_heads=6,
+                                             kv_channels=16)
+LLAMA_QK_FP32_SOFTMAX_UNEVEN_HEADS = dataclasses.replace(LLAMA_QK_FP32_SOFTMAX,
+                                                         num_attention_heads=6, kv_channels=16)
 
 
 @pytest.mark.parametrize("t, sequence_parallel", [(1, False), (2, False), (2, True)],
                          ids=["t1", "t2", "t2-sequence-parallel"])
 @pytest.mark.parametrize("model", [MODEL, LLAMA, ONE_GROUP_PER_HEAD, QK_LAYERNORM, LLAMA_QK,
-                                   ONE_GROUP_PER_HEAD_QK, LAYER_SCALING, LLAMA_QK_FP32_SOFTMAX],
+                                   ONE_GROUP_PER_HEAD_QK, LAYER_SCALING, LLAMA_QK_FP32_SOFTMAX,
+                                   WIDE_HEADS, UNEVEN_HEADS, QK_LAYERNORM_WIDE_HEADS,
+                                   LLAMA_QK_WIDE_HEADS, LLAMA_MHA_UNEVEN_HEADS,
+                                   LLAMA_QK_FP32_SOFTMAX_UNEVEN_HEADS],
                          ids=["gpt2", "llama", "llama-mha", "gpt2-qk", "llama-qk", "llama-mha-qk",
-                              "gpt2-layer-scaling", "llama-qk-fp32-softmax"])
+                              "gpt2-layer-scaling", "llama-qk-fp32-softmax", "gpt2-wide-heads",
+                              "gpt2-uneven-heads", "gpt2-qk-wide-heads", "llama-qk-wide-heads",
+                              "llama-mha-uneven-heads", "llama-qk-fp32-softmax-uneven-heads"])
 def test_the_activation_formula_is_what_a_real_layer_saves(model, t, sequence_parallel):
     """The analytic count against the bytes a real layer's shard stashes, exact but for the
     CPU's dropout masks and norm statistics (`cpu_layer_bytes`). The core's own stashes are
@@ -217,8 +275,9 @@ def test_the_activation_formula_is_what_a_real_layer_saves(model, t, sequence_pa
             (torch.bfloat16, 2, with_core if unfused_attention(model, 2) else (True,))):
         body = profile_module._piece(model, t, 1, False, False, dtype, torch.device("cpu"))
         layer = next(iter(body.transformer.layers.values()))
-        rotary = None if body.transformer.rotary is None else body.transformer.rotary(32)
-        hidden = torch.randn(b, 32 // model.sequence_ranks(t), 64, dtype=dtype,
+        s = model.seq_length
+        rotary = None if body.transformer.rotary is None else body.transformer.rotary(s)
+        hidden = torch.randn(b, s // model.sequence_ranks(t), model.hidden_size, dtype=dtype,
                              requires_grad=True)
         measured = dict(zip((False, True), saved_activation_bytes(layer, hidden, None, rotary)))
         for selective in checked:
@@ -438,6 +497,10 @@ def test_a_cached_profile_serves_only_the_same_model_and_torch(tmp_path, monkeyp
     ({"position_embedding_type": "none"}, "-posnone"),
     ({"num_query_groups": 2}, "-g2"),
     ({"num_query_groups": 4}, None),  # one group per head: GPT-2's attention
+    ({"kv_channels": 32}, "-kv32"),  # heads of 32, not h / a
+    ({"kv_channels": 16}, None),  # h / a: GPT-2's attention
+    ({"num_attention_heads": 6, "kv_channels": 16}, "-kv16"),  # h / a rounds down to 10
+    ({"num_query_groups": 2, "kv_channels": 32, "qk_layernorm": True}, "-g2-kv32-qknorm"),
     ({"untie_embeddings_and_output_weights": True}, None),  # the same shapes, the same times
     ({"qk_layernorm": True}, "-qknorm"),
     ({"apply_layernorm_1p": True}, "-norm1p"),
@@ -457,8 +520,8 @@ def test_a_cached_profile_serves_only_the_same_architecture(tmp_path, monkeypatc
         assert calls == [MODEL] and len(files) == 1
         return
     assert calls == [MODEL, other]
-    f = switches.get("ffn_hidden_size", 256)
-    assert f"toy__gpt-h64-a4-f{f}-s32-v1024{name}-dropout0.1-0.1__float32.json" in files
+    f, a = switches.get("ffn_hidden_size", 256), other.num_attention_heads
+    assert f"toy__gpt-h64-a{a}-f{f}-s32-v1024{name}-dropout0.1-0.1__float32.json" in files
     assert profile_module._profile_identity(other) != profile_module._profile_identity(MODEL)
     measured_profile(other, PrecisionConfig(), HARDWARE, [1], tmp_path, rounds=1)
     assert len(calls) == 2  # its own file serves it next time

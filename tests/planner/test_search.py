@@ -2,8 +2,8 @@ import dataclasses
 
 import pytest
 
-from megatron_2bw.arguments import validate_for_world
-from megatron_2bw.config import Config, ModelConfig, PrecisionConfig, TrainingConfig
+from megatron_2bw.arguments import validate, validate_for_world
+from megatron_2bw.config import Config, ModelConfig, ParallelConfig, PrecisionConfig, TrainingConfig
 from megatron_2bw.planner.hardware import load_hardware
 from megatron_2bw.planner.search import (SearchSpace, apply_plan, best_plan, candidates,
                                          rank_plans)
@@ -43,6 +43,29 @@ def test_tensor_parallel_sizes_must_divide_the_query_groups():
     with pytest.raises(ValueError, match="--tensor-model-parallel-size 4 must divide .* the 2 "
                                          "query groups"):
         rank_plans(grouped, 16, P3, 32, PrecisionConfig(), space=SearchSpace(tensor_parallel=(4,)))
+
+
+def test_heads_of_any_size_split_as_the_heads_do():
+    """--kv-channels: t divides the heads and the query groups (and so the attention's width)
+    whatever the head size, the hidden size need not be a multiple of the heads, and every
+    candidate's t passes the runtime's checks. Wider heads cost the same configuration more time
+    and memory."""
+    wide = dataclasses.replace(MODEL, kv_channels=128)  # 4 heads of 128: twice the hidden size
+    uneven = dataclasses.replace(MODEL, num_attention_heads=6, kv_channels=64)  # 256 % 6 != 0
+    for model, sizes in ((wide, {1, 2, 4}), (uneven, {1, 2})):
+        assert {c.tensor_parallel for c in candidates(model, 16, P3.for_world(16), 32)} == sizes
+        for t in sizes:
+            validate(Config(model=model, parallel=ParallelConfig(tensor_parallel=t)),
+                     require_data=False)
+    space = SearchSpace(tensor_parallel=(2,), pipeline_parallel=(2,), micro_batch_sizes=(4,),
+                        schedules=("2bw",), recompute=(None,))
+    [plain] = rank_plans(MODEL, 8, P3, 32, PrecisionConfig(fp16=True), space=space)
+    [wider] = rank_plans(wide, 8, P3, 32, PrecisionConfig(fp16=True), space=space)
+    assert wider.candidate == plain.candidate and wider.fits
+    assert wider.time_per_batch_s > plain.time_per_batch_s
+    for plain_stage, wide_stage in zip(plain.stage_memory, wider.stage_memory):
+        assert wide_stage.activations > plain_stage.activations
+        assert wide_stage.params > plain_stage.params
 
 
 def test_sequence_parallel_is_planned_as_given_and_needs_t_to_divide_the_sequence():
