@@ -96,7 +96,8 @@ def build_parser(description: str = "", extra_args_provider=None) -> argparse.Ar
     _bool_flag(g, "--untie-embeddings-and-output-weights", "model",
                "untie_embeddings_and_output_weights",
                "GPT: the output layer gets its own weights instead of the word embeddings'")
-    for fusion in ("masked-softmax", "bias-gelu", "bias-dropout", "gradient-accumulation"):
+    for fusion in ("masked-softmax", "bias-gelu", "bias-dropout", "gradient-accumulation",
+                   "bias-swiglu", "rope", "persist-layer-norm"):
         g.add_argument(f"--no-{fusion}-fusion", action="store_true",
                        help="Megatron-LM's switch off a fused kernel: accepted, megatron_2bw runs "
                             "torch's unfused ops")
@@ -148,6 +149,9 @@ def build_parser(description: str = "", extra_args_provider=None) -> argparse.Ar
     _flag(g, "--hysteresis", "precision", "hysteresis", type=int)
     _bool_flag(g, "--accumulate-allreduce-grads-in-fp32", "precision",
                "accumulate_allreduce_grads_in_fp32", "fp32 gradient buffers")
+    g.add_argument("--grad-reduce-in-bf16", action="store_true",
+                   help="accepted with --bf16: gradients are accumulated and reduced in bf16 "
+                        "unless --accumulate-allreduce-grads-in-fp32 is given")
 
     g = parser.add_argument_group("activation recomputation")
     _flag(g, "--recompute-granularity", "recompute", "granularity", choices=["full", "selective"])
@@ -181,6 +185,17 @@ def build_parser(description: str = "", extra_args_provider=None) -> argparse.Ar
     _flag(g, "--adam-eps", "optimizer", "adam_eps", type=float)
     _flag(g, "--sgd-momentum", "optimizer", "sgd_momentum", type=float)
     _flag(g, "--clip-grad", "optimizer", "clip_grad", type=float, help="0 disables clipping")
+    _flag(g, "--lr-warmup-init", "optimizer", "lr_warmup_init", type=float,
+          help="the learning rate the warm-up starts from (default 0)")
+    _flag(g, "--decoupled-lr", "optimizer", "decoupled_lr", type=float,
+          help="peak learning rate of the input embeddings and the output layer")
+    _flag(g, "--decoupled-min-lr", "optimizer", "decoupled_min_lr", type=float,
+          help="final learning rate of the input embeddings and the output layer")
+    _flag(g, "--start-weight-decay", "optimizer", "start_weight_decay", type=float)
+    _flag(g, "--end-weight-decay", "optimizer", "end_weight_decay", type=float)
+    _flag(g, "--weight-decay-incr-style", "optimizer", "weight_decay_incr_style",
+          choices=["constant", "linear", "cosine"],
+          help="weight decay from --start-weight-decay to --end-weight-decay over the training")
 
     g = parser.add_argument_group("training")
     _flag(g, "--micro-batch-size", "training", "micro_batch_size", type=int)
@@ -196,6 +211,21 @@ def build_parser(description: str = "", extra_args_provider=None) -> argparse.Ar
     _bool_flag(g, "--exit-signal-handler", "training", "exit_signal_handler",
                "save a checkpoint and exit on SIGTERM")
     _flag(g, "--exit-interval", "training", "exit_interval", type=int)
+    g.add_argument("--check-for-nan-in-loss-and-grad", action="store_true",
+                   help="the default: a non-finite gradient norm outside fp16 stops the job")
+    g.add_argument("--no-check-for-nan-in-loss-and-grad", action="store_true",
+                   help="skip such a step instead, as fp16's loss scaler does")
+    _bool_flag(g, "--manual-gc", "training", "manual_gc",
+               "Python's garbage collector off during training; collect at fixed points")
+    _flag(g, "--manual-gc-interval", "training", "manual_gc_interval", type=int,
+          help="with --manual-gc: collect every N iterations (0: only around evaluation)")
+    g.add_argument("--no-manual-gc-eval", action="store_true",
+                   help="with --manual-gc: no collection around evaluation")
+    _flag(g, "--empty-unused-memory-level", "training", "empty_unused_memory_level", type=int,
+          choices=[0, 1, 2], help="CUDA: empty the cache after each step (1), also after "
+                                  "evaluation (2)")
+    _bool_flag(g, "--deterministic-mode", "training", "deterministic_mode",
+               "torch.use_deterministic_algorithms(True)")
     g.add_argument("--rampup-batch-size", nargs="*", default=None,
                    help="not supported (rejected with the reason)")
 
@@ -244,10 +274,91 @@ def build_parser(description: str = "", extra_args_provider=None) -> argparse.Ar
     _flag(g, "--wandb-save-dir", "logging", "wandb_save_dir", type=str)
     _flag(g, "--timing-log-level", "logging", "timing_log_level", type=int, choices=[0, 1, 2])
     _flag(g, "--log-file", "logging", "log_file", type=str, help="JSON lines of the log records")
+    _bool_flag(g, "--log-params-norm", "logging", "log_params_norm",
+               "the L2 norm of all parameters in the log line")
+    _bool_flag(g, "--log-num-zeros-in-grad", "logging", "log_num_zeros_in_grad",
+               "the number of zero gradient entries in the log line")
+    _flag(g, "--tensorboard-log-interval", "logging", "tensorboard_log_interval", type=int)
+    _bool_flag(g, "--log-timers-to-tensorboard", "logging", "log_timers_to_tensorboard",
+               "the timers' figures to TensorBoard / W&B too")
+    _bool_flag(g, "--log-validation-ppl-to-tensorboard", "logging",
+               "log_validation_ppl_to_tensorboard", "validation perplexity beside its loss")
+    _bool_flag(g, "--profile", "logging", "profile",
+               "torch.profiler trace of iterations [--profile-step-start, --profile-step-end)")
+    _flag(g, "--profile-step-start", "logging", "profile_step_start", type=int)
+    _flag(g, "--profile-step-end", "logging", "profile_step_end", type=int)
+    _flag(g, "--profile-ranks", "logging", "profile_ranks", type=int, nargs="+",
+          help="global ranks to profile (default 0)")
+    _add_megatron_flags_without_fields(parser)
 
     if extra_args_provider is not None:
         extra_args_provider(parser)
     return parser
+
+
+# Megatron-LM flags that name what megatron_2bw does anyway: accepted, with what happens instead
+ACCEPTED_MEGATRON_FLAGS = {
+    "--log-throughput": "every log line reports tokens/s and TFLOPS",
+    "--overlap-grad-reduce": "the data-parallel gradient all-reduce overlaps the next forward "
+                             "wherever the schedule allows it (2BW)",
+    "--overlap-param-gather": "with --use-distributed-optimizer the updated shards are gathered "
+                              "in the step, which 2BW defers until the new version is needed",
+    "--no-create-attention-mask-in-dataloader": "the model builds its attention masks itself",
+    "--no-mmap-bin-files": "the .bin files are always memory-mapped (read-only, shared)",
+    "--cross-entropy-loss-fusion": "the vocabulary-parallel cross entropy is one autograd "
+                                   "function",
+    "--use-cpu-initialization": "weights are always initialised on the CPU from per-name seeds",
+    "--add-position-embedding": "learned absolute positions are the default",
+    "--use-pytorch-profiler": "--profile always runs torch.profiler",
+}
+# ... and flags it cannot honour: refused with the reason instead of argparse's bare message
+REFUSED_MEGATRON_FLAGS = {
+    "--calculate-per-token-loss": "each microbatch's loss is averaged over its own tokens (the "
+                                  "same unless a loss mask leaves microbatches unequal); drop "
+                                  "the flag",
+    "--async-save": "checkpoints are written synchronously and atomically; drop the flag",
+    "--ckpt-fully-parallel-save": "each rank writes its own files already; drop the flag",
+    "--ckpt-fully-parallel-load": "each rank reads its own files already; drop the flag",
+    "--tp-comm-overlap": "it needs Transformer Engine's userbuffers, which megatron_2bw does not "
+                         "use; drop the flag",
+    "--use-torch-fsdp2": "megatron_2bw shards optimizer state with ZeRO-1 "
+                         "(--use-distributed-optimizer), not FSDP",
+    "--distribute-saved-activations": "use --sequence-parallel, which splits the activations "
+                                      "between tensor-parallel regions over the tensor group",
+}
+# flags whose value decides: refused unless it asks for what megatron_2bw does
+VALUED_MEGATRON_FLAGS = {
+    "--context-parallel-size": (int, 1, "context parallelism is not implemented (1 is accepted)"),
+    "--num-experts": (int, None, "mixture-of-experts layers are not implemented"),
+    "--ckpt-format": (str, None, "megatron_2bw writes its own atomic per-rank checkpoints "
+                                 "(docs/checkpoints.md; tools/convert_checkpoint.py reshards "
+                                 "them); drop the flag"),
+    "--fp8-format": (str, None, "FP8 needs Transformer Engine, which megatron_2bw does not use"),
+    "--tiktoken-pattern": (str, "*", ""),  # only read by TikTokenizer, refused by its own flag
+}
+
+
+def _add_megatron_flags_without_fields(parser) -> None:
+    g = parser.add_argument_group("Megatron-LM flags without a setting of their own")
+    for flag, meaning in ACCEPTED_MEGATRON_FLAGS.items():
+        g.add_argument(flag, action="store_true", help=f"accepted: {meaning}")
+    for flag in REFUSED_MEGATRON_FLAGS:
+        g.add_argument(flag, action="store_true", help="refused with the reason")
+    for flag, (kind, accepted, _) in VALUED_MEGATRON_FLAGS.items():
+        g.add_argument(flag, type=kind, default=None,
+                       help="accepted" if accepted == "*" else
+                       f"only {accepted} is accepted" if accepted is not None else
+                       "refused with the reason")
+
+
+def _refuse_megatron_flags(args: argparse.Namespace) -> None:
+    for flag, reason in REFUSED_MEGATRON_FLAGS.items():
+        if getattr(args, _dest(flag), False):
+            raise ConfigError(f"{flag} is not supported: {reason}")
+    for flag, (_, accepted, reason) in VALUED_MEGATRON_FLAGS.items():
+        value = getattr(args, _dest(flag), None)
+        if value is not None and accepted != "*" and value != accepted:
+            raise ConfigError(f"{flag} {value}: {reason}")
 
 
 def explicit_fields(args: argparse.Namespace) -> set[tuple[str, str]]:
@@ -310,6 +421,20 @@ def _legacy_megatron_flags(args: argparse.Namespace, config: Config) -> None:
         raise ConfigError(f"--transformer-impl {impl}: megatron_2bw builds its layers from torch "
                           f"ops (Megatron-LM's 'local'), not Transformer Engine; drop the flag or "
                           f"pass local")
+    _refuse_megatron_flags(args)
+    if getattr(args, "no_check_for_nan_in_loss_and_grad", False):
+        if getattr(args, "check_for_nan_in_loss_and_grad", False):
+            raise ConfigError("give --check-for-nan-in-loss-and-grad or "
+                              "--no-check-for-nan-in-loss-and-grad, not both")
+        config.training.check_for_nan_in_loss_and_grad = False
+    if getattr(args, "no_manual_gc_eval", False):
+        config.training.manual_gc_eval = False
+    if getattr(args, "grad_reduce_in_bf16", False):
+        if not config.precision.bf16 or config.precision.accumulate_allreduce_grads_in_fp32:
+            raise ConfigError("--grad-reduce-in-bf16 reduces the gradients in bf16, which "
+                              "megatron_2bw does under --bf16 unless "
+                              "--accumulate-allreduce-grads-in-fp32 is given: it needs --bf16 "
+                              "without that flag")
     if getattr(args, "rampup_batch_size", None) is not None:
         raise ConfigError("--rampup-batch-size is not supported: the pipeline schedules run a fixed "
                           "number of microbatches per batch; drop it to train with "
@@ -337,6 +462,38 @@ def _validate_schedule_units(tr, opt) -> None:
         _require(warmup == 0, f"give --lr-warmup-fraction or {warmup_flag}, not both")
         _require(0.0 <= opt.lr_warmup_fraction <= 1.0,
                  f"--lr-warmup-fraction must be in [0, 1], got {opt.lr_warmup_fraction}")
+
+
+def _validate_megatron_schedules(opt) -> None:
+    """Megatron-LM's rules for --lr-warmup-init, the decoupled rates and the weight decay's."""
+    _require(opt.lr_warmup_init >= 0, f"--lr-warmup-init must be >= 0, got {opt.lr_warmup_init}")
+    _require(opt.decoupled_min_lr is None or opt.decoupled_lr is not None,
+             "--decoupled-min-lr needs --decoupled-lr")
+    for flag, value in [("--decoupled-lr", opt.decoupled_lr),
+                        ("--decoupled-min-lr", opt.decoupled_min_lr)]:
+        _require(value is None or value >= 0, f"{flag} must be >= 0, got {value}")
+    given = [opt.start_weight_decay is not None, opt.end_weight_decay is not None]
+    if opt.weight_decay_incr_style == "constant":
+        _require(not any(given), "--start-weight-decay and --end-weight-decay go with "
+                                 "--weight-decay-incr-style linear or cosine (constant uses "
+                                 "--weight-decay)")
+    else:
+        _require(all(given), f"--weight-decay-incr-style {opt.weight_decay_incr_style} needs "
+                             f"--start-weight-decay and --end-weight-decay")
+        _require(opt.start_weight_decay >= 0 and opt.end_weight_decay >= 0,
+                 "--start-weight-decay and --end-weight-decay must be >= 0")
+
+
+def _validate_run_loop(tr, log) -> None:
+    _require(tr.manual_gc_interval >= 0,
+             f"--manual-gc-interval must be >= 0 (0: only around evaluation), got "
+             f"{tr.manual_gc_interval}")
+    _require(log.tensorboard_log_interval > 0, f"--tensorboard-log-interval must be a positive "
+                                               f"integer, got {log.tensorboard_log_interval}")
+    if log.profile:
+        _require(0 <= log.profile_step_start < log.profile_step_end,
+                 f"--profile-step-start {log.profile_step_start} must be >= 0 and below "
+                 f"--profile-step-end {log.profile_step_end}")
 
 
 def _architecture_switches(args: argparse.Namespace, model) -> None:
@@ -435,6 +592,8 @@ def validate(config: Config, require_data: bool = True) -> None:
     _require(not (config.precision.fp16 and config.precision.bf16), "--fp16 and --bf16 exclude each other")
     _require(opt.lr >= 0 and opt.min_lr >= 0, "--lr and --min-lr must be >= 0")
     _validate_schedule_units(tr, opt)
+    _validate_megatron_schedules(opt)
+    _validate_run_loop(tr, config.logging)
     _require(opt.clip_grad >= 0, f"--clip-grad must be >= 0 (0 disables), got {opt.clip_grad}")
     if config.recompute.granularity == "full":
         _require(config.recompute.method is not None,
@@ -475,6 +634,10 @@ def validate_for_world(config: Config, world_size: int) -> int:
         _require(m >= p, f"--pipeline-schedule {schedule} needs at least as many microbatches per "
                          f"batch as stages (1F1B keeps p in flight): m = global/(micro*d) = {m} < "
                          f"p = {p}; raise --global-batch-size to >= {p * tr.micro_batch_size * d}")
+    if config.logging.profile:
+        outside = [r for r in config.logging.profile_ranks if not 0 <= r < world_size]
+        _require(not outside, f"--profile-ranks {outside} outside the world's ranks 0.."
+                              f"{world_size - 1}")
     return d
 
 

@@ -163,6 +163,14 @@ class OptimizerConfig:
     adam_eps: float = 1e-8
     sgd_momentum: float = 0.9
     clip_grad: float = 1.0
+    lr_warmup_init: float = 0.0  # the warm-up rises from this rate (Megatron-LM's flag)
+    # the input embeddings' and output layer's own peak and final rate (None: --lr, --min-lr)
+    decoupled_lr: float | None = None
+    decoupled_min_lr: float | None = None
+    # weight decay from start to end over the training (None: --weight-decay throughout)
+    start_weight_decay: float | None = None
+    end_weight_decay: float | None = None
+    weight_decay_incr_style: str = "constant"  # constant | linear | cosine
 
 
 @dataclass
@@ -178,6 +186,13 @@ class TrainingConfig:
     exit_duration_in_mins: float | None = None
     exit_signal_handler: bool = False
     exit_interval: int | None = None
+    # a non-finite loss or gradient norm outside fp16 stops the job (fp16 skips the step instead)
+    check_for_nan_in_loss_and_grad: bool = True
+    manual_gc: bool = False  # Python's collector off; collect every manual_gc_interval iterations
+    manual_gc_interval: int = 0  # 0: only around evaluation (manual_gc_eval)
+    manual_gc_eval: bool = True
+    empty_unused_memory_level: int = 0  # CUDA: 1 empty the cache after each step, 2 also after eval
+    deterministic_mode: bool = False  # torch.use_deterministic_algorithms
 
 
 @dataclass
@@ -227,6 +242,16 @@ class LoggingConfig:
     timing_log_level: int = 0
     log_file: str | None = None  # JSON lines of the log records, for tools/plot_logs.py
     log_memory: bool = True
+    log_params_norm: bool = False  # the L2 norm of all parameters, in the log line
+    log_num_zeros_in_grad: bool = False  # zero entries of the gradient, in the log line
+    tensorboard_log_interval: int = 1  # iterations between TensorBoard / W&B records
+    log_timers_to_tensorboard: bool = False
+    log_validation_ppl_to_tensorboard: bool = False
+    # torch.profiler over iterations [profile_step_start, profile_step_end) on profile_ranks
+    profile: bool = False
+    profile_step_start: int = 10
+    profile_step_end: int = 12
+    profile_ranks: list[int] = field(default_factory=lambda: [0])
 
 
 @dataclass

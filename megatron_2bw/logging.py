@@ -1,7 +1,8 @@
-"""Timers and log sinks of a training run: TensorBoard, Weights & Biases and a JSON-lines file.
+"""Timers, log sinks (TensorBoard, Weights & Biases, a JSON-lines file) and the profiler of a
+training run.
 
-Only one rank (the writer, which holds the loss) writes; every other rank gets a logger that does
-nothing, so the training loop can call it unconditionally.
+The sinks write on one rank only (the writer, which holds the loss); every other rank gets a
+logger that does nothing, so the training loop can call it unconditionally.
 """
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import urlparse
+
+import torch
 
 from megatron_2bw.config import LoggingConfig
 
@@ -173,6 +176,9 @@ class TrainingLogger:
         self._wandb_run = None
 
     def log(self, iteration: int, metrics: dict[str, float]) -> None:
+        """One record of the iteration's metrics; nothing when there are none."""
+        if not metrics:
+            return
         values = {key: float(value) for key, value in metrics.items()}
         if self._tensorboard is not None:
             for key, value in values.items():
@@ -220,6 +226,55 @@ class TrainingLogger:
         self.close()
 
 
+class IterationProfiler:
+    """--profile: torch.profiler (CPU activity, and CUDA's on a GPU) over the iterations
+    [profile_step_start, profile_step_end) on the global ranks of --profile-ranks, written as one
+    Chrome trace per rank (chrome://tracing, Perfetto, or TensorBoard's profiler plugin, which
+    reads *.pt.trace.json) into --tensorboard-dir, else the --log-file's directory, else the
+    working directory. Iterations count as the schedule's batches (0-based: the log line of
+    batch b says iteration b + 1). The training loop drains the pipeline at both bounds
+    (training.segment_ends), so a trace holds whole iterations: all their forwards, backwards and
+    steps, nothing of the iterations around them (but an evaluation or checkpoint that falls
+    inside the window)."""
+
+    def __init__(self, config: LoggingConfig, rank: int, device_type: str):
+        self.enabled = config.profile and rank in config.profile_ranks
+        self.rank = rank
+        self.start, self.end = config.profile_step_start, config.profile_step_end
+        self.directory = (config.tensorboard_dir or os.path.dirname(config.log_file or "")
+                          or os.getcwd())
+        self.activities = [torch.profiler.ProfilerActivity.CPU]
+        if device_type == "cuda":
+            self.activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self._profiler = None
+        self._first = 0  # the first profiled batch (later than start when resumed in the window)
+
+    def begin_segment(self, first_batch: int) -> None:
+        if self.enabled and self._profiler is None and self.start <= first_batch < self.end:
+            self._profiler = torch.profiler.profile(activities=self.activities,
+                                                    record_shapes=True)
+            self._profiler.start()
+            self._first = first_batch
+
+    def end_segment(self, completed: int) -> None:
+        if completed >= self.end:
+            self.finish(completed)
+
+    def finish(self, completed: int) -> None:
+        """Stop and write the trace; also called after the last segment, for a run that ends
+        (--train-iters, an exit request) inside the window."""
+        if self._profiler is None:
+            return
+        self._profiler.stop()
+        os.makedirs(self.directory, exist_ok=True)
+        path = os.path.join(os.path.abspath(self.directory),
+                            f"profile_rank{self.rank}_iter{self._first}-{completed}.pt.trace.json")
+        self._profiler.export_chrome_trace(path)
+        self._profiler = None
+        print(f" [rank {self.rank}] profile of iterations [{self._first}, {completed}) (the log's "
+              f"{self._first + 1} to {completed}) written to {path}", flush=True)
+
+
 def _as_markdown_code(text: str) -> str:
     # TensorBoard renders text as markdown; indenting keeps JSON and tables verbatim.
     return "\n".join("    " + line for line in text.splitlines())
@@ -244,6 +299,10 @@ def format_log_line(iteration: int, train_iters: int, metrics: dict[str, float],
         fields.append(f"loss scale: {metrics['loss-scale']:.1f}")
     if "grad-norm" in metrics:
         fields.append(f"grad norm: {metrics['grad-norm']:.3f}")
+    if "num-zeros" in metrics:
+        fields.append(f"num zeros: {int(metrics['num-zeros'])}")
+    if "params-norm" in metrics:
+        fields.append(f"params norm: {metrics['params-norm']:.3f}")
     if "skipped-iterations" in metrics:
         fields.append(f"skipped iterations: {int(metrics['skipped-iterations'])}")
     if "tokens-per-sec" in metrics:

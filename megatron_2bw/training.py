@@ -6,29 +6,31 @@ checkpointing and exit decisions (collectives over all ranks) are safe.
 """
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import sys
 import time
 import traceback
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from megatron_2bw.arguments import explicit_fields, parse_config, validate_for_world
-from megatron_2bw.config import Config, ConfigError
+from megatron_2bw.config import Config, ConfigError, TrainingConfig
 from megatron_2bw.distributed.comm import all_reduce
 from megatron_2bw.distributed.launch import (exit_process, init_distributed, local_world_size,
                                               usable_cores)
 from megatron_2bw.distributed.layout import ParallelLayout
 from megatron_2bw.distributed.p2p import PipelineP2P
-from megatron_2bw.logging import (Timers, TrainingLogger, format_log_line,
+from megatron_2bw.logging import (IterationProfiler, Timers, TrainingLogger, format_log_line,
                                   measured_bubble_fraction)
 from megatron_2bw.memory import MemoryTracker, optimizer_state_tensors, static_breakdown
 from megatron_2bw.models import build_stage_model
 from megatron_2bw.optim.grad_scaler import build_loss_scaler
-from megatron_2bw.optim.lr_schedule import learning_rate
+from megatron_2bw.optim.lr_schedule import apply_schedule
 from megatron_2bw.optim.optimizer import build_torch_optimizer
 from megatron_2bw.planner.memory import estimate_stage_memory
 from megatron_2bw.pipeline.executor import StageExecutor
@@ -81,14 +83,17 @@ def build_stage(config: Config, layout: ParallelLayout, device: torch.device, ti
     schedule = par.pipeline_schedule
     versions = WeightVersions(model, working_dtype(config), grad_dtype(config),
                               single_version=schedule != "2bw")
-    optimizer = build_optimizer(config, versions.master, layout)
+    optimizer = build_optimizer(config, versions.master, versions.names, layout)
     scaler = build_loss_scaler(config.precision)
     train = config.training
     updater = GradientUpdater(
         versions, optimizer, scaler,
-        lambda b: learning_rate(b, config.optimizer, train), config.optimizer,
+        lambda groups, b: apply_schedule(groups, b, config.optimizer, train), config.optimizer,
         layout.group("data"), layout.group("embedding"), layout.group("model"),
-        layout.group("tensor"), par.ddp_bucket_size, par.timeout_minutes, timers)
+        layout.group("tensor"), par.ddp_bucket_size, par.timeout_minutes, timers,
+        check_for_nan=train.check_for_nan_in_loss_and_grad,
+        log_params_norm=config.logging.log_params_norm,
+        log_num_zeros_in_grad=config.logging.log_num_zeros_in_grad)
     d = layout.data
     microbatches = train.global_batch_size // (train.micro_batch_size * d)
     p2p = None
@@ -107,11 +112,12 @@ def build_stage(config: Config, layout: ParallelLayout, device: torch.device, ti
                  memory, timers, microbatches)
 
 
-def build_optimizer(config: Config, master_params, layout: ParallelLayout):
+def build_optimizer(config: Config, master_params, names: list[str], layout: ParallelLayout):
     if config.parallel.use_distributed_optimizer and layout.data > 1:
         from megatron_2bw.optim.distributed import build_distributed_optimizer
-        return build_distributed_optimizer(master_params, config.optimizer, layout.group("data"))
-    return build_torch_optimizer(master_params, config.optimizer)
+        return build_distributed_optimizer(master_params, config.optimizer, layout.group("data"),
+                                           names)
+    return build_torch_optimizer(master_params, config.optimizer, names)
 
 
 def static_tensors(stage: Stage) -> list[torch.Tensor]:
@@ -162,8 +168,9 @@ def run_segment(stage: Stage, first_batch: int, batches: int, feed: MicrobatchFe
 
 
 def segment_ends(config: Config, start: int) -> list[int]:
-    """Iterations after which the pipeline drains (evaluation, checkpoint, exit checks, the end)."""
-    train, ckpt = config.training, config.checkpoint
+    """Iterations after which the pipeline drains (evaluation, checkpoint, exit checks, the
+    bounds of --profile's window, the end)."""
+    train, ckpt, logs = config.training, config.checkpoint, config.logging
     intervals = [train.eval_interval] if train.eval_iters else []  # --eval-iters 0: no validation
     if ckpt.save and ckpt.save_interval:
         intervals.append(ckpt.save_interval)
@@ -174,6 +181,9 @@ def segment_ends(config: Config, start: int) -> list[int]:
     ends = {train.train_iters}
     for interval in intervals:
         ends.update(range(interval, train.train_iters, interval))
+    if logs.profile:  # the trace then holds whole iterations (IterationProfiler)
+        ends.update(b for b in (logs.profile_step_start, logs.profile_step_end)
+                    if b < train.train_iters)
     return sorted(e for e in ends if e > start)
 
 
@@ -226,7 +236,13 @@ class ProgressLog:
         self.results.append(result)
         iteration = result.batch + 1
         train = self.config.training
+        values = iteration_values(result)
+        # the sinks: every --tensorboard-log-interval iterations that iteration's own values (as
+        # Megatron-LM writes TensorBoard), at log intervals also the interval's figures
+        record = ({key: value for key, value in values.items() if value is not None}
+                  if iteration % self.config.logging.tensorboard_log_interval == 0 else {})
         if iteration % train.log_interval and iteration != train.train_iters:
+            self.sink.log(iteration, record)
             return
         iterations = iteration - self.last_logged
         elapsed = result.ended_at - self.interval_start - self.between_segments
@@ -247,6 +263,9 @@ class ProgressLog:
             "time-per-iter-ms": seconds * 1000,
             "consumed-samples": iteration * train.global_batch_size,
         })
+        # the last step's, as Megatron logs them (--log-params-norm, --log-num-zeros-in-grad)
+        metrics.update({key: values[key] for key in ("params-norm", "num-zeros")
+                        if values[key] is not None})
         if self.memory is not None:
             metrics["mem-peak-bytes"] = self.memory.peak_bytes()
         timings = self.timers.summary(reset=True)
@@ -259,7 +278,24 @@ class ProgressLog:
             self.interval_throughputs.append(train.global_batch_size / seconds)
         if self.is_writer:
             print(format_log_line(iteration, train.train_iters, metrics, seconds), flush=True)
-            self.sink.log(iteration, metrics)
+            self.sink.log(iteration, {**record, **self.interval_figures(metrics, values)})
+
+    def interval_figures(self, metrics: dict, values: dict) -> dict:
+        """What only the interval has (throughput, time, memory, skipped steps, ...): the values
+        an iteration has of its own go to the sinks in the per-iteration records instead; the
+        timers only with --log-timers-to-tensorboard, as in Megatron-LM."""
+        with_timers = self.config.logging.log_timers_to_tensorboard
+        return {key: value for key, value in metrics.items()
+                if key not in values and (with_timers or not key.startswith("timers/"))}
+
+
+def iteration_values(result: StepResult) -> dict:
+    """One iteration's own values for the sinks; None where the iteration has none (a skipped
+    step's gradient norm, the norms that are not asked for)."""
+    return {**result.metrics, "learning-rate": result.learning_rate,
+            "loss-scale": result.loss_scale,
+            "grad-norm": None if result.skipped else result.grad_norm,
+            "params-norm": result.params_norm, "num-zeros": result.num_zeros_in_grad}
 
 
 def print_rank0(layout: ParallelLayout, message: str) -> None:
@@ -297,6 +333,48 @@ class ExitRequest:
         return bool(flag.item())
 
 
+class MemoryHousekeeping:
+    """--manual-gc and --empty-unused-memory-level: Python's collector and CUDA's cache are
+    emptied at fixed points of the schedule, the same on every rank. Python collects whenever its
+    allocation counts pass a threshold, at a different moment on each rank, and a rank stalled by
+    a collection stalls the pipeline (Megatron-LM's reason for --manual-gc)."""
+
+    def __init__(self, training: TrainingConfig, device: torch.device):
+        self.training = training
+        self.empty_cache_level = training.empty_unused_memory_level if device.type == "cuda" else 0
+
+    @contextmanager
+    def during_training(self):
+        """With --manual-gc the collector is off (after one full collection) until training ends."""
+        if not self.training.manual_gc:
+            yield
+            return
+        gc.disable()
+        gc.collect()
+        try:
+            yield
+        finally:
+            gc.enable()
+
+    def after_step(self, iteration: int) -> None:
+        interval = self.training.manual_gc_interval
+        if self.training.manual_gc and interval and iteration % interval == 0:
+            gc.collect()
+        if self.empty_cache_level >= 1:
+            torch.cuda.empty_cache()
+
+    @contextmanager
+    def around_evaluation(self):
+        collect = self.training.manual_gc and self.training.manual_gc_eval
+        if collect:
+            gc.collect()
+        yield
+        if collect:
+            gc.collect(generation=0)  # what evaluation allocated, as Megatron-LM collects it
+        if self.empty_cache_level >= 2:
+            torch.cuda.empty_cache()
+
+
 def set_cpu_threads(bound: bool) -> None:
     """Threads per rank: its bound cores, or else its share of the node's cores (torch would start
     a thread per core in every rank)."""
@@ -305,8 +383,19 @@ def set_cpu_threads(bound: bool) -> None:
         torch.set_num_threads(cores if bound else max(1, cores // local_world_size()))
 
 
+def use_deterministic_algorithms() -> None:
+    """--deterministic-mode: torch raises on an operation without a deterministic implementation.
+    cuBLAS is deterministic only with a fixed workspace, which torch then insists on (CUDA >= 10.2)
+    and cuBLAS reads from the environment when CUDA starts, so this runs before the device is
+    picked; a value the user set is kept. Without CUDA nothing reads the variable."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+
+
 def setup(config: Config, typed: set) -> tuple[Config, ParallelLayout, torch.device, object]:
     """Initialise the processes, apply --auto-parallel's plan, check the layout, build the groups."""
+    if config.training.deterministic_mode:
+        use_deterministic_algorithms()
     info, device = init_distributed(config.parallel.distributed_backend,
                                     config.parallel.timeout_minutes,
                                     config.parallel.bind_cores_to_rank)
@@ -340,7 +429,10 @@ def evaluate(stage: Stage, iterator, log: ProgressLog, iteration: int) -> dict:
         if log.is_writer:
             text = " | ".join(f"{k}: {v:.6E} | {k} PPL: {_ppl(v):.6E}" for k, v in metrics.items())
             print(f" validation at iteration {iteration} | {text}", flush=True)
-            log.sink.log(iteration, {f"valid/{k}": v for k, v in metrics.items()})
+            record = {f"valid/{k}": v for k, v in metrics.items()}
+            if config.logging.log_validation_ppl_to_tensorboard:
+                record.update({f"valid/{k} ppl": _ppl(v) for k, v in metrics.items()})
+            log.sink.log(iteration, record)
     return metrics
 
 
@@ -466,7 +558,13 @@ def pretrain(config: Config, typed: set = frozenset()) -> Stage:
     synchronize = torch.cuda.synchronize if device.type == "cuda" else None
     timers = Timers(config.logging.timing_log_level, synchronize)
     log = ProgressLog(config, layout, timers, 0)
-    stage = build_stage(config, layout, device, timers, on_step=log)
+    housekeeping = MemoryHousekeeping(config.training, device)
+
+    def end_of_iteration(result: StepResult) -> None:
+        log(result)
+        housekeeping.after_step(result.batch + 1)
+
+    stage = build_stage(config, layout, device, timers, on_step=end_of_iteration)
     _FAILURE_CONTEXT["stage"] = stage
     log.memory = stage.memory
     resumed_rng = maybe_load_checkpoint(stage)
@@ -482,24 +580,32 @@ def pretrain(config: Config, typed: set = frozenset()) -> Stage:
     if resumed_rng is not None:  # only now: creating the data loaders drew from the torch RNG
         load_rng_state_dict(resumed_rng)
     exit_request = ExitRequest(config, log.start_time)
-    for end in segment_ends(config, stage.iteration):
-        feed = MicrobatchFeed(train_iterator, device, stage.iteration * stage.microbatches)
-        log.begin_segment()
-        run_segment(stage, stage.iteration, end - stage.iteration, feed)
-        log.end_segment()
-        stage.iteration = end
-        stage.consumed_samples = end * train.global_batch_size
-        if valid_iterator is not None and (end % train.eval_interval == 0 or end == train.train_iters):
-            evaluate(stage, valid_iterator, log, end)
-        stopping = exit_request.agreed(device) or bool(
-            train.exit_interval and end % train.exit_interval == 0)
-        ckpt = config.checkpoint
-        if ckpt.save and (stopping or end == train.train_iters
-                          or (ckpt.save_interval and end % ckpt.save_interval == 0)):
-            save_checkpoint(stage)
-        if stopping:
-            print_rank0(layout, f" exiting at iteration {end} (signal, time limit or --exit-interval)")
-            break
+    profiler = IterationProfiler(config.logging, layout.rank, device.type)
+    with housekeeping.during_training():
+        for end in segment_ends(config, stage.iteration):
+            feed = MicrobatchFeed(train_iterator, device, stage.iteration * stage.microbatches)
+            profiler.begin_segment(stage.iteration)  # outside the log's interval time
+            log.begin_segment()
+            run_segment(stage, stage.iteration, end - stage.iteration, feed)
+            log.end_segment()
+            profiler.end_segment(end)
+            stage.iteration = end
+            stage.consumed_samples = end * train.global_batch_size
+            if valid_iterator is not None and (end % train.eval_interval == 0
+                                               or end == train.train_iters):
+                with housekeeping.around_evaluation():
+                    evaluate(stage, valid_iterator, log, end)
+            stopping = exit_request.agreed(device) or bool(
+                train.exit_interval and end % train.exit_interval == 0)
+            ckpt = config.checkpoint
+            if ckpt.save and (stopping or end == train.train_iters
+                              or (ckpt.save_interval and end % ckpt.save_interval == 0)):
+                save_checkpoint(stage)
+            if stopping:
+                print_rank0(layout, f" exiting at iteration {end} (signal, time limit or "
+                                    f"--exit-interval)")
+                break
+    profiler.finish(stage.iteration)
     report_memory(stage)
     if plan is not None and log.is_writer and log.interval_throughputs:
         measured = sorted(log.interval_throughputs)[len(log.interval_throughputs) // 2]

@@ -245,3 +245,87 @@ def test_untied_output_layer_is_gpt_only():
     assert config.model.untie_embeddings_and_output_weights
     with pytest.raises(ConfigError, match="--untie-embeddings-and-output-weights applies to GPT"):
         parse_config([*TINY, "--untie-embeddings-and-output-weights"], model_type="bert")
+
+
+# The training block of Megatron-LM's examples/llama/train_llama3_8b_h100_fp8.sh without its FP8
+# switches (refused below), and its parallel, data and logging flags.
+MEGATRON_LLAMA3_8B_RUN = [
+    "--lr", "0.00015", "--min-lr", "0.00001", "--decoupled-lr", "5.0e-4",
+    "--decoupled-min-lr", "4.5e-5", "--lr-decay-style", "cosine", "--clip-grad", "1.0",
+    "--weight-decay", "0.1", "--adam-beta1", "0.9", "--adam-beta2", "0.95", "--bf16",
+    "--grad-reduce-in-bf16", "--cross-entropy-loss-fusion", "--manual-gc",
+    "--empty-unused-memory-level", "1", "--exit-duration-in-mins", "235",
+    "--context-parallel-size", "1", "--sequence-parallel", "--use-distributed-optimizer",
+    "--overlap-grad-reduce", "--overlap-param-gather", "--tokenizer-type", "NullTokenizer",
+    "--tiktoken-pattern", "v2", "--split", "99,1,0", "--no-create-attention-mask-in-dataloader",
+    "--no-mmap-bin-files", "--num-workers", "1", "--log-interval", "1", "--eval-iters", "32",
+    "--eval-interval", "100", "--save-interval", "1000", "--log-throughput", "--profile",
+    "--profile-step-start", "4", "--profile-step-end", "6", "--distributed-timeout-minutes", "60",
+    "--apply-layernorm-1p"]
+
+
+def test_megatron_llama3_training_flags_carry_over():
+    config, _ = parse_config([*TINY, *MEGATRON_LLAMA3_8B_RUN])
+    opt, train, log = config.optimizer, config.training, config.logging
+    assert (opt.decoupled_lr, opt.decoupled_min_lr) == (5.0e-4, 4.5e-5)
+    assert train.manual_gc and train.manual_gc_eval and train.empty_unused_memory_level == 1
+    assert train.check_for_nan_in_loss_and_grad  # Megatron-LM's default
+    assert (log.profile, log.profile_step_start, log.profile_step_end, log.profile_ranks) == \
+        (True, 4, 6, [0])
+    assert config.precision.bf16 and config.model.sequence_parallel
+
+
+def test_megatron_schedule_and_logging_flags_fill_the_config():
+    config, _ = parse_config([*TINY, "--lr-warmup-init", "1e-6", "--weight-decay-incr-style",
+                              "cosine", "--start-weight-decay", "0.0", "--end-weight-decay", "0.1",
+                              "--no-check-for-nan-in-loss-and-grad", "--manual-gc-interval", "5",
+                              "--no-manual-gc-eval", "--deterministic-mode", "--log-params-norm",
+                              "--log-num-zeros-in-grad", "--tensorboard-log-interval", "3",
+                              "--log-timers-to-tensorboard", "--log-validation-ppl-to-tensorboard",
+                              "--profile-ranks", "0", "1"])
+    opt, train, log = config.optimizer, config.training, config.logging
+    assert (opt.lr_warmup_init, opt.weight_decay_incr_style) == (1e-6, "cosine")
+    assert (opt.start_weight_decay, opt.end_weight_decay) == (0.0, 0.1)
+    assert not train.check_for_nan_in_loss_and_grad and not train.manual_gc_eval
+    assert train.manual_gc_interval == 5 and train.deterministic_mode
+    assert log.log_params_norm and log.log_num_zeros_in_grad and log.tensorboard_log_interval == 3
+    assert log.log_timers_to_tensorboard and log.log_validation_ppl_to_tensorboard
+    assert log.profile_ranks == [0, 1]
+
+
+@pytest.mark.parametrize("extra,expected", [
+    (["--context-parallel-size", "2"], "--context-parallel-size 2: context parallelism is not "
+                                       "implemented"),
+    (["--num-experts", "8"], "--num-experts 8: mixture-of-experts layers are not implemented"),
+    (["--ckpt-format", "torch_dist"], "--ckpt-format torch_dist: megatron_2bw writes its own"),
+    (["--fp8-format", "hybrid"], "--fp8-format hybrid: FP8 needs Transformer Engine"),
+    (["--calculate-per-token-loss"], "--calculate-per-token-loss is not supported: each "
+                                     "microbatch's loss is averaged over its own tokens"),
+    (["--async-save"], "--async-save is not supported"),
+    (["--tp-comm-overlap"], "--tp-comm-overlap is not supported"),
+    (["--grad-reduce-in-bf16"], "--grad-reduce-in-bf16 reduces the gradients in bf16"),
+    (["--bf16", "--grad-reduce-in-bf16", "--accumulate-allreduce-grads-in-fp32"],
+     "--grad-reduce-in-bf16 reduces the gradients in bf16"),
+    (["--check-for-nan-in-loss-and-grad", "--no-check-for-nan-in-loss-and-grad"],
+     "give --check-for-nan-in-loss-and-grad or --no-check-for-nan-in-loss-and-grad, not both"),
+    (["--decoupled-min-lr", "1e-5"], "--decoupled-min-lr needs --decoupled-lr"),
+    (["--start-weight-decay", "0.1"], "--start-weight-decay and --end-weight-decay go with "
+                                      "--weight-decay-incr-style linear or cosine"),
+    (["--weight-decay-incr-style", "linear", "--end-weight-decay", "0.1"],
+     "--weight-decay-incr-style linear needs --start-weight-decay and --end-weight-decay"),
+    (["--lr-warmup-init", "-1"], "--lr-warmup-init must be >= 0"),
+    (["--manual-gc-interval", "-1"], "--manual-gc-interval must be >= 0"),
+    (["--tensorboard-log-interval", "0"], "--tensorboard-log-interval must be a positive integer"),
+    (["--profile", "--profile-step-start", "5", "--profile-step-end", "5"],
+     "--profile-step-start 5 must be >= 0 and below --profile-step-end 5"),
+])
+def test_megatron_training_flags_refused_with_the_reason(extra, expected):
+    with pytest.raises(ConfigError) as error:
+        parse_config([*TINY, *extra])
+    assert expected in str(error.value)
+
+
+def test_profiled_ranks_must_exist():
+    config, _ = parse_config([*TINY, "--profile", "--profile-ranks", "0", "3"])
+    with pytest.raises(ConfigError, match=r"--profile-ranks \[3\] outside the world's ranks 0..1"):
+        validate_for_world(config, 2)

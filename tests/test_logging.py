@@ -154,14 +154,17 @@ def test_format_log_line_shows_present_metrics_and_eta():
     line = format_log_line(10, 100, {"consumed-samples": 40, "learning-rate": 3e-4,
                                      "lm loss": 7.25, "grad-norm": 1.5, "tokens-per-sec": 12345.4,
                                      "tflops": 1.234, "mem-peak-bytes": 3 * 2**20,
-                                     "skipped-iterations": 1.0}, 0.5)
+                                     "skipped-iterations": 1.0, "num-zeros": 3.0,
+                                     "params-norm": 45.25}, 0.5)
     assert line.startswith(" iteration   10/ 100 | consumed samples:")
     for expected in ["elapsed time per iteration (ms): 500.0", "learning rate: 3.000E-04",
-                     "lm loss: 7.250000E+00", "grad norm: 1.500", "tokens/s: 12345",
+                     "lm loss: 7.250000E+00", "grad norm: 1.500", "num zeros: 3",
+                     "params norm: 45.250", "tokens/s: 12345",
                      "TFLOP/s: 1.23", "mem: 3.0 MiB", "skipped iterations: 1", "ETA 0:00:45"]:
         assert expected in line
     assert "TFLOP/s: 0.000123" in format_log_line(1, 2, {"tflops": 1.23e-4}, 1.0)
     short = format_log_line(3, 4, {"lm loss": 2.0}, 2.0)
     assert "learning rate" not in short and "tokens/s" not in short and "mem:" not in short
+    assert "params norm" not in short and "num zeros" not in short
     assert short.endswith("ETA 0:00:02")
 

@@ -44,7 +44,7 @@ from megatron_2bw.evaluation.glue import (Example, GlueTask, build_features, get
 from megatron_2bw.models.classification import (OPTIONAL_PREFIXES, BertClassifier,
                                                 build_classifier, pretrained_name)
 from megatron_2bw.optim.grad_scaler import build_loss_scaler
-from megatron_2bw.optim.lr_schedule import learning_rate
+from megatron_2bw.optim.lr_schedule import apply_schedule
 from megatron_2bw.optim.optimizer import build_torch_optimizer
 from megatron_2bw.tensor_parallel.layers import sum_tensor_partial_grads
 from megatron_2bw.tensor_parallel.random import seed_everything
@@ -197,10 +197,12 @@ class ClassifierTrainer:
     def __init__(self, config: Config, layout: ParallelLayout, device: torch.device,
                  model: BertClassifier):
         self.config, self.layout, self.device, self.model = config, layout, device, model
-        self.params = list(model.parameters())
+        named = list(model.named_parameters())
+        self.params = [p for _, p in named]
         for p in self.params:  # every gradient exists from the start (norms, all-reduces)
             p.grad = torch.zeros_like(p)
-        self.optimizer = build_torch_optimizer(self.params, config.optimizer)
+        self.optimizer = build_torch_optimizer(self.params, config.optimizer,
+                                               [name for name, _ in named])
         self.scaler = build_loss_scaler(config.precision)
         dtype = AUTOCAST_DTYPES.get(config.precision.working_dtype_name)
         self.autocast = (lambda: torch.autocast(device.type, dtype=dtype)) if dtype else nullcontext
@@ -239,9 +241,8 @@ class ClassifierTrainer:
                 coefficient *= clip / (grad_norm + 1e-6)
             for p in self.params:
                 p.grad.mul_(coefficient)
-            lr = learning_rate(step, self.config.optimizer, self.config.training)
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
+            apply_schedule(self.optimizer.param_groups, step, self.config.optimizer,
+                           self.config.training)
             self.optimizer.step()
         self.scaler.update(skipped)
         self.optimizer.zero_grad(set_to_none=False)

@@ -107,7 +107,7 @@ class DistributedOptimizer:
 
 
 def build_distributed_optimizer(master_params: list[torch.Tensor], opt: OptimizerConfig,
-                                data_group) -> DistributedOptimizer:
-    """The optimizer of `build_torch_optimizer` (same weight-decay groups, decided on the full
-    parameters), to be sharded over `data_group` by the GradientUpdater before its first step."""
-    return DistributedOptimizer(build_torch_optimizer(master_params, opt), data_group)
+                                data_group, names: list[str] | None = None) -> DistributedOptimizer:
+    """The optimizer of `build_torch_optimizer` (same groups, decided on the full parameters), to
+    be sharded over `data_group` by the GradientUpdater before its first step."""
+    return DistributedOptimizer(build_torch_optimizer(master_params, opt, names), data_group)

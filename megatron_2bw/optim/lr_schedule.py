@@ -1,10 +1,20 @@
-"""Learning rate of the step that finishes iteration `iteration` (0-based): linear warm-up, then
-constant, linear or cosine decay to --min-lr at the end of the decay.
+"""Megatron-LM's OptimizerParamScheduler as functions of the iteration: the learning rate and the
+weight decay of the step that finishes iteration `iteration` (0-based). Nothing is stateful, so a
+resumed run continues both schedules with nothing saved.
+
+Learning rate: linear warm-up from --lr-warmup-init to the peak, then constant, linear or cosine
+decay to the final rate at the end of the decay. The main parameter groups peak at --lr and end at
+--min-lr; with --decoupled-lr the input embeddings and the output layer (optim/optimizer.py
+`is_embedding_or_output`) follow the same shape from --decoupled-lr to --decoupled-min-lr
+(default --min-lr).
 
 Lengths come in iterations (--lr-warmup-iters, --lr-decay-iters, default --train-iters) or, with
 --train-samples, in samples (--lr-warmup-samples, --lr-decay-samples, default --train-samples),
 or the warm-up as a fraction of the decay (--lr-warmup-fraction). Megatron-LM counts its schedule
-in samples, so a warm-up or decay need not end on a whole iteration; neither does this one."""
+in samples, so a warm-up or decay need not end on a whole iteration; neither does this one.
+
+Weight decay: --weight-decay throughout, or from --start-weight-decay to --end-weight-decay over the
+whole training (--weight-decay-incr-style linear or cosine), on the decayed groups only."""
 from __future__ import annotations
 
 import math
@@ -26,18 +36,61 @@ def schedule_iterations(opt: OptimizerConfig, train: TrainingConfig) -> tuple[fl
     return warmup, decay
 
 
-def learning_rate(iteration: int, opt: OptimizerConfig, train: TrainingConfig) -> float:
+def training_iterations(train: TrainingConfig) -> float:
+    """The whole training in iterations, possibly fractional (Megatron's weight-decay increment
+    spans --train-iters, or --train-samples)."""
+    if train.train_samples is not None:
+        return train.train_samples / train.global_batch_size
+    return train.train_iters
+
+
+def learning_rate(iteration: int, opt: OptimizerConfig, train: TrainingConfig,
+                  decoupled: bool = False) -> float:
+    """The rate of the main groups, or with `decoupled` of the embedding and output groups."""
+    if decoupled:
+        peak = opt.decoupled_lr
+        final = opt.decoupled_min_lr if opt.decoupled_min_lr is not None else opt.min_lr
+    else:
+        peak, final = opt.lr, opt.min_lr
     step = iteration + 1
     warmup, decay = schedule_iterations(opt, train)
     if warmup > 0 and step <= warmup:
-        return opt.lr * step / warmup
+        return opt.lr_warmup_init + (peak - opt.lr_warmup_init) * step / warmup
     if opt.lr_decay_style == "constant":
-        return opt.lr
+        return peak
     if step >= decay:
-        return opt.min_lr
+        return final
     ratio = (step - warmup) / (decay - warmup)  # warmup < step < decay here
     if opt.lr_decay_style == "linear":
         coefficient = 1.0 - ratio
     else:
         coefficient = 0.5 * (math.cos(math.pi * ratio) + 1.0)
-    return opt.min_lr + coefficient * (opt.lr - opt.min_lr)
+    return final + coefficient * (peak - final)
+
+
+def weight_decay(iteration: int, opt: OptimizerConfig, train: TrainingConfig) -> float:
+    """The decay of the decayed groups (the others have none)."""
+    start = opt.start_weight_decay if opt.start_weight_decay is not None else opt.weight_decay
+    end = opt.end_weight_decay if opt.end_weight_decay is not None else opt.weight_decay
+    ratio = min((iteration + 1) / training_iterations(train), 1.0)
+    if opt.weight_decay_incr_style == "linear":
+        coefficient = ratio
+    elif opt.weight_decay_incr_style == "cosine":
+        coefficient = 0.5 * (math.cos(math.pi * (1.0 - ratio)) + 1.0)
+    else:  # constant: arguments.py refuses --start/--end-weight-decay, so start == end
+        coefficient = 1.0
+    return start + coefficient * (end - start)
+
+
+def apply_schedule(param_groups: list[dict], iteration: int, opt: OptimizerConfig,
+                   train: TrainingConfig) -> float:
+    """Set every group's rate and decay for the step that finishes `iteration`, by the schedule the
+    group follows (optim/optimizer.py `param_groups`); returns the main rate (the one logged)."""
+    main_rate = learning_rate(iteration, opt, train)
+    decoupled_rate = learning_rate(iteration, opt, train, decoupled=True) \
+        if opt.decoupled_lr is not None else main_rate
+    decay = weight_decay(iteration, opt, train)
+    for group in param_groups:
+        group["lr"] = decoupled_rate if group["is_decoupled_lr"] else main_rate
+        group["weight_decay"] = decay * group["wd_mult"]
+    return main_rate

@@ -1,7 +1,14 @@
-"""The torch optimizer over fp32 master weights: Megatron's weight-decay groups (no decay on biases
-and norms, i.e. 1-D parameters) and apex's fused Adam when available on GPU, else torch's fused
-AdamW/SGD (one kernel per tensor list and no temporary of the parameters' size; the foreach path
-would hold sqrt(v), 4 bytes per parameter, during every step)."""
+"""The torch optimizer over fp32 master weights: Megatron's parameter groups and apex's fused Adam
+when available on GPU, else torch's fused AdamW/SGD (one kernel per tensor list and no temporary of
+the parameters' size; the foreach path would hold sqrt(v), 4 bytes per parameter, during every
+step).
+
+Each group carries what the schedules (optim/lr_schedule.py `apply_schedule`) need, under
+Megatron-LM's names: `wd_mult` (1: weight decay, 0: none, for biases and norms, i.e. 1-D
+parameters) and `is_decoupled_lr` (the input embeddings and the output layer under --decoupled-lr,
+which then have groups of their own). These roles come from this run's parameters and flags:
+loading an optimizer state leaves them as they are (a checkpoint's groups may come from another
+configuration)."""
 from __future__ import annotations
 
 import torch
@@ -13,23 +20,61 @@ try:
 except Exception:  # noqa: BLE001 - any import failure means "no apex"
     _ApexFusedAdam = None
 
-
-def param_groups(params: list[torch.Tensor], weight_decay: float) -> list[dict]:
-    decay = [p for p in params if p.dim() > 1]
-    no_decay = [p for p in params if p.dim() <= 1]
-    return [g for g in ({"params": decay, "weight_decay": weight_decay},
-                        {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+GROUP_ROLES = ("wd_mult", "is_decoupled_lr")
+WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
+OUTPUT_LAYER_WEIGHTS = ("output_embedding", "output_layer")  # the last stage's tied copy; untied
 
 
-def build_torch_optimizer(params: list[torch.Tensor],
-                          opt: OptimizerConfig) -> torch.optim.Optimizer:
-    groups = param_groups(params, opt.weight_decay)
+def is_embedding_or_output(name: str) -> bool:
+    """Megatron-LM's `is_embedding_or_output_parameter`: the input word embeddings (the first
+    stage's; the classifier's encoder's) and the output layer's weight (the last stage's tied copy
+    of the word embeddings or its untied output layer). As in Megatron, not the position or
+    token-type embeddings, nor BERT's output bias."""
+    return name == WORD_EMBEDDINGS or name.endswith("." + WORD_EMBEDDINGS) \
+        or name in OUTPUT_LAYER_WEIGHTS
+
+
+def param_groups(params: list[torch.Tensor], opt: OptimizerConfig,
+                 names: list[str] | None = None) -> list[dict]:
+    """Megatron's groups: decayed or not, times (with --decoupled-lr) main or decoupled schedule.
+    `names` (the parameters' module names) pick the decoupled ones; --decoupled-lr needs them."""
+    if opt.decoupled_lr is not None and names is None:
+        raise ValueError("--decoupled-lr: the optimizer needs the parameters' names to find the "
+                         "embedding and output-layer weights")
+    decoupled = ([is_embedding_or_output(name) for name in names] if opt.decoupled_lr is not None
+                 else [False] * len(params))
+    groups = []
+    for is_decoupled_lr in (False, True):
+        for wd_mult in (1.0, 0.0):
+            members = [p for p, d in zip(params, decoupled, strict=True)
+                       if d == is_decoupled_lr and (p.dim() > 1) == bool(wd_mult)]
+            if members:
+                groups.append({"params": members, "weight_decay": opt.weight_decay * wd_mult,
+                               "wd_mult": wd_mult, "is_decoupled_lr": is_decoupled_lr})
+    return groups
+
+
+def _keep_group_roles(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
+    """load_state_dict pre-hook: the loaded groups take their roles from this optimizer's."""
+    state_dict["param_groups"] = [{**saved, **{key: group[key] for key in GROUP_ROLES}}
+                                  for saved, group in zip(state_dict["param_groups"],
+                                                          optimizer.param_groups)]
+    return state_dict
+
+
+def build_torch_optimizer(params: list[torch.Tensor], opt: OptimizerConfig,
+                          names: list[str] | None = None) -> torch.optim.Optimizer:
+    groups = param_groups(params, opt, names)
     if opt.optimizer == "sgd":
-        return torch.optim.SGD(groups, lr=opt.lr, momentum=opt.sgd_momentum, fused=True)
-    adam = dict(lr=opt.lr, betas=(opt.adam_beta1, opt.adam_beta2), eps=opt.adam_eps)
-    if _ApexFusedAdam is not None and bool(params) and params[0].is_cuda:
-        return _ApexFusedAdam(groups, adam_w_mode=True, **adam)
-    return torch.optim.AdamW(groups, fused=True, **adam)
+        optimizer = torch.optim.SGD(groups, lr=opt.lr, momentum=opt.sgd_momentum, fused=True)
+    else:
+        adam = dict(lr=opt.lr, betas=(opt.adam_beta1, opt.adam_beta2), eps=opt.adam_eps)
+        if _ApexFusedAdam is not None and bool(params) and params[0].is_cuda:
+            optimizer = _ApexFusedAdam(groups, adam_w_mode=True, **adam)
+        else:
+            optimizer = torch.optim.AdamW(groups, fused=True, **adam)
+    optimizer.register_load_state_dict_pre_hook(_keep_group_roles)
+    return optimizer
 
 
 @torch.no_grad()

@@ -15,6 +15,8 @@ finish_data_reductions(): called before each backward, the first write to the bu
   summed gradient, starts its part of the norm at step(b) instead.
 step(b): wait for those, then decide for every stage alike: skip (fp16 overflow anywhere: no new
   version, the loss scale backs off) or unscale + clip + optimizer step, and create weight version b+1.
+  Outside fp16 a non-finite norm stops the job (--check-for-nan-in-loss-and-grad; every rank sees
+  the same norm, so every rank raises) or, with the check off, skips the step as an overflow.
 Under 2BW the schedule puts step(b) just before version b+1 is first needed, so cross-stage waiting
 costs no bubble: a stage r > 0 starts its norm before its first backward of batch b+1, which the
 first stage's backward of the same microbatch, and so its step(b), has to wait for. Under
@@ -47,12 +49,14 @@ class StepResult:
     batch: int
     skipped: bool
     grad_norm: float
-    learning_rate: float
+    learning_rate: float  # the main groups' (--decoupled-lr's groups may have another)
     loss_scale: float
     metrics: dict = field(default_factory=dict)  # last stage: batch-mean losses
     # time.perf_counter() when this rank's last backward of the batch ended: batches end one
     # batch of work apart in every schedule, while 2BW's deferred steps bunch up at a drain
     ended_at: float = 0.0
+    params_norm: float | None = None  # --log-params-norm: of the master weights after the step
+    num_zeros_in_grad: int | None = None  # --log-num-zeros-in-grad; None for a skipped step
 
 
 @dataclass
@@ -68,19 +72,30 @@ class _Pending:
 
 
 class GradientUpdater:
-    def __init__(self, versions: WeightVersions, optimizer, loss_scaler, lr_at, opt: OptimizerConfig,
-                 data_group, embedding_group, model_group, tensor_group, bucket_elements: int,
-                 timeout_minutes: float, timers=None):
+    """`schedule(param_groups, batch)` sets every group's learning rate and weight decay for the
+    step of `batch` and returns the main rate (lr_schedule.apply_schedule). `check_for_nan`: a
+    non-finite gradient norm outside fp16 raises instead of skipping the step (fp16 skips: an
+    overflow is its loss scaler's to handle). `log_params_norm`, `log_num_zeros_in_grad`: each
+    StepResult carries the norm of the weights, the zero entries of the gradients (a pass over
+    them and one small all-reduce per step)."""
+
+    def __init__(self, versions: WeightVersions, optimizer, loss_scaler, schedule,
+                 opt: OptimizerConfig, data_group, embedding_group, model_group, tensor_group,
+                 bucket_elements: int, timeout_minutes: float, timers=None,
+                 check_for_nan: bool = False, log_params_norm: bool = False,
+                 log_num_zeros_in_grad: bool = False):
         self.versions, self.optimizer, self.scaler = versions, optimizer, loss_scaler
-        self.lr_at, self.clip_grad = lr_at, opt.clip_grad
+        self.schedule, self.clip_grad = schedule, opt.clip_grad
+        self.stop_on_nonfinite_norm = check_for_nan and versions.working_dtype != torch.float16
+        self.log_params_norm, self.log_num_zeros_in_grad = log_params_norm, log_num_zeros_in_grad
         self.data_group, self.embedding_group = data_group, embedding_group
         self.model_group, self.tensor_group = model_group, tensor_group
         self.bucket_elements = bucket_elements
         self.timeout = timedelta(minutes=timeout_minutes)
         self.timers = timers
         tp_rank = group_rank(tensor_group)
-        # each parameter counted once in the global norm: replicated ones on tp rank 0 only, the
-        # last stage's copy of the tied embeddings not at all
+        # each parameter counted once in the global norm (and the weights' statistics): replicated
+        # ones on tp rank 0 only, the last stage's copy of the tied embeddings not at all
         self.norm_mask = [not (s.tied_copy or (s.replicated and tp_rank != 0)) for s in versions.specs]
         self.tied = any(s.tied for s in versions.specs)  # then region 0 of the flat buffers
         self.tied_copy = any(s.tied_copy for s in versions.specs)
@@ -183,17 +198,59 @@ class GradientUpdater:
         # starts its part of the norm at step(b), whose turn comes before every other stage's
         # step(b) in a 1F1B schedule, instead of blocking here on the embedding transfer
 
+    def _counted(self) -> list[torch.nn.Parameter]:
+        """The master weights this rank counts in global sums (norm_mask)."""
+        return [m for m, counted in zip(self.versions.master, self.norm_mask) if counted]
+
+    def _sum_of_squares(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        # per-tensor norms: no temporary of the tensors' size (pow(2) would allocate one)
+        norms = [torch.linalg.vector_norm(t, dtype=torch.float32) for t in tensors]
+        return torch.stack(norms).square().sum() if norms else \
+            torch.zeros((), device=self.versions.device)
+
     def _start_norm(self):
         """This rank's sum of squared master gradients, summed over the model-parallel group in
         the background (non-finite when any rank overflowed)."""
-        v = self.versions
-        # per-tensor norms: no temporary of the gradients' size (pow(2) would allocate one)
-        norms = [torch.linalg.vector_norm(m.grad, dtype=torch.float32)
-                 for m, counted in zip(v.master, self.norm_mask) if counted]
-        stats = torch.stack([torch.stack(norms).square().sum() if norms else torch.zeros(())])
-        if v.sharded:  # the replicas are in step here: add up their shards first
+        stats = torch.stack([self._sum_of_squares([m.grad for m in self._counted()])])
+        if self.versions.sharded:  # the replicas are in step here: add up their shards first
             all_reduce(stats, self.data_group)
         return stats, all_reduce(stats, self.model_group, async_op=True)
+
+    def _zeros_in_grad(self) -> torch.Tensor:
+        """This rank's zero entries of the master gradients it counts."""
+        counted = self._counted()
+        nonzero = sum((torch.count_nonzero(m.grad) for m in counted),
+                      torch.zeros((), dtype=torch.int64, device=self.versions.device))
+        return sum(m.numel() for m in counted) - nonzero
+
+    def _weight_statistics(self, zeros: torch.Tensor | None) -> tuple[float | None, int | None]:
+        """(params norm, zeros in the gradients) as asked for, over the whole model: summed over
+        the model-parallel group (with the distributed optimizer, over the shards first) in one
+        all-reduce. The norm is of the master weights now, after the step: under 2BW, of version
+        b+1 that step(b) creates, not of version b-1 that batch b's gradients were computed on
+        (Megatron too reports the norm after its step)."""
+        if not (self.log_params_norm or self.log_num_zeros_in_grad):
+            return None, None
+        squares = self._sum_of_squares(self._counted()) if self.log_params_norm else 0.0
+        # float64: a count above 2**24 stays exact
+        stats = torch.zeros(2, dtype=torch.float64, device=self.versions.device)
+        stats[0] = squares
+        if zeros is not None:
+            stats[1] = zeros
+        if self.versions.sharded:
+            all_reduce(stats, self.data_group)
+        all_reduce(stats, self.model_group)
+        params_norm = math.sqrt(float(stats[0])) if self.log_params_norm else None
+        num_zeros = int(stats[1]) if zeros is not None else None
+        return params_norm, num_zeros
+
+    def _nonfinite_norm_error(self, batch: int, squared: float) -> FloatingPointError:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        return FloatingPointError(
+            f"rank {rank}: the gradient norm of iteration {batch + 1} is {math.sqrt(squared)}: a "
+            f"NaN or infinity in the gradients of some stage (every rank sees this norm and "
+            f"stops). --check-for-nan-in-loss-and-grad is on; --no-check-for-nan-in-loss-and-grad "
+            f"would skip such steps instead")
 
     @torch.no_grad()
     def step(self, batch: int) -> StepResult:
@@ -212,13 +269,16 @@ class GradientUpdater:
         self._wait(norm_work)
         squared = float(stats[0])
         scale = pending.loss_scale
-        lr = self.lr_at(batch)
-        found_inf = not math.isfinite(squared)
-        if found_inf:
+        lr = self.schedule(self.optimizer.param_groups, batch)
+        if not math.isfinite(squared):
+            if self.stop_on_nonfinite_norm:
+                raise self._nonfinite_norm_error(batch, squared)
             self.scaler.update(True)
             self._new_version(batch, skipped=True)
+            params_norm, _ = self._weight_statistics(None)
             timer and timer.stop()
-            return StepResult(batch, True, float("nan"), lr, scale, metrics, pending.ended_at)
+            return StepResult(batch, True, float("nan"), lr, scale, metrics, pending.ended_at,
+                              params_norm)
         grad_norm = math.sqrt(squared) / scale
         coefficient = 1.0 / scale
         if self.clip_grad > 0 and grad_norm > self.clip_grad:
@@ -226,13 +286,15 @@ class GradientUpdater:
         if coefficient != 1.0:
             for grad in self.versions.master_grad_regions:
                 grad.mul_(coefficient)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        # Megatron counts the zeros of the unscaled, clipped gradients the optimizer steps with
+        zeros = self._zeros_in_grad() if self.log_num_zeros_in_grad else None
         self.optimizer.step()
         self.scaler.update(False)
         self._new_version(batch, skipped=False)
+        params_norm, num_zeros = self._weight_statistics(zeros)
         timer and timer.stop()
-        return StepResult(batch, False, grad_norm, lr, scale, metrics, pending.ended_at)
+        return StepResult(batch, False, grad_norm, lr, scale, metrics, pending.ended_at,
+                          params_norm, num_zeros)
 
     def _new_version(self, batch: int, skipped: bool) -> None:
         v = self.versions
