@@ -204,6 +204,9 @@ class ClassifierTrainer:
         self.optimizer = build_torch_optimizer(self.params, config.optimizer,
                                                [name for name, _ in named])
         self.scaler = build_loss_scaler(config.precision)
+        # outside fp16 (whose loss scaler skips overflows) a non-finite norm stops the job
+        self.stop_on_nonfinite_norm = config.training.check_for_nan_in_loss_and_grad and \
+            not config.precision.fp16
         dtype = AUTOCAST_DTYPES.get(config.precision.working_dtype_name)
         self.autocast = (lambda: torch.autocast(device.type, dtype=dtype)) if dtype else nullcontext
         train = config.training
@@ -234,6 +237,11 @@ class ClassifierTrainer:
         self._average_over_replicas()
         grad_norm = self._grad_norm() / scale
         skipped = not math.isfinite(grad_norm)  # fp16 overflow: the same verdict on every rank
+        if skipped and self.stop_on_nonfinite_norm:
+            raise FloatingPointError(
+                f"rank {self.layout.rank}: the gradient norm of fine-tuning step {step + 1} is "
+                f"{grad_norm}: a NaN or infinity in the gradients (--check-for-nan-in-loss-and-grad"
+                f" is on; --no-check-for-nan-in-loss-and-grad would skip such steps instead)")
         if not skipped:
             coefficient = 1.0 / scale
             clip = self.config.optimizer.clip_grad

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -248,6 +249,33 @@ def test_mnli_test_predictions_are_the_argmax_of_the_logits(workspace, tmp_path)
         header, *rows = [line.split("\t") for line in Path(path).read_text().splitlines()]
         assert header == ["index", "prediction"]
         assert rows == [[str(index), label] for index, label in zip(indices, expected[split])]
+
+
+@pytest.mark.parametrize("check", [True, False])
+def test_a_nonfinite_gradient_stops_fine_tuning_unless_the_check_is_off(check):
+    """--check-for-nan-in-loss-and-grad (the default) outside fp16: an infinite input gives a
+    non-finite gradient norm, which stops fine-tuning naming the step; with the check off the step
+    is skipped and the weights stay as they were."""
+    model_config = ModelConfig(model_type="bert", num_layers=1, hidden_size=16,
+                               num_attention_heads=2, seq_length=8, vocab_size=30,
+                               num_tokentypes=2, hidden_dropout=0.0, attention_dropout=0.0)
+    model = build_classifier(model_config, None, 1, num_classes=2, seed=1)
+    config = Config(model=model_config,
+                    training=TrainingConfig(micro_batch_size=2, global_batch_size=2,
+                                            check_for_nan_in_loss_and_grad=check))
+    trainer = ClassifierTrainer(config, ParallelLayout(1, 1, 1), torch.device("cpu"), model)
+    with torch.no_grad():
+        model.classifier.weight.fill_(float("inf"))
+    before = {name: p.clone() for name, p in model.named_parameters()}
+    features = {"text": np.zeros((2, 8), dtype=np.int64), "types": np.zeros((2, 8), dtype=np.int64),
+                "padding_mask": np.ones((2, 8), dtype=np.int64), "label": np.array([0, 1])}
+    if check:
+        with pytest.raises(FloatingPointError, match="gradient norm of fine-tuning step 1 is nan"):
+            trainer.step(features, np.arange(2), 0)
+        return
+    _, skipped = trainer.step(features, np.arange(2), 0)
+    assert skipped
+    assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
 
 
 # -- bad input -----------------------------------------------------------------------------------
