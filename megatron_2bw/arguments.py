@@ -334,7 +334,6 @@ VALUED_MEGATRON_FLAGS = {
                                  "(docs/checkpoints.md; tools/convert_checkpoint.py reshards "
                                  "them); drop the flag"),
     "--fp8-format": (str, None, "FP8 needs Transformer Engine, which megatron_2bw does not use"),
-    "--tiktoken-pattern": (str, "*", ""),  # only read by TikTokenizer, refused by its own flag
 }
 
 
@@ -346,9 +345,11 @@ def _add_megatron_flags_without_fields(parser) -> None:
         g.add_argument(flag, action="store_true", help="refused with the reason")
     for flag, (kind, accepted, _) in VALUED_MEGATRON_FLAGS.items():
         g.add_argument(flag, type=kind, default=None,
-                       help="accepted" if accepted == "*" else
-                       f"only {accepted} is accepted" if accepted is not None else
-                       "refused with the reason")
+                       help="refused with the reason" if accepted is None else
+                       f"only {accepted} is accepted")
+    g.add_argument("--tiktoken-pattern", default=None,
+                   help="accepted: only TikTokenizer reads it, and --tokenizer-type does not "
+                        "offer that one")
 
 
 def _refuse_megatron_flags(args: argparse.Namespace) -> None:
@@ -357,7 +358,7 @@ def _refuse_megatron_flags(args: argparse.Namespace) -> None:
             raise ConfigError(f"{flag} is not supported: {reason}")
     for flag, (_, accepted, reason) in VALUED_MEGATRON_FLAGS.items():
         value = getattr(args, _dest(flag), None)
-        if value is not None and accepted != "*" and value != accepted:
+        if value is not None and value != accepted:
             raise ConfigError(f"{flag} {value}: {reason}")
 
 
