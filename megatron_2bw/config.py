@@ -72,6 +72,11 @@ class ModelConfig:
         return 4 * self.hidden_size
 
     @property
+    def softmax_in_fp32(self) -> bool:
+        """--attention-softmax-in-fp32, or --apply-query-key-layer-scaling, which implies it."""
+        return self.attention_softmax_in_fp32 or self.apply_query_key_layer_scaling
+
+    @property
     def head_dim(self) -> int:
         return self.kv_channels or self.hidden_size // self.num_attention_heads
 

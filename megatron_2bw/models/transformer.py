@@ -201,8 +201,7 @@ class ParallelAttention(nn.Module):
         self.causal, self.recompute_core = causal, recompute_core
         self.rotary_interleaved = config.rotary_interleaved
         self.dropout_p = config.attention_dropout
-        self.softmax_in_fp32 = config.attention_softmax_in_fp32 or \
-            config.apply_query_key_layer_scaling
+        self.softmax_in_fp32 = config.softmax_in_fp32
         self.score_coefficient = layer_number if config.apply_query_key_layer_scaling else 1
         # rows ordered (query group, its query heads then k then v, head_dim), so a contiguous
         # shard holds whole groups; with one group per head that is (head, q/k/v, head_dim)

@@ -156,17 +156,11 @@ def ffn_wide_tensors(model: ModelConfig) -> int:
     return 4 if model.swiglu else 2
 
 
-def softmax_in_fp32(model: ModelConfig) -> bool:
-    """--attention-softmax-in-fp32, or --apply-query-key-layer-scaling, which implies it
-    (ParallelAttention)."""
-    return model.attention_softmax_in_fp32 or model.apply_query_key_layer_scaling
-
-
 def unfused_attention(model: ModelConfig, element_bytes: int) -> bool:
     """Whether the attention core is transformer.softmax_in_fp32_attention (Megatron-LM's unfused
     attention, which keeps its s x s scores): the fp32 softmax with fp16/bf16 activations; fp32
     ones keep scaled_dot_product_attention."""
-    return softmax_in_fp32(model) and element_bytes < 4
+    return model.softmax_in_fp32 and element_bytes < 4
 
 
 def qkv_stash_bytes(model: ModelConfig, tensor_parallel: int, element_bytes: int,

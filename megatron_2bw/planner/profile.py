@@ -66,9 +66,8 @@ from megatron_2bw.distributed.comm import ShardShapeGroup
 from megatron_2bw.distributed.launch import settle_host_allocator
 from megatron_2bw.planner.hardware import HardwareSpec, timed_call
 from megatron_2bw.planner.memory import (MASK_BYTES, dtype_bytes, grad_buffer_bytes,
-                                         layer_activation_bytes, softmax_in_fp32,
-                                         stage_parameter_tensors, stage_parameters,
-                                         unfused_attention)
+                                         layer_activation_bytes, stage_parameter_tensors,
+                                         stage_parameters, unfused_attention)
 
 
 @dataclass(frozen=True)
@@ -480,7 +479,7 @@ def _architecture(model: ModelConfig) -> dict:
                 "rotary_interleaved": rope and m.rotary_interleaved,
                 "query_groups": m.query_groups, "head_dim": m.head_dim,
                 "qk_layernorm": m.qk_layernorm, "layernorm_1p": m.apply_layernorm_1p,
-                "softmax_in_fp32": softmax_in_fp32(m)}
+                "softmax_in_fp32": m.softmax_in_fp32}
     gpt2 = {"normalization": "LayerNorm", "bias_linear": True, "qkv_bias": True, "swiglu": False,
             "position_embedding_type": "learned_absolute", "rotary_percent": 1.0,
             "rotary_interleaved": False, "query_groups": m.num_attention_heads,
