@@ -226,6 +226,10 @@ def build_parser(description: str = "", extra_args_provider=None) -> argparse.Ar
                                   "evaluation (2)")
     _bool_flag(g, "--deterministic-mode", "training", "deterministic_mode",
                "torch.use_deterministic_algorithms(True)")
+    _bool_flag(g, "--calculate-per-token-loss", "training", "calculate_per_token_loss",
+               "GPT: the batch's loss is the mean over all of its tokens (over microbatches and "
+               "replicas) instead of the mean of the microbatches' means; they differ where "
+               "--eod-mask-loss leaves microbatches with unequal token counts")
     g.add_argument("--rampup-batch-size", nargs="*", default=None,
                    help="not supported (rejected with the reason)")
 
@@ -313,9 +317,6 @@ ACCEPTED_MEGATRON_FLAGS = {
 }
 # ... and flags it cannot honour: refused with the reason instead of argparse's bare message
 REFUSED_MEGATRON_FLAGS = {
-    "--calculate-per-token-loss": "each microbatch's loss is averaged over its own tokens (the "
-                                  "same unless a loss mask leaves microbatches unequal); drop "
-                                  "the flag",
     "--async-save": "checkpoints are written synchronously and atomically; drop the flag",
     "--ckpt-fully-parallel-save": "each rank writes its own files already; drop the flag",
     "--ckpt-fully-parallel-load": "each rank reads its own files already; drop the flag",
@@ -602,6 +603,9 @@ def validate(config: Config, require_data: bool = True) -> None:
     _require(not m.untie_embeddings_and_output_weights or m.model_type == "gpt",
              "--untie-embeddings-and-output-weights applies to GPT only (BERT's masked-LM head "
              "stays tied)")
+    _require(not config.training.calculate_per_token_loss or m.model_type == "gpt",
+             "--calculate-per-token-loss applies to GPT pretraining only (BERT's sentence-order "
+             "loss is a mean over samples)")
     _require(not config.data.uses_document_boundaries or m.model_type == "gpt",
              "--eod-mask-loss, --reset-position-ids and --reset-attention-mask apply to GPT "
              "pretraining only")

@@ -93,7 +93,8 @@ def build_stage(config: Config, layout: ParallelLayout, device: torch.device, ti
         layout.group("tensor"), par.ddp_bucket_size, par.timeout_minutes, timers,
         check_for_nan=train.check_for_nan_in_loss_and_grad,
         log_params_norm=config.logging.log_params_norm,
-        log_num_zeros_in_grad=config.logging.log_num_zeros_in_grad)
+        log_num_zeros_in_grad=config.logging.log_num_zeros_in_grad,
+        per_token_loss=train.calculate_per_token_loss)
     d = layout.data
     microbatches = train.global_batch_size // (train.micro_batch_size * d)
     p2p = None
@@ -421,11 +422,13 @@ def evaluate(stage: Stage, iterator, log: ProgressLog, iteration: int) -> dict:
     config = stage.config
     microbatches = stage.microbatches * config.training.eval_iters
     feed = MicrobatchFeed(iterator, stage.device, 0)
-    metrics = stage.executor.evaluate(microbatches, feed)
-    if stage.layout.is_last_stage and metrics:
-        values = torch.tensor(list(metrics.values()), dtype=torch.float64)
-        all_reduce(values, stage.layout.group("data"), op=dist.ReduceOp.AVG)
-        metrics = dict(zip(metrics, values.tolist()))
+    sums, weight = stage.executor.evaluate(microbatches, feed)
+    metrics = {}
+    if stage.layout.is_last_stage and sums:
+        values = torch.tensor([*sums.values(), weight], dtype=torch.float64, device=stage.device)
+        all_reduce(values, stage.layout.group("data"))
+        *totals, weight = values.tolist()
+        metrics = {key: total / max(weight, 1.0) for key, total in zip(sums, totals)}
         if log.is_writer:
             text = " | ".join(f"{k}: {v:.6E} | {k} PPL: {_ppl(v):.6E}" for k, v in metrics.items())
             print(f" validation at iteration {iteration} | {text}", flush=True)
@@ -442,7 +445,8 @@ def _ppl(loss: float) -> float:
 
 def report_memory(stage: Stage) -> None:
     """Gather every rank's measured peak (a drained point, so the collective is safe)."""
-    peak = torch.tensor([float(stage.memory.peak_bytes())], dtype=torch.float64)
+    peak = torch.tensor([float(stage.memory.peak_bytes())], dtype=torch.float64,
+                        device=stage.device)  # NCCL gathers device tensors
     layout = stage.layout
     gathered = [torch.zeros_like(peak) for _ in range(layout.world_size)]
     if layout.world_size > 1:

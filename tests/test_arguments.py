@@ -191,6 +191,13 @@ def test_checkpoint_num_layers_sets_the_chunk():
     assert (config.recompute.granularity, config.recompute.num_layers) == ("full", 2)
 
 
+def test_per_token_loss_is_a_gpt_flag():
+    config, _ = parse_config([*TINY, "--calculate-per-token-loss"])
+    assert config.training.calculate_per_token_loss
+    with pytest.raises(ConfigError, match="--calculate-per-token-loss applies to GPT pretraining"):
+        parse_config([*TINY, "--calculate-per-token-loss"], model_type="bert")
+
+
 @pytest.mark.parametrize("flag", ["--eod-mask-loss", "--reset-position-ids",
                                   "--reset-attention-mask"])
 def test_document_flags_need_gpt_and_an_end_of_document_token(monkeypatch, flag):
@@ -299,8 +306,6 @@ def test_megatron_schedule_and_logging_flags_fill_the_config():
     (["--num-experts", "8"], "--num-experts 8: mixture-of-experts layers are not implemented"),
     (["--ckpt-format", "torch_dist"], "--ckpt-format torch_dist: megatron_2bw writes its own"),
     (["--fp8-format", "hybrid"], "--fp8-format hybrid: FP8 needs Transformer Engine"),
-    (["--calculate-per-token-loss"], "--calculate-per-token-loss is not supported: each "
-                                     "microbatch's loss is averaged over its own tokens"),
     (["--async-save"], "--async-save is not supported"),
     (["--tp-comm-overlap"], "--tp-comm-overlap is not supported"),
     (["--grad-reduce-in-bf16"], "--grad-reduce-in-bf16 reduces the gradients in bf16"),

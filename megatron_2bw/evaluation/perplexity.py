@@ -121,7 +121,7 @@ def score_windows(model, windows: list[Window], micro_batch_size: int, device: t
     and the totals are summed over data_group."""
     model.eval()
     mine = windows[data_rank::data_size]
-    sums = torch.zeros(4, dtype=torch.float64)
+    sums = torch.zeros(4, dtype=torch.float64, device=device)  # NCCL reduces device tensors
     batches = range(0, len(mine), micro_batch_size)
     for start in tqdm(batches, desc="evaluating", unit="batch", disable=not show_progress):
         chunk = mine[start:start + micro_batch_size]

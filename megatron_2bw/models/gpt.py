@@ -50,6 +50,16 @@ class GPTModel(LanguageModelStage):
             loss = (losses * loss_mask).sum() / loss_mask.sum().clamp(min=1.0)
         return loss, {"lm loss": loss.detach()}
 
+    @staticmethod
+    def loss_tokens(batch: dict) -> torch.Tensor:
+        """The number of targets the microbatch's loss is the mean of (--calculate-per-token-loss
+        weights the microbatches by it)."""
+        loss_mask = batch.get("loss_mask")
+        if loss_mask is None:
+            labels = batch["tokens"][:, 1:]
+            return torch.tensor(float(labels.numel()), device=labels.device)
+        return loss_mask.sum(dtype=torch.float32)
+
     def lm_logits(self, hidden):
         """Vocabulary-parallel logits [b, s, vocab/t] of the last layer's output."""
         hidden = self.final_norm(self.gather_sequence(hidden))

@@ -33,6 +33,7 @@ class StageExecutor:
         self._outputs: dict[int, torch.Tensor] = {}
         self._grads_in: dict[int, torch.Tensor] = {}
         self._grads_out: dict[int, torch.Tensor] = {}
+        self._tokens: dict = {}  # last stage: microbatch -> tokens its loss covers (per-token loss)
         self._comm: list[S.Action] = []
 
     def _timer(self, name):
@@ -121,10 +122,15 @@ class StageExecutor:
         inputs = self._inputs.get(a.microbatch)
         with self._track(a.microbatch, inputs, batch):
             out = self.module(inputs, batch)
+        tokens = 1
+        if self.updater.per_token_loss:  # every stage reads the microbatch, so counts alike
+            tokens = self.module.loss_tokens(batch)
+            self.updater.record_tokens(a.microbatch // self.m, tokens)
         if self.last:
             loss, metrics = out
             self._outputs[a.microbatch] = loss
-            self.updater.record_metrics(a.microbatch // self.m, metrics)
+            self._tokens[a.microbatch] = tokens
+            self.updater.record_metrics(a.microbatch // self.m, metrics, tokens)
         else:
             self._outputs[a.microbatch] = out
         timer.stop()
@@ -136,8 +142,8 @@ class StageExecutor:
         self.versions.install(a.version)  # recomputation reads the module's weights
         output = self._outputs.pop(k)
         if self.last:
-            scale = self.updater.loss_scale_for(k // self.m)
-            (output * (scale / self.m)).backward()
+            weight = self.updater.loss_weight(self._tokens.pop(k), self.m)
+            (output * (self.updater.loss_scale_for(k // self.m) * weight)).backward()
         else:
             torch.autograd.backward(output, grad_tensors=self._grads_in.pop(k))
         inputs = self._inputs.pop(k, None)
@@ -157,12 +163,16 @@ class StageExecutor:
 
     # -- evaluation ------------------------------------------------------------------------
     @torch.no_grad()
-    def evaluate(self, microbatches: int, next_microbatch: Callable[[int], dict]) -> dict:
-        """Forward-only pass of `microbatches` microbatches with the newest weights; the last stage
-        returns the mean of its metrics (other stages an empty dict)."""
+    def evaluate(self, microbatches: int, next_microbatch: Callable[[int], dict]
+                 ) -> tuple[dict, float]:
+        """Forward-only pass of `microbatches` microbatches with the newest weights. The last stage
+        returns its metrics summed over them and the sum's weight, the number of microbatches or
+        under per-token loss their tokens (other stages ({}, 0)): the caller sums both over the
+        replicas before dividing."""
         self.module.eval()
         self.versions.install(self.versions.newest)
         totals: dict[str, float] = {}
+        weight = 0.0
         if self.p2p is not None:
             self.p2p.expect({"act": 0 if self.first else microbatches})
         for a in S.forward_only_actions(self.stages, microbatches, self.stage):
@@ -171,16 +181,20 @@ class StageExecutor:
             elif a.kind == S.SEND_ACT:
                 self.p2p.exchange([("act", self._outputs.pop(a.microbatch))], [])
             else:
-                out = self.module(self._inputs.pop(a.microbatch, None), next_microbatch(a.microbatch))
+                batch = next_microbatch(a.microbatch)
+                out = self.module(self._inputs.pop(a.microbatch, None), batch)
                 if self.last:
+                    tokens = float(self.module.loss_tokens(batch)) \
+                        if self.updater.per_token_loss else 1.0
+                    weight += tokens
                     for key, value in out[1].items():
-                        totals[key] = totals.get(key, 0.0) + float(value) / microbatches
+                        totals[key] = totals.get(key, 0.0) + float(value) * tokens
                 else:
                     self._outputs[a.microbatch] = out
         if self.p2p is not None:
             self.p2p.wait_sends()
         self.module.train()
-        return totals
+        return totals, weight
 
 
 class _NoTimer:

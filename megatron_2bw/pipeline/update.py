@@ -64,7 +64,7 @@ class _Pending:
     data_works: list  # the data-parallel average of the gradient buffer, still in flight
     works: list
     loss_scale: float
-    metrics: tuple  # (names, values)
+    metrics: tuple  # (names, the metrics' sums and last the denominator, as one tensor)
     stats: torch.Tensor | None = None  # None: not started; the first stage starts it at step
     norm_work: object | None = None
     tied: object | None = None  # the tied-embedding gradient's all-reduce, still in flight
@@ -83,11 +83,12 @@ class GradientUpdater:
                  opt: OptimizerConfig, data_group, embedding_group, model_group, tensor_group,
                  bucket_elements: int, timeout_minutes: float, timers=None,
                  check_for_nan: bool = False, log_params_norm: bool = False,
-                 log_num_zeros_in_grad: bool = False):
+                 log_num_zeros_in_grad: bool = False, per_token_loss: bool = False):
         self.versions, self.optimizer, self.scaler = versions, optimizer, loss_scaler
         self.schedule, self.clip_grad = schedule, opt.clip_grad
         self.stop_on_nonfinite_norm = check_for_nan and versions.working_dtype != torch.float16
         self.log_params_norm, self.log_num_zeros_in_grad = log_params_norm, log_num_zeros_in_grad
+        self.per_token_loss = per_token_loss
         self.data_group, self.embedding_group = data_group, embedding_group
         self.model_group, self.tensor_group = model_group, tensor_group
         self.bucket_elements = bucket_elements
@@ -105,6 +106,7 @@ class GradientUpdater:
         self.pending: dict[int, _Pending] = {}
         self.version_scales = {0: loss_scaler.scale}  # version -> scale of the batches using it
         self.loss_sums: dict[int, dict[str, float]] = {}
+        self.loss_tokens: dict[int, torch.Tensor] = {}  # per_token_loss: batch -> its tokens
         self.overflow_injection = None  # tests: callable(batch) -> bool puts an inf in the gradient
 
     # -- loss scaling --------------------------------------------------------------------------
@@ -118,10 +120,23 @@ class GradientUpdater:
                 self.version_scales.setdefault(alive, self.scaler.scale)
         return self.version_scales[version]
 
-    def record_metrics(self, batch: int, metrics: dict) -> None:
+    def loss_weight(self, tokens, microbatches: int):
+        """What a microbatch's mean loss is multiplied by before backward (besides the loss
+        scale): its tokens under per_token_loss (the batch's total divides at the step), else
+        1/m, the mean over the batch's microbatches."""
+        return tokens if self.per_token_loss else 1.0 / microbatches
+
+    def record_tokens(self, batch: int, tokens: torch.Tensor) -> None:
+        """per_token_loss: every stage counts the tokens its batch's losses cover (summed on the
+        device: no wait for the microbatch's work)."""
+        self.loss_tokens[batch] = self.loss_tokens.get(batch, 0) + tokens
+
+    def record_metrics(self, batch: int, metrics: dict, tokens) -> None:
+        """The last stage's microbatch means, weighted by their tokens under per_token_loss."""
+        weight = tokens if self.per_token_loss else 1.0
         sums = self.loss_sums.setdefault(batch, {})
         for key, value in metrics.items():
-            sums[key] = sums.get(key, 0.0) + float(value)
+            sums[key] = sums.get(key, 0.0) + value * weight
 
     # -- batch boundary ------------------------------------------------------------------------
     def _time(self, name):
@@ -151,13 +166,16 @@ class GradientUpdater:
             data_works = [all_reduce(bucket, self.data_group, op=dist.ReduceOp.AVG, async_op=True)
                           for bucket in buffer.split(self.bucket_elements)]
         sums = self.loss_sums.pop(batch, {})
-        metrics = (list(sums), torch.tensor([x / microbatches for x in sums.values()]))
-        metrics_work = None  # the batch mean over data-parallel replicas, as Megatron reports it
-        if sums and replicated:
-            metrics_work = all_reduce(metrics[1], self.data_group, op=dist.ReduceOp.AVG,
-                                      async_op=True)
-        pending = _Pending(data_works, [metrics_work], self.loss_scale_for(batch), metrics,
-                           ended_at=ended_at)
+        denominator = self.loss_tokens.pop(batch) if self.per_token_loss else microbatches
+        # the metrics' sums and their denominator, summed over the data-parallel replicas: the
+        # batch mean as Megatron reports it, and under per_token_loss the tokens the step divides by
+        totals = torch.stack([torch.as_tensor(x, dtype=torch.float64, device=v.device)
+                              for x in (*sums.values(), denominator)])
+        metrics_work = None
+        if (sums or self.per_token_loss) and replicated:
+            metrics_work = all_reduce(totals, self.data_group, async_op=True)
+        pending = _Pending(data_works, [metrics_work], self.loss_scale_for(batch),
+                           (list(sums), totals), ended_at=ended_at)
         self.pending[batch] = pending
         if not data_works:
             self._averaged(pending)
@@ -260,14 +278,19 @@ class GradientUpdater:
         pending = self.pending.pop(batch)
         for work in pending.works:
             self._wait(work)
-        names, values = pending.metrics
-        metrics = dict(zip(names, values.tolist()))
+        names, totals = pending.metrics
+        *sums, denominator = totals.tolist()
+        denominator = max(denominator, 1.0)  # a batch whose loss mask hides every token
+        metrics = {name: value / denominator for name, value in zip(names, sums)}
         self._wait(pending.tied)
         stats, norm_work = pending.stats, pending.norm_work
         if stats is None:
             stats, norm_work = self._start_norm()
         self._wait(norm_work)
         squared = float(stats[0])
+        # the buffer holds the replicas' average of per-token sums: one replica's mean tokens
+        # turn it into the per-token mean over all of the batch's tokens
+        tokens = denominator / group_size(self.data_group) if self.per_token_loss else 1.0
         scale = pending.loss_scale
         lr = self.schedule(self.optimizer.param_groups, batch)
         if not math.isfinite(squared):
@@ -279,8 +302,8 @@ class GradientUpdater:
             timer and timer.stop()
             return StepResult(batch, True, float("nan"), lr, scale, metrics, pending.ended_at,
                               params_norm)
-        grad_norm = math.sqrt(squared) / scale
-        coefficient = 1.0 / scale
+        grad_norm = math.sqrt(squared) / (scale * tokens)
+        coefficient = 1.0 / (scale * tokens)
         if self.clip_grad > 0 and grad_norm > self.clip_grad:
             coefficient *= self.clip_grad / (grad_norm + 1e-6)
         if coefficient != 1.0:

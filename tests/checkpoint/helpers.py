@@ -84,5 +84,5 @@ def evaluate_checkpoint(rank: int, world: int, flags: list[str], root: str) -> f
     layout, stage = stage_on_rank(rank, world, config_from_flags(flags))
     load_checkpoint(stage, root)
     tokens = eval_tokens()
-    metrics = stage.executor.evaluate(2, lambda k: {"tokens": tokens[2 * k:2 * k + 2]})
-    return metrics.get("lm loss") if layout.is_last_stage and layout.coords.tp == 0 else None
+    sums, weight = stage.executor.evaluate(2, lambda k: {"tokens": tokens[2 * k:2 * k + 2]})
+    return sums["lm loss"] / weight if layout.is_last_stage and layout.coords.tp == 0 else None
