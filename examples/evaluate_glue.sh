@@ -6,7 +6,7 @@ set -euo pipefail
 
 CHECKPOINT=${CHECKPOINT:-checkpoints/bert}       # --save directory of pretrain_bert.py
 GLUE_DIR=${GLUE_DIR:-data/glue}                   # one sub-directory per task: $GLUE_DIR/MNLI/train.tsv
-TASKS=${TASKS:-"MNLI QQP QNLI SST-2 CoLA STS-B MRPC RTE"}
+TASKS=${TASKS:-"MNLI QQP QNLI SST-2 CoLA STS-B MRPC RTE WNLI"}
 TP=${TP:-1}                                       # tensor-parallel size = processes per task
 EPOCHS=${EPOCHS:-3}
 LR=${LR:-2e-5}
@@ -18,7 +18,8 @@ SEQ_LENGTH=${SEQ_LENGTH:-128}
 TOKENIZER_ARGS=${TOKENIZER_ARGS:-}
 MODEL_ARGS=${MODEL_ARGS:-}
 RESULTS_DIR=${RESULTS_DIR:-results/glue}
-# Set to a directory to also write the GLUE server's test prediction files there (CoLA.tsv, ...).
+# Set to a directory to also write the GLUE server's test prediction files there (CoLA.tsv, ...);
+# the MNLI run adds AX.tsv when $GLUE_DIR/diagnostic/diagnostic.tsv exists.
 TEST_PREDICTIONS=${TEST_PREDICTIONS:-}
 PYTHON=${PYTHON:-python}
 
@@ -29,6 +30,11 @@ mkdir -p "$RESULTS_DIR"
 RESULT_FILES=()
 for T in $TASKS; do
     echo "=== $T ==="
+    # GLUE's diagnostic set is predicted with the MNLI model
+    DIAGNOSTIC=""
+    if [ -n "$TEST_PREDICTIONS" ] && [ "$T" = MNLI ] && [ -f "$GLUE_DIR/diagnostic/diagnostic.tsv" ]; then
+        DIAGNOSTIC="$GLUE_DIR/diagnostic/diagnostic.tsv"
+    fi
     # Word splitting of TOKENIZER_ARGS / MODEL_ARGS into separate flags is intended.
     # shellcheck disable=SC2086
     torchrun --standalone --nproc-per-node "$TP" "$REPO_ROOT/tools/finetune_glue.py" \
@@ -43,6 +49,7 @@ for T in $TASKS; do
         --seq-length "$SEQ_LENGTH" \
         --tensor-model-parallel-size "$TP" \
         ${TEST_PREDICTIONS:+--test-predictions "$TEST_PREDICTIONS"} \
+        ${DIAGNOSTIC:+--diagnostic-data "$DIAGNOSTIC"} \
         $TOKENIZER_ARGS $MODEL_ARGS
     RESULT_FILES+=("$RESULTS_DIR/$T.json")
 done

@@ -3,15 +3,17 @@
     torchrun --standalone --nproc-per-node 2 tools/finetune_glue.py --task MNLI \\
         --data-dir data/glue/MNLI --load checkpoints/bert --tensor-model-parallel-size 2 \\
         --epochs 3 --lr 2e-5 --micro-batch-size 32 --seq-length 128 --results results/MNLI.json \\
-        --test-predictions results/glue_submission
+        --test-predictions results/glue_submission \\
+        --diagnostic-data data/glue/diagnostic/diagnostic.tsv
 
-Tasks: MNLI (dev matched and mismatched), QQP, QNLI, SST-2, CoLA, STS-B, MRPC, RTE. The data is a
-task directory of the GLUE distribution (--data-dir, .tsv files) or a local Hugging Face `datasets`
-copy of the task (--datasets-dir). Flags are pretrain_bert.py's; model and tokenizer flags left
-unset come from the checkpoint. With --test-predictions DIR the final model predicts the task's
-test split(s) and writes the GLUE server's submission file(s) into DIR (MNLI-m.tsv and MNLI-mm.tsv,
-else e.g. CoLA.tsv: "index<tab>prediction" rows); the test files are checked before training.
-Layout, results and submission formats: docs/glue.md and docs/bert.md.
+Tasks: MNLI (dev matched and mismatched), QQP, QNLI, SST-2, CoLA, STS-B, MRPC, RTE, WNLI. The data
+is a task directory of the GLUE distribution (--data-dir, .tsv files) or a local Hugging Face
+`datasets` copy of the task (--datasets-dir). Flags are pretrain_bert.py's; model and tokenizer
+flags left unset come from the checkpoint. With --test-predictions DIR the final model predicts the
+task's test split(s) and writes the GLUE server's submission file(s) into DIR (MNLI-m.tsv and
+MNLI-mm.tsv, else e.g. CoLA.tsv: "index<tab>prediction" rows); with --task MNLI, --diagnostic-data
+adds GLUE's diagnostic set, AX.tsv. The test files are checked before training. Layout, results
+and submission formats: docs/glue.md and docs/bert.md.
 """
 from __future__ import annotations
 
@@ -42,6 +44,10 @@ def add_glue_args(parser) -> None:
     g.add_argument("--test-predictions", metavar="DIR",
                    help="after fine-tuning, predict the task's test split(s) and write the GLUE "
                         "server's submission file(s) into DIR (e.g. MNLI-m.tsv, MNLI-mm.tsv)")
+    g.add_argument("--diagnostic-data", metavar="PATH",
+                   help="with --task MNLI and --test-predictions: also predict GLUE's diagnostic "
+                        "set into DIR/AX.tsv; PATH is the GLUE distribution's "
+                        "diagnostic/diagnostic.tsv or a local datasets copy of the hub's ax config")
 
 
 def settings_from_args(args) -> GlueSettings:
@@ -51,7 +57,7 @@ def settings_from_args(args) -> GlueSettings:
     if fraction is None and ("optimizer", "lr_warmup_iters") not in explicit_fields(args):
         fraction = DEFAULT_WARMUP_FRACTION
     return GlueSettings(args.task, args.data_dir, args.datasets_dir, args.results, args.epochs,
-                        fraction, args.test_predictions)
+                        fraction, args.test_predictions, args.diagnostic_data)
 
 
 def main(argv=None) -> dict:

@@ -12,7 +12,8 @@ norm and steps AdamW with linear warm-up and decay. --bf16 and --fp16 run the mo
 (fp16 with loss scaling). After every epoch each dev split is evaluated and the results file
 (glue.format_results_table reads it) is rewritten. With a test-predictions directory the final
 model then predicts every test split and writes the files the GLUE benchmark server takes
-(glue.submission_tsv); the test files are read before training, so a bad one fails at once.
+(glue.submission_tsv), for MNLI also GLUE's diagnostic set (AX.tsv) when given; the test files are
+read before training, so a bad one fails at once.
 """
 from __future__ import annotations
 
@@ -38,8 +39,9 @@ from megatron_2bw.config import Config, DataConfig
 from megatron_2bw.data.tokenizers import build_tokenizer
 from megatron_2bw.distributed.comm import all_reduce, group_size
 from megatron_2bw.distributed.layout import ParallelLayout
-from megatron_2bw.evaluation.glue import (Example, GlueTask, build_features, get_task, read_task,
-                                          read_task_from_datasets_dir, submission_tsv,
+from megatron_2bw.evaluation.glue import (DIAGNOSTIC_SUBMISSION_FILE, DIAGNOSTIC_TASK, Example,
+                                          GlueTask, build_features, get_task, read_diagnostic,
+                                          read_task, read_task_from_datasets_dir, submission_tsv,
                                           task_metrics)
 from megatron_2bw.models.classification import (OPTIONAL_PREFIXES, BertClassifier,
                                                 build_classifier, pretrained_name)
@@ -65,9 +67,11 @@ class GlueSettings:
     epochs: int = 3
     lr_warmup_fraction: float | None = None  # of all steps; None: --lr-warmup-iters (or 0.1)
     test_predictions: str | None = None  # directory for the GLUE server's test prediction files
+    # GLUE's diagnostic set (glue.read_diagnostic), predicted into test_predictions/AX.tsv
+    diagnostic_data: str | None = None
 
     def __post_init__(self):
-        get_task(self.task)  # an unknown task fails here, with the list of known ones
+        task = get_task(self.task)  # an unknown task fails here, with the list of known ones
         if (self.data_dir is None) == (self.datasets_dir is None):
             raise ConfigError("give exactly one of --data-dir (GLUE .tsv files of the task) and "
                               "--datasets-dir (a local Hugging Face datasets copy of the task)")
@@ -79,6 +83,14 @@ class GlueSettings:
         if self.test_predictions is not None and os.path.isfile(self.test_predictions):
             raise ConfigError(f"--test-predictions names a directory for the prediction files; "
                               f"{self.test_predictions} is a file")
+        if self.diagnostic_data is not None:
+            if task.name != DIAGNOSTIC_TASK:
+                raise ConfigError(f"--diagnostic-data (GLUE's diagnostic set AX) is predicted with "
+                                  f"the {DIAGNOSTIC_TASK} model: it needs --task "
+                                  f"{DIAGNOSTIC_TASK}, not --task {self.task}")
+            if self.test_predictions is None:
+                raise ConfigError(f"--diagnostic-data writes {DIAGNOSTIC_SUBMISSION_FILE} with the "
+                                  f"test predictions: it needs --test-predictions DIR")
 
     @property
     def source(self) -> str:
@@ -149,7 +161,7 @@ def load_pretrained_encoder(model: BertClassifier, pretrained: PretrainedBert) -
 
 @dataclass
 class SubmissionSplit:
-    """A test split, predicted for the GLUE server's submission files."""
+    """A test split (or the diagnostic set), predicted for the GLUE server's submission files."""
     indices: list[int]  # each example's index in the test file, for the submission file
     features: dict[str, np.ndarray]
 
@@ -158,7 +170,14 @@ class SubmissionSplit:
 class TaskData:
     train: dict[str, np.ndarray]  # build_features arrays
     dev: dict[str, dict[str, np.ndarray]]  # split name -> features
-    test: dict[str, SubmissionSplit]  # split name -> examples; read only for --test-predictions
+    # submission file name (MNLI-m.tsv, AX.tsv, ...) -> examples; read only for --test-predictions
+    test: dict[str, SubmissionSplit]
+
+
+def _nonempty(examples: list[Example], what: str) -> list[Example]:
+    if not examples:
+        raise ValueError(f"{what} has no examples")
+    return examples
 
 
 def load_task_data(task: GlueTask, settings: GlueSettings, tokenizer, seq_length: int) -> TaskData:
@@ -167,21 +186,24 @@ def load_task_data(task: GlueTask, settings: GlueSettings, tokenizer, seq_length
             read = read_task(task.name, settings.data_dir, split)
         else:
             read = read_task_from_datasets_dir(task.name, settings.datasets_dir, split)
-        if not read:
-            raise ValueError(f"{settings.source}: the {split} split of {task.name} has no examples")
-        return read
+        return _nonempty(read, f"{settings.source}: the {split} split of {task.name}")
 
     def features(split: str) -> dict[str, np.ndarray]:
         return build_features(examples(split), tokenizer, seq_length)
 
-    def test_split(split: str) -> SubmissionSplit:
-        read = examples(split)
+    def submission(read: list[Example]) -> SubmissionSplit:
         return SubmissionSplit([example.index for example in read],
                                build_features(read, tokenizer, seq_length))
 
-    test_splits = task.test_splits if settings.test_predictions is not None else ()
-    return TaskData(features("train"), {split: features(split) for split in task.dev_splits},
-                    {split: test_split(split) for split in test_splits})
+    data = TaskData(features("train"), {split: features(split) for split in task.dev_splits}, {})
+    if settings.test_predictions is not None:
+        data.test = {task.submission_file(split): submission(examples(split))
+                     for split in task.test_splits}
+    if settings.diagnostic_data is not None:
+        data.test[DIAGNOSTIC_SUBMISSION_FILE] = submission(_nonempty(
+            read_diagnostic(settings.diagnostic_data),
+            f"{settings.diagnostic_data}: the diagnostic set (AX)"))
+    return data
 
 
 def _batch(features: dict[str, np.ndarray], indices, device) -> dict[str, torch.Tensor]:
@@ -319,21 +341,22 @@ def write_results(path: str, results: dict) -> None:
 
 def write_test_predictions(trainer: ClassifierTrainer, task: GlueTask,
                            test: dict[str, SubmissionSplit], directory: str) -> list[str]:
-    """Predict every test split with the trainer's model and write the GLUE server's file for it
-    (glue.submission_tsv) into `directory`, on rank 0; returns the paths. Every rank must call
-    this: the data-parallel replicas share the predictions."""
+    """Predict every entry of `test` (TaskData.test) with the trainer's model and write it as the
+    GLUE server's file of that name (glue.submission_tsv, `task`'s labels) into `directory`, on
+    rank 0; returns the paths. Every rank must call this: the data-parallel replicas share the
+    predictions."""
     paths = []
-    for split, data in test.items():
+    for file_name, data in test.items():
         predictions = trainer.predict(data.features)
-        path = os.path.join(directory, task.submission_file(split))
+        path = os.path.join(directory, file_name)
         if trainer.layout.rank == 0:
             _write_atomically(path, submission_tsv(task.name, data.indices, predictions))
         paths.append(path)
     return paths
 
 
-def _mean_over_replicas(value: float, layout: ParallelLayout) -> float:
-    tensor = torch.tensor([value], dtype=torch.float64)
+def _mean_over_replicas(value: float, layout: ParallelLayout, device: torch.device) -> float:
+    tensor = torch.tensor([value], dtype=torch.float64, device=device)  # NCCL: a device tensor
     all_reduce(tensor, layout.group("data"), op=dist.ReduceOp.AVG)
     return float(tensor[0])
 
@@ -386,7 +409,7 @@ def finetune(config: Config, settings: GlueSettings, pretrained: PretrainedBert)
             skipped += was_skipped
             step += 1
             progress.set_postfix(loss=f"{loss:.4f}")
-        train_loss = _mean_over_replicas(sum(losses) / len(losses), layout)
+        train_loss = _mean_over_replicas(sum(losses) / len(losses), layout, device)
         for split, features in data.dev.items():
             metrics = task_metrics(task.name, trainer.predict(features), features["label"])
             results["epochs"].append({"epoch": epoch, "split": split, "metrics": metrics,

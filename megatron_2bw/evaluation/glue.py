@@ -8,7 +8,8 @@ Two data sources are understood:
   `read_task_from_datasets_dir`.
 Both yield the same `Example`s, so fine-tuning does not care where the data came from. Test
 examples carry their index in the test file, which `submission_tsv` writes into the prediction
-files the GLUE server takes.
+files the GLUE server takes. `read_diagnostic` reads GLUE's diagnostic set (AX) from either source:
+unlabeled MNLI-style pairs that the server wants predicted by the MNLI model.
 
 Splits are always named the GLUE way ("train", "dev", "dev_matched", "test", ...); the hub's
 "validation..." names are derived from them.
@@ -18,7 +19,7 @@ from __future__ import annotations
 import json
 import warnings
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -104,7 +105,15 @@ TASKS: dict[str, GlueTask] = {task.name: task for task in [
              "mrpc", ("sentence1", "sentence2"), (("not_equivalent", "0"), ("equivalent", "1"))),
     GlueTask("RTE", _ENTAILMENT, ("accuracy",), ("dev",), ("sentence1", "sentence2"), "label",
              "rte", ("sentence1", "sentence2"), tuple(zip(_ENTAILMENT, _ENTAILMENT))),
+    GlueTask("WNLI", _BINARY, ("accuracy",), ("dev",), ("sentence1", "sentence2"), "label",
+             "wnli", ("sentence1", "sentence2"), (("not_entailment", "0"), ("entailment", "1"))),
 ]}
+
+# GLUE's diagnostic set: MNLI-style pairs, predicted with the MNLI model into AX.tsv. It is read
+# as unlabeled MNLI test data under its own name, so errors say "AX" and labels are MNLI's.
+DIAGNOSTIC_TASK = "MNLI"
+DIAGNOSTIC_SUBMISSION_FILE = "AX.tsv"
+_DIAGNOSTIC = replace(TASKS[DIAGNOSTIC_TASK], name="AX", hub_config="ax")
 
 
 def _canonical(name: str) -> str:
@@ -182,8 +191,13 @@ def read_task(task: str, data_dir: str | Path, split: str) -> list[Example]:
         expected = ", ".join(f"{s}.tsv" for s in spec.splits)
         raise FileNotFoundError(f"{path}: no such file; the {spec.name} directory of the GLUE "
                                 f"distribution holds {expected}")
+    return _read_tsv(spec, path, is_test=split in spec.test_splits)
+
+
+def _read_tsv(spec: GlueTask, path: Path, is_test: bool) -> list[Example]:
+    """The examples of one GLUE file of `spec`'s layout; see `read_task`."""
     rows = _tsv_rows(path)
-    if spec.headerless_columns is not None and split not in spec.test_splits:
+    if spec.headerless_columns is not None and not is_test:
         header = list(spec.headerless_columns)
     else:
         header = next(rows, (0, []))[1]
@@ -195,7 +209,6 @@ def read_task(task: str, data_dir: str | Path, split: str) -> list[Example]:
 
     text_positions = [position(column) for column in spec.tsv_text_columns]
     # An unlabeled test file is normal; any other split must be labeled.
-    is_test = split in spec.test_splits
     label_position = (None if is_test and spec.tsv_label_column not in header
                       else position(spec.tsv_label_column))
     index_position = position(spec.tsv_test_index_column) if is_test else None
@@ -313,7 +326,12 @@ def read_task_from_datasets_dir(task: str, path: str | Path, split: str) -> list
     spec = get_task(task)
     spec.check_split(split)
     dataset, where = _load_datasets_split(Path(path), split)
-    is_test = split in spec.test_splits
+    return _dataset_examples(spec, dataset, where, split, is_test=split in spec.test_splits)
+
+
+def _dataset_examples(spec: GlueTask, dataset, where: Path, split: str,
+                      is_test: bool) -> list[Example]:
+    """The examples of one split of a `datasets` copy; see `read_task_from_datasets_dir`."""
     columns = [*spec.hub_text_columns, "label", *([HUB_INDEX_COLUMN] if is_test else [])]
     missing = [column for column in columns if column not in dataset.column_names]
     if missing:
@@ -342,6 +360,29 @@ def read_task_from_datasets_dir(task: str, path: str | Path, split: str) -> list
             label = label_index[label]
         examples.append(Example(texts[0], texts[1] if len(texts) > 1 else None, label, index))
     return examples
+
+
+# ------------------------------------------------------------------------ the diagnostic set
+
+
+def read_diagnostic(path: str | Path) -> list[Example]:
+    """GLUE's diagnostic set (AX), unlabeled, each example with its `index`.
+
+    `path` is the GLUE distribution's `diagnostic/diagnostic.tsv` (header `index sentence1
+    sentence2`), or a directory holding a local Hugging Face `datasets` copy of the hub's `ax`
+    config in any layout `read_task_from_datasets_dir` reads: a `test` split with the columns
+    premise, hypothesis, label (-1) and idx. Errors are `read_task`'s and
+    `read_task_from_datasets_dir`'s, naming the file.
+    """
+    path = Path(path)
+    if path.is_dir():
+        dataset, where = _load_datasets_split(path, "test")
+        return _dataset_examples(_DIAGNOSTIC, dataset, where, "test", is_test=True)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such file or directory; expected GLUE's "
+                                f"diagnostic/diagnostic.tsv or a datasets copy of the hub's ax "
+                                f"config")
+    return _read_tsv(_DIAGNOSTIC, path, is_test=True)
 
 
 # ---------------------------------------------------------------------------------- features

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_2bw.arguments import ConfigError
+from megatron_2bw.arguments import ConfigError, build_parser
 from megatron_2bw.checkpoint import save_checkpoint
 from megatron_2bw.checkpoint.reshard import read_full_state
 from megatron_2bw.config import CheckpointConfig, Config, DataConfig, ModelConfig, TrainingConfig
@@ -185,6 +185,13 @@ def test_regression_head_for_sts_b():
     assert torch.allclose(model.loss(logits, labels), ((logits.squeeze(-1) - labels) ** 2).mean())
 
 
+def write_unlabeled_pairs(path: Path, indices: list[int], rng: random.Random) -> None:
+    """An MNLI test file or GLUE's diagnostic.tsv: random sentence pairs under these indices."""
+    write_tsv(path, [(index, f"{text}\t{other}") for index, (text, _), (other, _)
+                     in zip(indices, sst2_rows(rng, len(indices)), sst2_rows(rng, len(indices)))],
+              "index\tsentence1\tsentence2")
+
+
 def write_mnli_task(directory: Path, test_indices: dict[str, list[int]]) -> None:
     """Tiny MNLI files: two labeled rows per train/dev file, test files with the given indices."""
     header = "sentence1\tsentence2\tgold_label"
@@ -194,10 +201,7 @@ def write_mnli_task(directory: Path, test_indices: dict[str, list[int]]) -> None
                   header)
     rng = random.Random(1)
     for split, indices in test_indices.items():
-        write_tsv(directory / f"{split}.tsv",
-                  [(index, f"{text}\t{other}") for index, (text, _), (other, _)
-                   in zip(indices, sst2_rows(rng, len(indices)), sst2_rows(rng, len(indices)))],
-                  "index\tsentence1\tsentence2")
+        write_unlabeled_pairs(directory / f"{split}.tsv", indices, rng)
 
 
 def workspace_tokenizer(workspace):
@@ -215,40 +219,49 @@ def test_mnli_reads_both_dev_sets(workspace, tmp_path):
 
 
 def test_mnli_test_predictions_are_the_argmax_of_the_logits(workspace, tmp_path):
-    """Both MNLI test files get a submission file holding, under each example's own index, the
-    label of the model's largest logit (micro-batches of 2 over 5 and 3 examples)."""
-    test_indices = {"test_matched": [31, 4, 17, 8, 0], "test_mismatched": [12, 11, 205]}
-    write_mnli_task(tmp_path / "MNLI", test_indices)
+    """Both MNLI test files and GLUE's diagnostic set (--diagnostic-data) get a submission file
+    holding, under each example's own index, the label of the model's largest logit (micro-batches
+    of 2 over 5, 3 and 6 examples)."""
+    indices = {"MNLI-m.tsv": [31, 4, 17, 8, 0], "MNLI-mm.tsv": [12, 11, 205],
+               "AX.tsv": [1103, 0, 7, 55, 2, 9]}
+    write_mnli_task(tmp_path / "MNLI", {"test_matched": indices["MNLI-m.tsv"],
+                                        "test_mismatched": indices["MNLI-mm.tsv"]})
+    write_unlabeled_pairs(tmp_path / "diagnostic.tsv", indices["AX.tsv"], random.Random(2))
     task = get_task("MNLI")
-    settings = GlueSettings("MNLI", data_dir=str(tmp_path / "MNLI"),
-                            test_predictions=str(tmp_path / "submission"))
+    # the command line's settings: --diagnostic-data reaches GlueSettings
+    args = build_parser("", finetune_glue.add_glue_args).parse_args(
+        ["--task", "MNLI", "--data-dir", str(tmp_path / "MNLI"), "--test-predictions",
+         str(tmp_path / "submission"), "--diagnostic-data", str(tmp_path / "diagnostic.tsv")])
+    settings = finetune_glue.settings_from_args(args)
     data = load_task_data(task, settings, workspace_tokenizer(workspace), 16)
+    assert list(data.test) == list(indices)
     model_config = read_full_state(str(workspace["bert"]), with_optimizer=False).config.model
     model = build_classifier(model_config, None, 1, num_classes=task.num_classes, seed=0).eval()
 
-    def logits(split: str) -> torch.Tensor:
-        features = data.test[split].features
+    def logits(name: str) -> torch.Tensor:
+        features = data.test[name].features
         with torch.no_grad():
             return model({key: torch.from_numpy(features[key])
                           for key in ("text", "types", "padding_mask")})
 
     with torch.no_grad():  # a fresh model's logits barely vary: center them to vary the argmax
-        model.classifier.bias -= logits("test_matched").mean(dim=0)
-    expected = {split: [task.labels[i] for i in logits(split).argmax(dim=-1).tolist()]
-                for split in test_indices}
-    assert set(expected["test_matched"]) == set(expected["test_mismatched"]) == set(task.labels)
+        model.classifier.bias -= logits("MNLI-m.tsv").mean(dim=0)
+    expected = {name: [task.labels[i] for i in logits(name).argmax(dim=-1).tolist()]
+                for name in indices}
+    assert set(expected["MNLI-m.tsv"]) == set(expected["MNLI-mm.tsv"]) == set(task.labels)
+    assert len(set(expected["AX.tsv"])) > 1
     config = Config(model=model_config,
                     training=TrainingConfig(micro_batch_size=2, global_batch_size=2))
     trainer = ClassifierTrainer(config, ParallelLayout(1, 1, 1), torch.device("cpu"), model)
 
     paths = write_test_predictions(trainer, task, data.test, settings.test_predictions)
 
-    assert paths == [str(tmp_path / "submission" / name) for name in ("MNLI-m.tsv", "MNLI-mm.tsv")]
-    assert sorted(os.listdir(tmp_path / "submission")) == ["MNLI-m.tsv", "MNLI-mm.tsv"]
-    for path, (split, indices) in zip(paths, test_indices.items()):
+    assert paths == [str(tmp_path / "submission" / name) for name in indices]
+    assert sorted(os.listdir(tmp_path / "submission")) == ["AX.tsv", "MNLI-m.tsv", "MNLI-mm.tsv"]
+    for path, name in zip(paths, indices):
         header, *rows = [line.split("\t") for line in Path(path).read_text().splitlines()]
         assert header == ["index", "prediction"]
-        assert rows == [[str(index), label] for index, label in zip(indices, expected[split])]
+        assert rows == [[str(index), label] for index, label in zip(indices[name], expected[name])]
 
 
 @pytest.mark.parametrize("check", [True, False])
@@ -280,8 +293,8 @@ def test_a_nonfinite_gradient_stops_fine_tuning_unless_the_check_is_off(check):
 
 # -- bad input -----------------------------------------------------------------------------------
 
-def main_args(workspace, data_dir, load=None) -> list[str]:
-    return ["--task", "SST-2", "--data-dir", str(data_dir), "--load",
+def main_args(workspace, data_dir, load=None, task="SST-2") -> list[str]:
+    return ["--task", task, "--data-dir", str(data_dir), "--load",
             str(load or workspace["bert"]), "--micro-batch-size", "4"]
 
 
@@ -296,6 +309,33 @@ def test_missing_test_file_fails_before_training(workspace, tmp_path):
     with pytest.raises(ConfigError, match=f"--test-predictions names a directory for the "
                                           f"prediction files; {tmp_path / 'out'} is a file"):
         finetune_glue.main(args)
+
+
+def test_bad_diagnostic_data_fails_before_training(workspace, tmp_path):
+    write_mnli_task(tmp_path, {"test_matched": [0], "test_mismatched": [1]})
+    args = [*main_args(workspace, tmp_path, task="MNLI"), "--test-predictions",
+            str(tmp_path / "out"), "--diagnostic-data"]
+    missing = tmp_path / "diagnostic" / "diagnostic.tsv"
+    with pytest.raises(FileNotFoundError, match=f"{missing}: no such file or directory"):
+        finetune_glue.main([*args, str(missing)])
+    # e.g. a training file given in its place: without an index column there is no submission
+    write_tsv(tmp_path / "train_copy.tsv", [("the movie\ta film", "entailment")],
+              "sentence1\tsentence2\tgold_label")
+    with pytest.raises(ValueError, match=f"{tmp_path / 'train_copy.tsv'}: no column 'index'"):
+        finetune_glue.main([*args, str(tmp_path / "train_copy.tsv")])
+    assert not dist.is_initialized()  # failed while reading the data, before any training
+
+
+def test_diagnostic_data_needs_mnli_and_test_predictions(workspace, tmp_path):
+    diagnostic = ["--diagnostic-data", str(tmp_path / "diagnostic.tsv")]
+    with pytest.raises(ConfigError, match=r"--diagnostic-data \(GLUE's diagnostic set AX\) is "
+                                          r"predicted with the MNLI model: it needs --task MNLI, "
+                                          r"not --task RTE"):
+        finetune_glue.main([*main_args(workspace, tmp_path, task="RTE"), *diagnostic,
+                            "--test-predictions", str(tmp_path / "out")])
+    with pytest.raises(ConfigError, match="--diagnostic-data writes AX.tsv with the test "
+                                          "predictions: it needs --test-predictions DIR"):
+        finetune_glue.main([*main_args(workspace, tmp_path, task="mnli"), *diagnostic])
 
 
 def test_missing_task_file_names_it(workspace, tmp_path):

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from megatron_2bw.evaluation.glue import (
-    TASKS, Example, build_features, format_results_table, get_task, read_task,
+    TASKS, Example, build_features, format_results_table, get_task, read_diagnostic, read_task,
     read_task_from_datasets_dir, submission_tsv, task_metrics)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -32,6 +32,9 @@ HEADERS = {
                          "sentence1", "sentence2", "score"],
     ("MRPC", "train"): ["Quality", "#1 ID", "#2 ID", "#1 String", "#2 String"],
     ("RTE", "train"): ["index", "sentence1", "sentence2", "label"],
+    ("WNLI", "train"): ["index", "sentence1", "sentence2", "label"],
+    ("WNLI", "test"): ["index", "sentence1", "sentence2"],
+    ("AX", "test"): ["index", "sentence1", "sentence2"],  # diagnostic/diagnostic.tsv
 }
 
 
@@ -78,6 +81,9 @@ def test_every_task_reads_its_glue_layout(tmp_path):
               [[1, 702876, 702977, "He said yes.", "He agreed."]], prefix="\ufeff")
     write_tsv(tmp_path / "RTE/dev.tsv", HEADERS["RTE", "train"],
               [[0, "Paris is the capital of France.", "Paris is in France.", "entailment"]])
+    write_tsv(tmp_path / "WNLI/train.tsv", HEADERS["WNLI", "train"],
+              [[0, "I put the cake in the box because it was small.", "The box was small.", 0],
+               [1, "The cup fell on the mat and it broke.", "The cup broke.", 1]])
 
     assert read_task("MNLI", tmp_path / "MNLI", "train") == [
         Example("The cat sat.", "A cat sat.", 1), Example('It rained "hard".', "It was dry.", 0)]
@@ -102,6 +108,9 @@ def test_every_task_reads_its_glue_layout(tmp_path):
         Example("He said yes.", "He agreed.", 1)]
     assert read_task("RTE", tmp_path / "RTE", "dev") == [
         Example("Paris is the capital of France.", "Paris is in France.", 0)]
+    assert read_task("WNLI", tmp_path / "WNLI", "train") == [
+        Example("I put the cake in the box because it was small.", "The box was small.", 0),
+        Example("The cup fell on the mat and it broke.", "The cup broke.", 1)]
 
 
 def test_test_files_are_unlabeled_and_carry_their_index(tmp_path):
@@ -113,6 +122,8 @@ def test_test_files_are_unlabeled_and_carry_their_index(tmp_path):
     assert read_task("MNLI", tmp_path, "test_mismatched") == [Example("A.", "B.", None, 4)]
     write_tsv(tmp_path / "test.tsv", HEADERS["QQP", "test"], [[5, "Why?", "Why not?"]])
     assert read_task("QQP", tmp_path, "test") == [Example("Why?", "Why not?", None, 5)]
+    write_tsv(tmp_path / "test.tsv", HEADERS["WNLI", "test"], [[2, "It fell.", "It broke."]])
+    assert read_task("WNLI", tmp_path, "test") == [Example("It fell.", "It broke.", None, 2)]
 
 
 def test_test_file_without_integer_index_is_refused(tmp_path):
@@ -127,7 +138,7 @@ def test_test_file_without_integer_index_is_refused(tmp_path):
 
 
 def test_task_registry():
-    assert list(TASKS) == ["MNLI", "QQP", "QNLI", "SST-2", "CoLA", "STS-B", "MRPC", "RTE"]
+    assert list(TASKS) == ["MNLI", "QQP", "QNLI", "SST-2", "CoLA", "STS-B", "MRPC", "RTE", "WNLI"]
     assert get_task("sst2") is TASKS["SST-2"] and get_task("sts-b") is TASKS["STS-B"]
     assert get_task("cola").metric_names == ("mcc",)
     assert get_task("STS-B").metric_names == ("pearson", "spearman")
@@ -137,8 +148,10 @@ def test_task_registry():
     assert get_task("MNLI").splits == (
         "train", "dev_matched", "dev_mismatched", "test_matched", "test_mismatched")
     assert get_task("RTE").labels == get_task("QNLI").labels == ("entailment", "not_entailment")
-    with pytest.raises(ValueError, match="unknown GLUE task 'WNLI'.*MNLI"):
-        get_task("WNLI")
+    assert get_task("wnli").labels == ("0", "1") and get_task("WNLI").metric_names == ("accuracy",)
+    # the diagnostic set is no task of its own: it is predicted with the MNLI model
+    with pytest.raises(ValueError, match="unknown GLUE task 'AX'; expected one of MNLI.*WNLI"):
+        get_task("AX")
     with pytest.raises(ValueError, match="MNLI has no split 'dev'.*dev_matched"):
         read_task("MNLI", "unused", "dev")
 
@@ -217,6 +230,29 @@ def test_tsv_and_datasets_copies_agree(tmp_path):
             == read_task("MNLI", tmp_path / "tsv", "dev_matched"))
 
 
+def test_wnli_tsv_and_datasets_copies_agree(tmp_path):
+    # GLUE's files write 1 for entailment; the hub's ClassLabel is [not_entailment, entailment]
+    pairs = [("The trophy did not fit in the case: it was too big.", "The trophy was too big."),
+             ("The trophy did not fit in the case: it was too big.", "The case was too big.")]
+    write_tsv(tmp_path / "dev.tsv", HEADERS["WNLI", "train"],
+              [[i, a, b, label] for i, ((a, b), label) in enumerate(zip(pairs, [1, 0]))])
+    expected = [Example(*pairs[0], 1), Example(*pairs[1], 0)]
+    assert read_task("WNLI", tmp_path, "dev") == expected
+    columns = {"sentence1": [a for a, _ in pairs], "sentence2": [b for _, b in pairs],
+               "label": [1, 0], "idx": [0, 1]}
+    features = datasets.Features({
+        "sentence1": datasets.Value("string"), "sentence2": datasets.Value("string"),
+        "label": datasets.ClassLabel(names=["not_entailment", "entailment"]),
+        "idx": datasets.Value("int32")})
+    datasets.DatasetDict(validation=datasets.Dataset.from_dict(columns, features=features)) \
+        .save_to_disk(tmp_path / "hub")
+    assert read_task_from_datasets_dir("WNLI", tmp_path / "hub", "dev") == expected
+    # without a ClassLabel the integers are taken in the hub's order
+    (tmp_path / "jsonl").mkdir()
+    datasets.Dataset.from_dict(columns).to_json(tmp_path / "jsonl/validation.jsonl")
+    assert read_task_from_datasets_dir("WNLI", tmp_path / "jsonl", "dev") == expected
+
+
 def test_per_split_saved_datasets_and_custom_label_names(tmp_path):
     # a user's own copy whose ClassLabel order differs from the hub's: labels follow the names
     features = datasets.Features({"sentence1": datasets.Value("string"),
@@ -282,6 +318,55 @@ def test_datasets_errors(tmp_path):
         read_task_from_datasets_dir("RTE", tmp_path / "empty", "dev")
     with pytest.raises(FileNotFoundError, match=r"absent: no such directory"):
         read_task_from_datasets_dir("RTE", tmp_path / "absent", "dev")
+
+
+# ------------------------------------------------------------------------ the diagnostic set
+
+
+def test_diagnostic_set_from_tsv_and_datasets_copies(tmp_path):
+    pairs = [("The cat sat.", "No cat sat."), ("Some dogs bark.", "All dogs bark."),
+             ("It rained.", "The ground is wet.")]
+    indices = [0, 1, 1103]
+    expected = [Example(a, b, None, index) for (a, b), index in zip(pairs, indices)]
+    write_tsv(tmp_path / "diagnostic/diagnostic.tsv", HEADERS["AX", "test"],
+              [[index, a, b] for (a, b), index in zip(pairs, indices)])
+    assert read_diagnostic(tmp_path / "diagnostic/diagnostic.tsv") == expected
+    # the hub's ax config: one test split, MNLI's columns and ClassLabel, label -1
+    test = datasets.Dataset.from_dict(
+        {"premise": [a for a, _ in pairs], "hypothesis": [b for _, b in pairs],
+         "label": [-1] * 3, "idx": indices}, features=MNLI_HUB_FEATURES)
+    datasets.DatasetDict(test=test).save_to_disk(tmp_path / "ax")
+    assert read_diagnostic(str(tmp_path / "ax")) == expected
+    (tmp_path / "ax_hub").mkdir()
+    test.to_parquet(tmp_path / "ax_hub/test-00000-of-00001.parquet")
+    assert read_diagnostic(tmp_path / "ax_hub") == expected
+
+
+def test_diagnostic_set_errors_name_the_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"diagnostic.tsv: no such file or directory; "
+                                                r"expected GLUE's diagnostic/diagnostic.tsv"):
+        read_diagnostic(tmp_path / "diagnostic.tsv")
+    write_tsv(tmp_path / "diagnostic.tsv", ["index", "sentence1"], [[0, "a"]])
+    with pytest.raises(ValueError, match=r"diagnostic.tsv: no column 'sentence2'; the header has "
+                                         r"\['index', 'sentence1'\]"):
+        read_diagnostic(tmp_path / "diagnostic.tsv")
+    write_tsv(tmp_path / "diagnostic.tsv", HEADERS["AX", "test"], [[0, "a", "b"], ["x1", "c", "d"]])
+    with pytest.raises(ValueError, match=r"diagnostic.tsv:3: test example index 'x1' is not an "
+                                         r"integer"):
+        read_diagnostic(tmp_path / "diagnostic.tsv")
+    # GLUE's column names instead of the hub's
+    (tmp_path / "ax").mkdir()
+    datasets.Dataset.from_dict({"sentence1": ["a"], "sentence2": ["b"], "label": [-1],
+                                "idx": [0]}).to_json(tmp_path / "ax/test.jsonl")
+    with pytest.raises(ValueError, match=r"test.jsonl: no column 'premise' for AX"):
+        read_diagnostic(tmp_path / "ax")
+    datasets.Dataset.from_dict({"premise": ["a"], "hypothesis": ["b"], "label": [-1]}) \
+        .to_json(tmp_path / "ax/test.jsonl")
+    with pytest.raises(ValueError, match=r"test.jsonl: no column 'idx' for AX"):
+        read_diagnostic(tmp_path / "ax")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match=r"empty: no split test"):
+        read_diagnostic(tmp_path / "empty")
 
 
 # ------------------------------------------------------------------------------- features
@@ -361,7 +446,8 @@ def test_submission_file_names():
     assert [mnli.submission_file(split) for split in mnli.test_splits] == ["MNLI-m.tsv",
                                                                            "MNLI-mm.tsv"]
     assert [task.submission_file("test") for name, task in TASKS.items() if name != "MNLI"] == [
-        "QQP.tsv", "QNLI.tsv", "SST-2.tsv", "CoLA.tsv", "STS-B.tsv", "MRPC.tsv", "RTE.tsv"]
+        "QQP.tsv", "QNLI.tsv", "SST-2.tsv", "CoLA.tsv", "STS-B.tsv", "MRPC.tsv", "RTE.tsv",
+        "WNLI.tsv"]
     with pytest.raises(ValueError, match=r"RTE has no test split 'dev'; expected one of "
                                          r"\('test',\)"):
         get_task("RTE").submission_file("dev")
@@ -374,6 +460,7 @@ def test_submission_rows_hold_file_indices_and_label_strings():
     assert submission_tsv("QNLI", [5, 6], [1, 0]) == (
         "index\tprediction\n5\tnot_entailment\n6\tentailment\n")
     assert submission_tsv("CoLA", [100, 7], [0, 1]) == "index\tprediction\n100\t0\n7\t1\n"
+    assert submission_tsv("WNLI", [0, 1], [1, 0]) == "index\tprediction\n0\t1\n1\t0\n"
     with pytest.raises(ValueError, match="SST-2: 1 predictions for 2 test examples"):
         submission_tsv("SST-2", [0, 1], [1])
 
@@ -433,9 +520,12 @@ def test_evaluate_glue_script_runs_each_task_and_prints_table(tmp_path):
     bin_dir.mkdir()
     (bin_dir / "torchrun").write_text(FAKE_TORCHRUN.format(python=sys.executable, log=str(log)))
     (bin_dir / "torchrun").chmod(0o755)
+    # GLUE's diagnostic set, which only the MNLI run predicts
+    diagnostic = tmp_path / "glue data/diagnostic/diagnostic.tsv"
+    write_tsv(diagnostic, HEADERS["AX", "test"], [[0, "a", "b"]])
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
            "PYTHON": sys.executable, "TASKS": "MNLI CoLA MRPC", "TP": "2", "EPOCHS": "3",
-           "CHECKPOINT": str(tmp_path / "ckpt"), "GLUE_DIR": str(tmp_path / "glue"),
+           "CHECKPOINT": str(tmp_path / "ckpt"), "GLUE_DIR": str(tmp_path / "glue data"),
            "RESULTS_DIR": str(tmp_path / "results"),
            "TEST_PREDICTIONS": str(tmp_path / "my submission")}  # a space: quoted in the script
     run = subprocess.run(["bash", str(REPO_ROOT / "examples/evaluate_glue.sh")], env=env,
@@ -448,11 +538,14 @@ def test_evaluate_glue_script_runs_each_task_and_prints_table(tmp_path):
     assert first[:4] == ["--standalone", "--nproc-per-node", "2",
                          str(REPO_ROOT / "tools/finetune_glue.py")]
     flags = dict(zip(first[4::2], first[5::2]))
-    assert flags["--task"] == "MNLI" and flags["--data-dir"] == str(tmp_path / "glue/MNLI")
+    assert flags["--task"] == "MNLI" and flags["--data-dir"] == str(tmp_path / "glue data/MNLI")
     assert flags["--load"] == str(tmp_path / "ckpt")
     assert flags["--results"] == str(tmp_path / "results/MNLI.json")
     assert flags["--tensor-model-parallel-size"] == "2" and flags["--epochs"] == "3"
     assert flags["--test-predictions"] == str(tmp_path / "my submission")
+    assert flags["--diagnostic-data"] == str(diagnostic)
+    assert all("--diagnostic-data" not in call and "--test-predictions" in call
+               for call in calls[1:])
     assert {"--lr", "--micro-batch-size", "--seed"} <= set(flags)
     # the tokenizer and model shape come from the checkpoint unless TOKENIZER_ARGS/MODEL_ARGS say
     assert not {"--tokenizer-type", "--vocab-file", "--num-layers", "--hidden-size"} & set(flags)
