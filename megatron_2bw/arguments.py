@@ -10,6 +10,7 @@ import argparse
 import sys
 from contextlib import contextmanager
 
+from megatron_2bw.batch_schedule import batch_schedule
 from megatron_2bw.config import Config, ConfigError  # noqa: F401 - ConfigError is re-exported
 from megatron_2bw.data.tokenizers import TOKENIZER_TYPES
 
@@ -230,8 +231,10 @@ def build_parser(description: str = "", extra_args_provider=None) -> argparse.Ar
                "GPT: the batch's loss is the mean over all of its tokens (over microbatches and "
                "replicas) instead of the mean of the microbatches' means; they differ where "
                "--eod-mask-loss leaves microbatches with unequal token counts")
-    g.add_argument("--rampup-batch-size", nargs="*", default=None,
-                   help="not supported (rejected with the reason)")
+    _flag(g, "--rampup-batch-size", "training", "rampup_batch_size", type=int, nargs=3,
+          metavar=("START", "INCREMENT", "SAMPLES"),
+          help="with --train-samples: grow the global batch from START by INCREMENT over the first "
+               "SAMPLES samples, as Megatron-LM does; the pipeline drains at each change")
 
     g = parser.add_argument_group("data and tokenizer")
     _bool_flag(g, "--mock-data", "data", "mock_data", "synthetic random tokens")
@@ -437,10 +440,6 @@ def _legacy_megatron_flags(args: argparse.Namespace, config: Config) -> None:
                               "megatron_2bw does under --bf16 unless "
                               "--accumulate-allreduce-grads-in-fp32 is given: it needs --bf16 "
                               "without that flag")
-    if getattr(args, "rampup_batch_size", None) is not None:
-        raise ConfigError("--rampup-batch-size is not supported: the pipeline schedules run a fixed "
-                          "number of microbatches per batch; drop it to train with "
-                          "--global-batch-size from the first iteration")
 
 
 def _validate_schedule_units(tr, opt) -> None:
@@ -464,6 +463,22 @@ def _validate_schedule_units(tr, opt) -> None:
         _require(warmup == 0, f"give --lr-warmup-fraction or {warmup_flag}, not both")
         _require(0.0 <= opt.lr_warmup_fraction <= 1.0,
                  f"--lr-warmup-fraction must be in [0, 1], got {opt.lr_warmup_fraction}")
+
+
+def _validate_rampup(tr) -> None:
+    """Megatron-LM's rules for --rampup-batch-size (the world-size ones: validate_for_world)."""
+    if not tr.rampup_batch_size:
+        return
+    start, increment, samples = tr.rampup_batch_size
+    flag = f"--rampup-batch-size {start} {increment} {samples}"
+    _require(tr.train_samples is not None, f"{flag} goes with --train-samples (Megatron-LM's "
+                                           f"rule: no batch-size ramp for iteration-based training)")
+    _require(tr.global_batch_size is not None, f"{flag} ramps up to --global-batch-size: give it")
+    _require(start > 0 and increment > 0 and samples >= 0,
+             f"{flag}: START and INCREMENT must be positive and SAMPLES >= 0")
+    _require(start <= tr.global_batch_size and (tr.global_batch_size - start) % increment == 0,
+             f"{flag}: --global-batch-size {tr.global_batch_size} must be START plus a whole "
+             f"number of INCREMENTs")
 
 
 def _validate_megatron_schedules(opt) -> None:
@@ -594,6 +609,7 @@ def validate(config: Config, require_data: bool = True) -> None:
     _require(not (config.precision.fp16 and config.precision.bf16), "--fp16 and --bf16 exclude each other")
     _require(opt.lr >= 0 and opt.min_lr >= 0, "--lr and --min-lr must be >= 0")
     _validate_schedule_units(tr, opt)
+    _validate_rampup(tr)
     _validate_megatron_schedules(opt)
     _validate_run_loop(tr, config.logging)
     _require(opt.clip_grad >= 0, f"--clip-grad must be >= 0 (0 disables), got {opt.clip_grad}")
@@ -629,16 +645,27 @@ def validate_for_world(config: Config, world_size: int) -> int:
              f"--global-batch-size {tr.global_batch_size} must be divisible by --micro-batch-size "
              f"{tr.micro_batch_size} x data-parallel size {d}")
     m = tr.global_batch_size // (tr.micro_batch_size * d)
-    if tr.train_samples is not None:  # Megatron-LM's count: whole global batches
-        _require(tr.train_samples >= tr.global_batch_size,
-                 f"--train-samples {tr.train_samples} is less than one --global-batch-size "
-                 f"{tr.global_batch_size}")
-        tr.train_iters = tr.train_samples // tr.global_batch_size
+    if tr.rampup_batch_size:
+        start, increment, _ = tr.rampup_batch_size
+        _require(start % (tr.micro_batch_size * d) == 0 and increment % (tr.micro_batch_size * d)
+                 == 0, f"--rampup-batch-size: START {start} and INCREMENT {increment} must be "
+                       f"divisible by --micro-batch-size {tr.micro_batch_size} x data-parallel "
+                       f"size {d}, so that every batch is whole microbatches on every replica")
+        m = start // (tr.micro_batch_size * d)  # the smallest batch's, for the check below
+    if tr.train_samples is not None:  # Megatron-LM's count: whole global batches after the ramp
+        first = batch_schedule(tr).global_batch(0)
+        _require(tr.train_samples >= first,
+                 f"--train-samples {tr.train_samples} is less than one "
+                 + (f"batch of the ramp ({first})" if tr.rampup_batch_size else
+                    f"--global-batch-size {first}"))
+        tr.train_iters = batch_schedule(tr).iterations_for_samples(tr.train_samples)
     schedule = config.parallel.pipeline_schedule
     if schedule in ("2bw", "flush") and p > 1:
         _require(m >= p, f"--pipeline-schedule {schedule} needs at least as many microbatches per "
                          f"batch as stages (1F1B keeps p in flight): m = global/(micro*d) = {m} < "
-                         f"p = {p}; raise --global-batch-size to >= {p * tr.micro_batch_size * d}")
+                         f"p = {p}; raise "
+                         f"{'the ramp START' if tr.rampup_batch_size else '--global-batch-size'} "
+                         f"to >= {p * tr.micro_batch_size * d}")
     if config.logging.profile:
         outside = [r for r in config.logging.profile_ranks if not 0 <= r < world_size]
         _require(not outside, f"--profile-ranks {outside} outside the world's ranks 0.."

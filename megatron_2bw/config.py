@@ -182,6 +182,8 @@ class OptimizerConfig:
 class TrainingConfig:
     micro_batch_size: int = 1
     global_batch_size: int | None = None  # default micro * d
+    # Megatron-LM's START INCREMENT SAMPLES: the batch grows to global_batch_size (batch_schedule.py)
+    rampup_batch_size: list[int] | None = None
     train_iters: int = 100
     train_samples: int | None = None  # instead of train_iters: train_samples // global batch
     eval_interval: int = 1000

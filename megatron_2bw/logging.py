@@ -292,6 +292,8 @@ def format_log_line(iteration: int, train_iters: int, metrics: dict[str, float],
     fields.append(f"elapsed time per iteration (ms): {elapsed_s * 1000:.1f}")
     if "learning-rate" in metrics:
         fields.append(f"learning rate: {metrics['learning-rate']:.3E}")
+    if "global-batch-size" in metrics:
+        fields.append(f"global batch size: {int(metrics['global-batch-size']):5d}")
     for key, value in metrics.items():
         if key.endswith("loss"):  # "lm loss", "sop loss", ...
             fields.append(f"{key}: {value:.6E}")

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_2bw.arguments import explicit_fields, parse_config, validate_for_world
+from megatron_2bw.batch_schedule import batch_schedule
 from megatron_2bw.config import Config, ConfigError, TrainingConfig
 from megatron_2bw.distributed.comm import all_reduce
 from megatron_2bw.distributed.launch import (exit_process, init_distributed, local_world_size,
@@ -160,17 +161,25 @@ class MicrobatchFeed:
         return {key: value.to(self.device, non_blocking=True) for key, value in batch.items()}
 
 
+def microbatches_of(stage: Stage, batch: int) -> int:
+    """m of `batch`: its global batch (the final one, or the ramp's) over micro x d."""
+    train = stage.config.training
+    return batch_schedule(train).global_batch(batch) // (train.micro_batch_size * stage.layout.data)
+
+
 def run_segment(stage: Stage, first_batch: int, batches: int, feed: MicrobatchFeed) -> None:
+    """Batches first_batch.. of one size (segment_ends cuts at every change of the batch size)."""
     par = stage.config.parallel
-    actions = stage_actions(par.pipeline_schedule, par.pipeline_parallel, stage.microbatches,
-                            batches, stage.layout.stage, first_batch)
-    stage.executor.run(actions, feed, stage_receives(par.pipeline_parallel, stage.microbatches,
-                                                     batches, stage.layout.stage))
+    m = stage.executor.m = microbatches_of(stage, first_batch)
+    actions = stage_actions(par.pipeline_schedule, par.pipeline_parallel, m, batches,
+                            stage.layout.stage, first_batch)
+    stage.executor.run(actions, feed, stage_receives(par.pipeline_parallel, m, batches,
+                                                     stage.layout.stage))
 
 
 def segment_ends(config: Config, start: int) -> list[int]:
     """Iterations after which the pipeline drains (evaluation, checkpoint, exit checks, the
-    bounds of --profile's window, the end)."""
+    bounds of --profile's window, changes of the batch size, the end)."""
     train, ckpt, logs = config.training, config.checkpoint, config.logging
     intervals = [train.eval_interval] if train.eval_iters else []  # --eval-iters 0: no validation
     if ckpt.save and ckpt.save_interval:
@@ -179,29 +188,28 @@ def segment_ends(config: Config, start: int) -> list[int]:
         intervals.append(train.exit_interval)
     if train.exit_signal_handler or train.exit_duration_in_mins:
         intervals.append(train.log_interval)  # bounded reaction time to SIGTERM / the time limit
-    ends = {train.train_iters}
+    ends = {train.train_iters, *batch_schedule(train).changes()}
     for interval in intervals:
         ends.update(range(interval, train.train_iters, interval))
     if logs.profile:  # the trace then holds whole iterations (IterationProfiler)
         ends.update(b for b in (logs.profile_step_start, logs.profile_step_end)
                     if b < train.train_iters)
-    return sorted(e for e in ends if e > start)
+    return sorted(e for e in ends if start < e <= train.train_iters)
 
 
 # -- logging -------------------------------------------------------------------------------------
 
-def model_flops_per_iteration(config: Config) -> float:
-    """Analytic model FLOPs of one iteration (forward + backward, x4/3 with full recomputation):
+def model_flops_per_sample(config: Config) -> float:
+    """Analytic model FLOPs of one sample (forward + backward, x4/3 with full recomputation):
     per token and layer the four linears' (planner.profile.linear_flops_per_token: 24h^2 in
     GPT-2's layout) and the attention scores' and their product with V's
     (planner.profile.attention_flops_per_token: 4sh in GPT-2's layout)."""
     from megatron_2bw.planner.profile import attention_flops_per_token, linear_flops_per_token
     m = config.model
-    tokens = config.training.global_batch_size * m.seq_length
     per_token_layer = linear_flops_per_token(m) + attention_flops_per_token(m)
     per_token = m.num_layers * per_token_layer + 2 * m.hidden_size * m.vocab_size
     factor = 4 if config.recompute.granularity == "full" else 3
-    return factor * tokens * per_token
+    return factor * m.seq_length * per_token
 
 
 class ProgressLog:
@@ -249,8 +257,11 @@ class ProgressLog:
         elapsed = result.ended_at - self.interval_start - self.between_segments
         seconds = elapsed / max(iterations, 1)
         self.interval_start, self.between_segments = result.ended_at, 0.0
+        batches = batch_schedule(train)
+        # per iteration of the interval (whose batches can differ under --rampup-batch-size)
+        samples = (batches.consumed(iteration) - batches.consumed(self.last_logged)) / \
+            max(iterations, 1)
         self.last_logged = iteration
-        tokens = train.global_batch_size * self.config.model.seq_length
         metrics = {key: sum(r.metrics.get(key, 0.0) for r in self.results) / len(self.results)
                    for key in self.results[-1].metrics}
         finite = [r.grad_norm for r in self.results if not r.skipped]
@@ -259,10 +270,12 @@ class ProgressLog:
             "grad-norm": sum(finite) / len(finite) if finite else float("nan"),
             "loss-scale": result.loss_scale,
             "skipped-iterations": sum(r.skipped for r in self.results),
-            "tokens-per-sec": tokens / seconds,
-            "tflops": model_flops_per_iteration(self.config) / seconds / self.layout.world_size / 1e12,
+            "tokens-per-sec": samples * self.config.model.seq_length / seconds,
+            "tflops": samples * model_flops_per_sample(self.config) / seconds
+            / self.layout.world_size / 1e12,
             "time-per-iter-ms": seconds * 1000,
-            "consumed-samples": iteration * train.global_batch_size,
+            "consumed-samples": batches.consumed(iteration),
+            "global-batch-size": batches.global_batch(result.batch),
         })
         # the last step's, as Megatron logs them (--log-params-norm, --log-num-zeros-in-grad)
         metrics.update({key: values[key] for key in ("params-norm", "num-zeros")
@@ -276,7 +289,7 @@ class ProgressLog:
             metrics["bubble-fraction"] = measured_bubble_fraction(timings, seconds * iterations)
         self.results = []
         if iteration - iterations > self.start_iteration:  # the first one also warms up
-            self.interval_throughputs.append(train.global_batch_size / seconds)
+            self.interval_throughputs.append(samples / seconds)
         if self.is_writer:
             print(format_log_line(iteration, train.train_iters, metrics, seconds), flush=True)
             self.sink.log(iteration, {**record, **self.interval_figures(metrics, values)})
@@ -468,7 +481,7 @@ def build_data(config: Config, layout: ParallelLayout, tokenizer):
     from megatron_2bw.data.samplers import build_data_iterator
     train = config.training
     evaluations = train.train_iters // train.eval_interval + 1
-    counts = (train.train_iters * train.global_batch_size,
+    counts = (batch_schedule(train).consumed(train.train_iters),
               evaluations * train.eval_iters * train.global_batch_size,
               train.eval_iters * train.global_batch_size)
     datasets = None
@@ -579,7 +592,7 @@ def pretrain(config: Config, typed: set = frozenset()) -> Stage:
         print(startup_memory_report(stage), flush=True)
     train_data, valid_data = build_data(config, layout, tokenizer)
     train = config.training
-    train_iterator = train_data(stage.iteration * train.global_batch_size)
+    train_iterator = train_data(batch_schedule(train).consumed(stage.iteration))
     valid_iterator = valid_data(0) if valid_data is not None else None
     if resumed_rng is not None:  # only now: creating the data loaders drew from the torch RNG
         load_rng_state_dict(resumed_rng)
@@ -587,14 +600,15 @@ def pretrain(config: Config, typed: set = frozenset()) -> Stage:
     profiler = IterationProfiler(config.logging, layout.rank, device.type)
     with housekeeping.during_training():
         for end in segment_ends(config, stage.iteration):
-            feed = MicrobatchFeed(train_iterator, device, stage.iteration * stage.microbatches)
+            feed = MicrobatchFeed(train_iterator, device,
+                                  stage.iteration * microbatches_of(stage, stage.iteration))
             profiler.begin_segment(stage.iteration)  # outside the log's interval time
             log.begin_segment()
             run_segment(stage, stage.iteration, end - stage.iteration, feed)
             log.end_segment()
             profiler.end_segment(end)
             stage.iteration = end
-            stage.consumed_samples = end * train.global_batch_size
+            stage.consumed_samples = batch_schedule(train).consumed(end)
             if valid_iterator is not None and (end % train.eval_interval == 0
                                                or end == train.train_iters):
                 with housekeeping.around_evaluation():
@@ -623,9 +637,12 @@ def pretrain(config: Config, typed: set = frozenset()) -> Stage:
 def startup_summary(stage: Stage) -> str:
     c, layout = stage.config, stage.layout
     n = sum(p.numel() for p in stage.versions.master)
+    first = microbatches_of(stage, 0)
+    ramp = f" (from {first} during the batch-size ramp)" if first != stage.microbatches else ""
     return (f" megatron_2bw: world {layout.world_size} = t {layout.tensor} x d {layout.data} x "
             f"p {layout.pipeline}, schedule {c.parallel.pipeline_schedule}, m = {stage.microbatches} "
-            f"microbatches of {c.training.micro_batch_size}, {c.precision.working_dtype_name}; "
+            f"microbatches of {c.training.micro_batch_size}{ramp}, "
+            f"{c.precision.working_dtype_name}; "
             f"stage 0 holds {n / 1e6:.2f} M parameters on rank 0")
 
 

@@ -129,7 +129,7 @@ def _log_six_iterations(tmp_path, monkeypatch, timers: Timers, **logging_fields)
 
 
 INTERVAL_FIGURES = {"skipped-iterations", "tokens-per-sec", "tflops", "time-per-iter-ms",
-                    "consumed-samples"}
+                    "consumed-samples", "global-batch-size"}
 
 
 def test_sinks_get_every_nth_iterations_values_and_the_interval_figures(tmp_path, monkeypatch,

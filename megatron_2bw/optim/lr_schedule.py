@@ -11,7 +11,8 @@ decay to the final rate at the end of the decay. The main parameter groups peak 
 Lengths come in iterations (--lr-warmup-iters, --lr-decay-iters, default --train-iters) or, with
 --train-samples, in samples (--lr-warmup-samples, --lr-decay-samples, default --train-samples),
 or the warm-up as a fraction of the decay (--lr-warmup-fraction). Megatron-LM counts its schedule
-in samples, so a warm-up or decay need not end on a whole iteration; neither does this one.
+in samples, so a warm-up or decay need not end on a whole iteration; neither does this one. Under
+--rampup-batch-size an iteration advances the schedules by its own batch (batch_schedule.py).
 
 Weight decay: --weight-decay throughout, or from --start-weight-decay to --end-weight-decay over the
 whole training (--weight-decay-incr-style linear or cosine), on the decayed groups only."""
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import math
 
+from megatron_2bw.batch_schedule import batch_schedule
 from megatron_2bw.config import OptimizerConfig, TrainingConfig
 
 
@@ -44,6 +46,14 @@ def training_iterations(train: TrainingConfig) -> float:
     return train.train_iters
 
 
+def schedule_position(iteration: int, train: TrainingConfig) -> float:
+    """Where the step that finishes `iteration` stands, in global batches of samples consumed:
+    iteration + 1, or under a batch-size ramp fewer (its early batches are smaller)."""
+    if not train.rampup_batch_size:
+        return iteration + 1
+    return batch_schedule(train).consumed(iteration + 1) / train.global_batch_size
+
+
 def learning_rate(iteration: int, opt: OptimizerConfig, train: TrainingConfig,
                   decoupled: bool = False) -> float:
     """The rate of the main groups, or with `decoupled` of the embedding and output groups."""
@@ -52,7 +62,7 @@ def learning_rate(iteration: int, opt: OptimizerConfig, train: TrainingConfig,
         final = opt.decoupled_min_lr if opt.decoupled_min_lr is not None else opt.min_lr
     else:
         peak, final = opt.lr, opt.min_lr
-    step = iteration + 1
+    step = schedule_position(iteration, train)
     warmup, decay = schedule_iterations(opt, train)
     if warmup > 0 and step <= warmup:
         return opt.lr_warmup_init + (peak - opt.lr_warmup_init) * step / warmup
@@ -72,7 +82,7 @@ def weight_decay(iteration: int, opt: OptimizerConfig, train: TrainingConfig) ->
     """The decay of the decayed groups (the others have none)."""
     start = opt.start_weight_decay if opt.start_weight_decay is not None else opt.weight_decay
     end = opt.end_weight_decay if opt.end_weight_decay is not None else opt.weight_decay
-    ratio = min((iteration + 1) / training_iterations(train), 1.0)
+    ratio = min(schedule_position(iteration, train) / training_iterations(train), 1.0)
     if opt.weight_decay_incr_style == "linear":
         coefficient = ratio
     elif opt.weight_decay_incr_style == "cosine":

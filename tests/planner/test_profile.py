@@ -15,7 +15,7 @@ from megatron_2bw.planner.profile import (AnalyticProfile, MeasuredProfile,
                                           measure_costs, measure_costs_at_once,
                                           measure_costs_per_copy, measured_profile,
                                           profiling_processes, saved_activation_bytes)
-from megatron_2bw.training import model_flops_per_iteration
+from megatron_2bw.training import model_flops_per_sample
 from tests.planner.test_memory import LLAMA_SWITCHES
 
 MODEL = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32,
@@ -90,8 +90,8 @@ def test_logged_model_flops_follow_the_architecture(model, linears, attention_wi
     attention a heads of d channels wide."""
     h, s, layers, vocab = 64, 32, 2, 1000
     config = Config(model=model, training=TrainingConfig(global_batch_size=8))
-    assert model_flops_per_iteration(config) == \
-        3 * 8 * s * (layers * (linears + 4 * s * attention_width) + 2 * h * vocab)
+    assert model_flops_per_sample(config) == \
+        3 * s * (layers * (linears + 4 * s * attention_width) + 2 * h * vocab)
 
 
 @pytest.mark.parametrize("model, forward, backward", [
