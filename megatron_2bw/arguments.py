@@ -227,6 +227,8 @@ def build_parser(description: str = "", extra_args_provider=None) -> argparse.Ar
                                   "evaluation (2)")
     _bool_flag(g, "--deterministic-mode", "training", "deterministic_mode",
                "torch.use_deterministic_algorithms(True)")
+    _bool_flag(g, "--skip-train", "training", "skip_train",
+               "no training: evaluate the weights (of --load) on the validation and test sets")
     _bool_flag(g, "--calculate-per-token-loss", "training", "calculate_per_token_loss",
                "GPT: the batch's loss is the mean over all of its tokens (over microbatches and "
                "replicas) instead of the mean of the microbatches' means; they differ where "

@@ -200,6 +200,7 @@ class TrainingConfig:
     manual_gc_eval: bool = True
     empty_unused_memory_level: int = 0  # CUDA: 1 empty the cache after each step, 2 also after eval
     deterministic_mode: bool = False  # torch.use_deterministic_algorithms
+    skip_train: bool = False  # evaluate the (loaded) weights on the validation and test sets only
     # GPT: the batch's loss is the mean over all its tokens, not the mean of microbatch means
     calculate_per_token_loss: bool = False
 

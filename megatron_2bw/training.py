@@ -181,6 +181,8 @@ def segment_ends(config: Config, start: int) -> list[int]:
     """Iterations after which the pipeline drains (evaluation, checkpoint, exit checks, the
     bounds of --profile's window, changes of the batch size, the end)."""
     train, ckpt, logs = config.training, config.checkpoint, config.logging
+    if train.skip_train:
+        return []
     intervals = [train.eval_interval] if train.eval_iters else []  # --eval-iters 0: no validation
     if ckpt.save and ckpt.save_interval:
         intervals.append(ckpt.save_interval)
@@ -431,7 +433,13 @@ def setup(config: Config, typed: set) -> tuple[Config, ParallelLayout, torch.dev
     return config, layout, device, plan
 
 
-def evaluate(stage: Stage, iterator, log: ProgressLog, iteration: int) -> dict:
+SPLIT_LOG_NAMES = {"validation": "valid", "test": "test"}  # sink keys: valid/lm loss, test/lm loss
+
+
+def evaluate(stage: Stage, iterator, log: ProgressLog, iteration: int,
+             split: str = "validation") -> dict:
+    """--eval-iters global batches of `iterator` forward-only with the newest weights; logs and
+    returns the losses (on the last stage; an empty dict elsewhere)."""
     config = stage.config
     microbatches = stage.microbatches * config.training.eval_iters
     feed = MicrobatchFeed(iterator, stage.device, 0)
@@ -444,10 +452,11 @@ def evaluate(stage: Stage, iterator, log: ProgressLog, iteration: int) -> dict:
         metrics = {key: total / max(weight, 1.0) for key, total in zip(sums, totals)}
         if log.is_writer:
             text = " | ".join(f"{k}: {v:.6E} | {k} PPL: {_ppl(v):.6E}" for k, v in metrics.items())
-            print(f" validation at iteration {iteration} | {text}", flush=True)
-            record = {f"valid/{k}": v for k, v in metrics.items()}
+            print(f" {split} at iteration {iteration} | {text}", flush=True)
+            prefix = SPLIT_LOG_NAMES[split]
+            record = {f"{prefix}/{k}": v for k, v in metrics.items()}
             if config.logging.log_validation_ppl_to_tensorboard:
-                record.update({f"valid/{k} ppl": _ppl(v) for k, v in metrics.items()})
+                record.update({f"{prefix}/{k} ppl": _ppl(v) for k, v in metrics.items()})
             log.sink.log(iteration, record)
     return metrics
 
@@ -475,8 +484,9 @@ def report_memory(stage: Stage) -> None:
 
 
 def build_data(config: Config, layout: ParallelLayout, tokenizer):
-    """Train and validation iterator factories (consumed_samples -> iterator of microbatches).
-    Rank 0 builds the index caches first; the others then load them."""
+    """Train, validation and test iterator factories (consumed_samples -> iterator of
+    microbatches; None for a split without data). Rank 0 builds the index caches first; the others
+    then load them."""
     from megatron_2bw.data.builder import build_pretraining_datasets
     from megatron_2bw.data.samplers import build_data_iterator
     train = config.training
@@ -497,7 +507,7 @@ def build_data(config: Config, layout: ParallelLayout, tokenizer):
             return None
         return lambda consumed: build_data_iterator(dataset, consumed, train.micro_batch_size,
                                                     c.dp, layout.data, config.data.num_workers)
-    return factory(datasets[0]), factory(datasets[1])
+    return tuple(factory(dataset) for dataset in datasets)
 
 
 def _check_writable(flag: str, path: str, directory: bool) -> None:
@@ -590,14 +600,20 @@ def pretrain(config: Config, typed: set = frozenset()) -> Stage:
     print_rank0(layout, startup_summary(stage))
     if layout.coords.dp == 0:  # one line per model-parallel rank, as Megatron's memory report
         print(startup_memory_report(stage), flush=True)
-    train_data, valid_data = build_data(config, layout, tokenizer)
+    train_data, valid_data, test_data = build_data(config, layout, tokenizer)
     train = config.training
-    train_iterator = train_data(batch_schedule(train).consumed(stage.iteration))
+    train_iterator = None if train.skip_train else \
+        train_data(batch_schedule(train).consumed(stage.iteration))
     valid_iterator = valid_data(0) if valid_data is not None else None
     if resumed_rng is not None:  # only now: creating the data loaders drew from the torch RNG
         load_rng_state_dict(resumed_rng)
     exit_request = ExitRequest(config, log.start_time)
     profiler = IterationProfiler(config.logging, layout.rank, device.type)
+    if train.skip_train:
+        print_rank0(layout, f" skipping training (--skip-train): evaluating the weights of "
+                            f"iteration {stage.iteration}")
+        if valid_iterator is not None:
+            evaluate(stage, valid_iterator, log, stage.iteration)
     with housekeeping.during_training():
         for end in segment_ends(config, stage.iteration):
             feed = MicrobatchFeed(train_iterator, device,
@@ -623,6 +639,9 @@ def pretrain(config: Config, typed: set = frozenset()) -> Stage:
                 print_rank0(layout, f" exiting at iteration {end} (signal, time limit or "
                                     f"--exit-interval)")
                 break
+    if test_data is not None and (train.skip_train or stage.iteration == train.train_iters):
+        with housekeeping.around_evaluation():  # as Megatron-LM: once training is complete
+            evaluate(stage, test_data(0), log, stage.iteration, split="test")
     profiler.finish(stage.iteration)
     report_memory(stage)
     if plan is not None and log.is_writer and log.interval_throughputs:

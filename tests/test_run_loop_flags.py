@@ -45,9 +45,9 @@ def _pretrain_recording(rank, world, flags):
                        torch.are_deterministic_algorithms_enabled()))
         step(log, result)
 
-    def recording_evaluate(*args):
+    def recording_evaluate(*args, **kwargs):
         events.append(("evaluate", gc.isenabled()))
-        return evaluate(*args)
+        return evaluate(*args, **kwargs)
 
     gc.collect = recording_collect  # the forked rank's own modules: nothing to restore
     training.ProgressLog.__call__ = recording_step
@@ -61,18 +61,21 @@ def _steps(gc_on: bool, *iterations: int) -> list:
 
 
 FULL, YOUNGEST = ("collect", 2), ("collect", 0)
+# validation after iterations 3 and 6, then the test split once training is complete (the
+# collector is back on by then)
 AUTOMATIC_GC = _steps(True, 1, 2, 3) + [("evaluate", True)] + _steps(True, 4, 5, 6) + [
-    ("evaluate", True)]
+    ("evaluate", True), ("evaluate", True)]
 
 
 @pytest.mark.parametrize("flags,expected", [
     ([], AUTOMATIC_GC),
     (["--manual-gc", "--manual-gc-interval", "2"],
      [FULL, *_steps(False, 1, 2), FULL, *_steps(False, 3), FULL, ("evaluate", False), YOUNGEST,
-      *_steps(False, 4), FULL, *_steps(False, 5, 6), FULL, FULL, ("evaluate", False), YOUNGEST]),
+      *_steps(False, 4), FULL, *_steps(False, 5, 6), FULL, FULL, ("evaluate", False), YOUNGEST,
+      FULL, ("evaluate", True), YOUNGEST]),
     (["--manual-gc", "--no-manual-gc-eval"],
      [FULL, *_steps(False, 1, 2, 3), ("evaluate", False), *_steps(False, 4, 5, 6),
-      ("evaluate", False)]),
+      ("evaluate", False), ("evaluate", True)]),
 ], ids=["automatic", "manual-every-2", "manual-not-around-evaluation"])
 def test_manual_gc_collects_only_at_the_interval_and_around_evaluation(flags, expected):
     events, gc_on_after = run_ranks(1, _pretrain_recording, [*TINY, *flags])[0]

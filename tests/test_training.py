@@ -115,3 +115,24 @@ def test_eval_iters_0_turns_validation_off_as_in_megatron():
     assert result.returncode == 0, result.stderr
     assert re.search(r"iteration\s+2/\s*2 \|", result.stdout), result.stdout
     assert "validation" not in result.stdout
+
+
+def test_the_test_set_is_evaluated_at_the_end_and_skip_train_evaluates_a_checkpoint(tmp_path):
+    """As Megatron-LM: after the last iteration the test split is evaluated too; --skip-train
+    --load evaluates the saved weights on the same validation and test batches, training none."""
+    def run(*extra):
+        result = subprocess.run([sys.executable, "pretrain_gpt.py", *MODEL, "--mock-data",
+                                 "--vocab-size", "64", "--eval-iters", "1", "--eval-interval",
+                                 "1000", *extra], cwd=ROOT, capture_output=True, text=True,
+                                timeout=120)
+        assert result.returncode == 0, result.stderr[-3000:]
+        found = dict(re.findall(r"^ (validation|test) at iteration 2 \| lm loss: (\S+)",
+                                result.stdout, re.M))
+        return result.stdout, found
+    trained, at_end = run("--save", str(tmp_path))
+    assert set(at_end) == {"validation", "test"} and at_end["validation"] != at_end["test"]
+    assert re.search(r"iteration\s+2/\s*2 \|", trained)
+    evaluated, skipped = run("--load", str(tmp_path), "--skip-train")
+    assert skipped == at_end, evaluated
+    assert "skipping training (--skip-train)" in evaluated
+    assert not re.search(r"^ iteration ", evaluated, re.M)
