@@ -10,7 +10,7 @@ import argparse
 import sys
 from contextlib import contextmanager
 
-from megatron_2bw.batch_schedule import batch_schedule
+from megatron_2bw.batch_schedule import batch_schedule, parse_step_schedule
 from megatron_2bw.config import Config, ConfigError  # noqa: F401 - ConfigError is re-exported
 from megatron_2bw.data.tokenizers import TOKENIZER_TYPES
 
@@ -237,6 +237,10 @@ def build_parser(description: str = "", extra_args_provider=None) -> argparse.Ar
           metavar=("START", "INCREMENT", "SAMPLES"),
           help="with --train-samples: grow the global batch from START by INCREMENT over the first "
                "SAMPLES samples, as Megatron-LM does; the pipeline drains at each change")
+    _flag(g, "--step-batch-size-schedule", "training", "step_batch_size_schedule",
+          metavar="'THRESHOLD:BATCH ...'",
+          help="Megatron-LM's step-wise global batch: from each threshold of consumed tokens (K, M, "
+               "B, T suffixes; the first 0) the batch given; --global-batch-size is the last one")
 
     g = parser.add_argument_group("data and tokenizer")
     _bool_flag(g, "--mock-data", "data", "mock_data", "synthetic random tokens")
@@ -383,6 +387,12 @@ def config_from_args(args: argparse.Namespace, model_type: str = "gpt",
         value = getattr(args, _dest(flag))
         if value is not None:
             setattr(getattr(config, section), field, value)
+    if isinstance(config.training.step_batch_size_schedule, str):
+        try:
+            config.training.step_batch_size_schedule = parse_step_schedule(
+                config.training.step_batch_size_schedule, config.model.seq_length)
+        except ValueError as error:
+            raise ConfigError(f"--step-batch-size-schedule: {error}") from None
     if isinstance(config.parallel.layer_split, str):
         try:
             config.parallel.layer_split = [int(x) for x in config.parallel.layer_split.split(",")]
@@ -467,8 +477,18 @@ def _validate_schedule_units(tr, opt) -> None:
                  f"--lr-warmup-fraction must be in [0, 1], got {opt.lr_warmup_fraction}")
 
 
-def _validate_rampup(tr) -> None:
-    """Megatron-LM's rules for --rampup-batch-size (the world-size ones: validate_for_world)."""
+def _validate_batch_schedule(tr) -> None:
+    """Megatron-LM's rules for --rampup-batch-size and --step-batch-size-schedule (the world-size
+    ones: validate_for_world)."""
+    steps = tr.step_batch_size_schedule
+    if steps:
+        _require(not tr.rampup_batch_size, "give --rampup-batch-size or --step-batch-size-schedule, "
+                                           "not both")
+        last = steps[-1][1]
+        _require(tr.global_batch_size in (None, last),
+                 f"--global-batch-size {tr.global_batch_size} differs from the last batch of "
+                 f"--step-batch-size-schedule, {last}; drop it or make them equal")
+        tr.global_batch_size = last
     if not tr.rampup_batch_size:
         return
     start, increment, samples = tr.rampup_batch_size
@@ -611,7 +631,7 @@ def validate(config: Config, require_data: bool = True) -> None:
     _require(not (config.precision.fp16 and config.precision.bf16), "--fp16 and --bf16 exclude each other")
     _require(opt.lr >= 0 and opt.min_lr >= 0, "--lr and --min-lr must be >= 0")
     _validate_schedule_units(tr, opt)
-    _validate_rampup(tr)
+    _validate_batch_schedule(tr)
     _validate_megatron_schedules(opt)
     _validate_run_loop(tr, config.logging)
     _require(opt.clip_grad >= 0, f"--clip-grad must be >= 0 (0 disables), got {opt.clip_grad}")
@@ -654,25 +674,39 @@ def validate_for_world(config: Config, world_size: int) -> int:
                        f"divisible by --micro-batch-size {tr.micro_batch_size} x data-parallel "
                        f"size {d}, so that every batch is whole microbatches on every replica")
         m = start // (tr.micro_batch_size * d)  # the smallest batch's, for the check below
+    if tr.step_batch_size_schedule:
+        batches = [batch for _, batch in tr.step_batch_size_schedule]
+        uneven = [b for b in batches if b % (tr.micro_batch_size * d)]
+        _require(not uneven, f"--step-batch-size-schedule: batch {uneven[0] if uneven else 0} is "
+                             f"not divisible by --micro-batch-size {tr.micro_batch_size} x "
+                             f"data-parallel size {d}")
+        m = min(batches) // (tr.micro_batch_size * d)
     if tr.train_samples is not None:  # Megatron-LM's count: whole global batches after the ramp
         first = batch_schedule(tr).global_batch(0)
+        growing = tr.rampup_batch_size or tr.step_batch_size_schedule
         _require(tr.train_samples >= first,
                  f"--train-samples {tr.train_samples} is less than one "
-                 + (f"batch of the ramp ({first})" if tr.rampup_batch_size else
-                    f"--global-batch-size {first}"))
+                 + (f"first global batch ({first})" if growing else f"--global-batch-size {first}"))
         tr.train_iters = batch_schedule(tr).iterations_for_samples(tr.train_samples)
     schedule = config.parallel.pipeline_schedule
     if schedule in ("2bw", "flush") and p > 1:
         _require(m >= p, f"--pipeline-schedule {schedule} needs at least as many microbatches per "
                          f"batch as stages (1F1B keeps p in flight): m = global/(micro*d) = {m} < "
-                         f"p = {p}; raise "
-                         f"{'the ramp START' if tr.rampup_batch_size else '--global-batch-size'} "
-                         f"to >= {p * tr.micro_batch_size * d}")
+                         f"p = {p}; raise {_smallest_batch_flag(tr)} to >= "
+                         f"{p * tr.micro_batch_size * d}")
     if config.logging.profile:
         outside = [r for r in config.logging.profile_ranks if not 0 <= r < world_size]
         _require(not outside, f"--profile-ranks {outside} outside the world's ranks 0.."
                               f"{world_size - 1}")
     return d
+
+
+def _smallest_batch_flag(tr) -> str:
+    if tr.rampup_batch_size:
+        return "the ramp START"
+    if tr.step_batch_size_schedule:
+        return "every batch of --step-batch-size-schedule"
+    return "--global-batch-size"
 
 
 def parse_config(argv=None, model_type: str = "gpt", description: str = "",

@@ -184,6 +184,8 @@ class TrainingConfig:
     global_batch_size: int | None = None  # default micro * d
     # Megatron-LM's START INCREMENT SAMPLES: the batch grows to global_batch_size (batch_schedule.py)
     rampup_batch_size: list[int] | None = None
+    # Megatron-LM's "THRESHOLD:BATCH ..." (tokens), held as [[threshold in samples, batch], ...]
+    step_batch_size_schedule: list[list[int]] | str | None = None
     train_iters: int = 100
     train_samples: int | None = None  # instead of train_iters: train_samples // global batch
     eval_interval: int = 1000

@@ -162,7 +162,7 @@ class MicrobatchFeed:
 
 
 def microbatches_of(stage: Stage, batch: int) -> int:
-    """m of `batch`: its global batch (the final one, or the ramp's) over micro x d."""
+    """m of `batch`: its global batch (batch_schedule.py) over micro x d."""
     train = stage.config.training
     return batch_schedule(train).global_batch(batch) // (train.micro_batch_size * stage.layout.data)
 
@@ -260,7 +260,7 @@ class ProgressLog:
         seconds = elapsed / max(iterations, 1)
         self.interval_start, self.between_segments = result.ended_at, 0.0
         batches = batch_schedule(train)
-        # per iteration of the interval (whose batches can differ under --rampup-batch-size)
+        # per iteration of the interval (whose batches can differ: batch_schedule.py)
         samples = (batches.consumed(iteration) - batches.consumed(self.last_logged)) / \
             max(iterations, 1)
         self.last_logged = iteration
@@ -657,7 +657,7 @@ def startup_summary(stage: Stage) -> str:
     c, layout = stage.config, stage.layout
     n = sum(p.numel() for p in stage.versions.master)
     first = microbatches_of(stage, 0)
-    ramp = f" (from {first} during the batch-size ramp)" if first != stage.microbatches else ""
+    ramp = f" (first {first}: the batch size changes)" if first != stage.microbatches else ""
     return (f" megatron_2bw: world {layout.world_size} = t {layout.tensor} x d {layout.data} x "
             f"p {layout.pipeline}, schedule {c.parallel.pipeline_schedule}, m = {stage.microbatches} "
             f"microbatches of {c.training.micro_batch_size}{ramp}, "

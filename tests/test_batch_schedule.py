@@ -3,7 +3,7 @@ cases, and the flags' checks."""
 import pytest
 
 from megatron_2bw.arguments import ConfigError, parse_config, validate_for_world
-from megatron_2bw.batch_schedule import BatchSchedule, Phase
+from megatron_2bw.batch_schedule import BatchSchedule, Phase, parse_step_schedule
 from megatron_2bw.config import OptimizerConfig, TrainingConfig
 from megatron_2bw.optim.lr_schedule import learning_rate, schedule_position
 
@@ -30,7 +30,8 @@ def test_train_samples_count_the_ramp_iteration_by_iteration():
     # than 24 are consumed), then (60 - 28) // 16 = 2 whole batches
     assert RAMP.iterations_for_samples(60) == 6
     assert RAMP.iterations_for_samples(75) == 6  # a partial last batch is dropped
-    assert RAMP.iterations_for_samples(8) == 3  # the loop also stops past --train-samples
+    # a --train-samples inside the ramp: Megatron takes whole batches off the ramp's count (floor)
+    assert RAMP.iterations_for_samples(8) == 2
 
 
 def test_gpt3_175b_ramp():
@@ -42,6 +43,35 @@ def test_gpt3_175b_ramp():
     assert 5859375 - 1520 < last.consumed_before <= 5859375 + 1520
     iterations = ramp.iterations_for_samples(146484375)
     assert ramp.consumed(iterations) <= 146484375 < ramp.consumed(iterations) + 1536
+
+
+def test_step_schedule_by_hand():
+    """Megatron-LM's --step-batch-size-schedule: the batch of the last threshold reached; an
+    iteration that overshoots a threshold can skip an entry."""
+    steps = BatchSchedule(16, steps=((0, 4), (4, 8), (12, 16)))
+    assert [steps.global_batch(i) for i in range(4)] == [4, 8, 16, 16]
+    assert [steps.consumed(i) for i in range(4)] == [0, 4, 12, 28]
+    assert steps.iterations_for_samples(40) == 3  # whole batches: 28 consumed, 44 would pass 40
+    skipping = BatchSchedule(32, steps=((0, 8), (10, 16), (12, 32)))
+    assert skipping.phases == [Phase(0, 0, 8), Phase(2, 16, 32)]
+
+
+def test_step_schedule_strings_in_tokens():
+    # 16 tokens a sample: 0, 128 and 192 tokens are 0, 8 and 12 samples
+    assert parse_step_schedule("0:4 128:8, 0.192K:16", 16) == [[0, 4], [8, 8], [12, 16]]
+    assert parse_step_schedule("0:768 250B:1536", 4096) == [[0, 768], [61035156, 1536]]
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("64:8", "the first entry must have threshold 0"),
+    ("0:4 128:8 64:16", "thresholds must increase"),
+    ("0:4 x:8", "'x:8': 'x' is not a number"),
+    ("0-4", "'0-4' is not THRESHOLD:BATCH_SIZE"),
+    ("0:0", "every batch size must be positive"),
+])
+def test_step_schedule_errors_name_the_entry(text, expected):
+    with pytest.raises(ValueError, match=expected):
+        parse_step_schedule(text, 16)
 
 
 def test_the_schedules_advance_by_samples():
@@ -59,6 +89,28 @@ def test_the_schedules_advance_by_samples():
 FLAGS = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length",
          "16", "--micro-batch-size", "2", "--mock-data", "--vocab-size", "64",
          "--global-batch-size", "16", "--train-samples", "60"]
+
+
+def test_step_schedule_flag_sets_the_global_batch_and_counts_iterations():
+    base = FLAGS[:FLAGS.index("--global-batch-size")] + ["--train-samples", "60"]
+    config, _ = parse_config([*base, "--step-batch-size-schedule", "0:4 128:8 192:16"])
+    assert config.training.step_batch_size_schedule == [[0, 4], [8, 8], [12, 16]]
+    assert config.training.global_batch_size == 16  # the last batch
+    validate_for_world(config, 2)
+    assert config.training.train_iters == 5  # batches 4, 4, 8, then (60 - 16) // 16
+    for extra, expected in [
+        (["--global-batch-size", "32"], "--global-batch-size 32 differs from the last batch of "
+                                        "--step-batch-size-schedule, 16"),
+        (["--rampup-batch-size", "4", "4", "24"], "give --rampup-batch-size or "
+                                                  "--step-batch-size-schedule, not both"),
+        (["--step-batch-size-schedule", "0:4 x:8"], "--step-batch-size-schedule: '0:4 x:8'|"
+                                                    "--step-batch-size-schedule: 'x:8'")]:
+        with pytest.raises(ConfigError, match=expected):
+            parse_config([*base, "--step-batch-size-schedule", "0:4 128:8 192:16", *extra])
+    config, _ = parse_config([*base, "--step-batch-size-schedule", "0:4 128:8 192:16"])
+    with pytest.raises(ConfigError, match="batch 4 is not divisible by --micro-batch-size 2 x "
+                                          "data-parallel size 4"):
+        validate_for_world(config, 4)
 
 
 def test_flags_fill_the_ramp_and_count_iterations():

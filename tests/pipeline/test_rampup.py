@@ -23,12 +23,17 @@ from tests.pipeline.reference import delayed_update_reference
 
 VOCAB = 101
 RAMP = [4, 2, 12]  # to 8: batches 4, 4, 6, 8, 8, 8 (iterations_for_samples(38) = 6)
+STEPS = [[0, 4], [8, 6], [14, 8]]  # the same batches as --step-batch-size-schedule (samples)
 
 
-def config(optimizer: str, **kwargs):
+def config(optimizer: str, steps: bool = False, **kwargs):
     c = tiny_config(optimizer=optimizer, lr=0.05 if optimizer == "sgd" else 0.01, clip=0.5,
                     global_batch=8, micro=kwargs.pop("micro", 2), **kwargs)
-    c.training.rampup_batch_size, c.training.train_samples = RAMP, 38
+    if steps:
+        c.training.step_batch_size_schedule = STEPS
+    else:
+        c.training.rampup_batch_size = RAMP
+    c.training.train_samples = 38
     return c
 
 
@@ -67,12 +72,14 @@ def whole_batches(c):
     return feed
 
 
+@pytest.mark.parametrize("steps", [False, True], ids=["rampup", "step-schedule"])
 @pytest.mark.parametrize("schedule,optimizer,t,p,world,micro", [
     ("flush", "sgd", 1, 2, 4, 1),  # p2 x d2: batches 4, 4, 6, 8 are m = 2, 2, 3, 4 per replica
     ("2bw", "adam", 2, 2, 4, 2),  # t2 x p2: m = 2, 2, 3, 4
 ])
-def test_a_ramp_through_the_pipeline_matches_one_process(schedule, optimizer, t, p, world, micro):
-    c = config(optimizer, t=t, p=p, schedule=schedule, micro=micro)
+def test_a_ramp_through_the_pipeline_matches_one_process(schedule, optimizer, t, p, world, micro,
+                                                         steps):
+    c = config(optimizer, steps, t=t, p=p, schedule=schedule, micro=micro)
     validate_for_world(c, world)  # --train-samples 38: 6 iterations
     assert c.training.train_iters == 6
     results = run_ranks(world, train_like_pretrain, c)
