@@ -65,6 +65,9 @@ def build_parser(description: str = "", extra_args_provider=None) -> argparse.Ar
                "keep the qkv projection's bias under --disable-bias-linear (Qwen)")
     _bool_flag(g, "--swiglu", "model", "swiglu",
                "gated SiLU MLP; --ffn-hidden-size then defaults to 2/3 of 4h, a multiple of 64")
+    _bool_flag(g, "--openai-gelu", "model", "openai_gelu",
+               "GELU's tanh approximation, as GPT-2 was trained (transformers' gelu_new), instead "
+               "of the exact erf GELU")
     _flag(g, "--position-embedding-type", "model", "position_embedding_type",
           choices=["learned_absolute", "rope", "none"])
     g.add_argument("--use-rotary-position-embeddings", action="store_true",
@@ -560,6 +563,9 @@ def _validate_architecture(m, t: int) -> None:
              f"--num-query-groups): each rank holds whole groups")
     _require(m.normalization in ("LayerNorm", "RMSNorm"),
              f"--normalization expects LayerNorm or RMSNorm, got {m.normalization!r}")
+    _require(not (m.openai_gelu and m.swiglu),
+             "--openai-gelu approximates the GELU MLP's activation; --swiglu's MLP has none: give "
+             "one of them")
     _require(m.position_embedding_type in ("learned_absolute", "rope", "none"),
              f"--position-embedding-type expects learned_absolute, rope or none, got "
              f"{m.position_embedding_type!r}")

@@ -33,6 +33,7 @@ class ModelConfig:
     add_bias_linear: bool = True  # False: --disable-bias-linear (every linear layer of the layers)
     add_qkv_bias: bool = False  # the qkv projection keeps its bias under --disable-bias-linear
     swiglu: bool = False  # gated SiLU MLP; fc1 rows ordered (ffn unit, gate/up)
+    openai_gelu: bool = False  # GELU's tanh approximation (GPT-2's own; transformers' gelu_new)
     position_embedding_type: str = "learned_absolute"  # | "rope" | "none"
     rotary_percent: float = 1.0  # share of each head's channels that rotary embeddings rotate
     rotary_base: float = 10000.0
@@ -70,6 +71,11 @@ class ModelConfig:
         if self.swiglu:
             return int(4 * self.hidden_size * 2 / 3 / 64) * 64
         return 4 * self.hidden_size
+
+    @property
+    def gelu_approximation(self) -> str:
+        """F.gelu's `approximate`: "tanh" under --openai-gelu (the MLP's and BERT's LM head's)."""
+        return "tanh" if self.openai_gelu else "none"
 
     @property
     def softmax_in_fp32(self) -> bool:

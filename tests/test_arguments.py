@@ -336,3 +336,10 @@ def test_profiled_ranks_must_exist():
     config, _ = parse_config([*TINY, "--profile", "--profile-ranks", "0", "3"])
     with pytest.raises(ConfigError, match=r"--profile-ranks \[3\] outside the world's ranks 0..1"):
         validate_for_world(config, 2)
+
+
+def test_openai_gelu_is_an_architecture_switch_of_the_gelu_mlp():
+    config, _ = parse_config([*TINY, "--openai-gelu"])
+    assert config.model.openai_gelu and config.model.gelu_approximation == "tanh"
+    with pytest.raises(ConfigError, match="--swiglu's MLP has none: give one of them"):
+        parse_config([*TINY, "--openai-gelu", "--swiglu"])

@@ -12,8 +12,9 @@ Both directions work on unsharded state (reshard.FullState, true vocabulary). Wh
 - GPT-2's c_attn, c_proj and c_fc are Conv1D layers: weights stored [in, out], ours [out, in].
 - Under --apply-layernorm-1p our norms store gain - 1; transformers' hold the gain. Export adds 1;
   import always gives plain gains (apply_layernorm_1p off).
-- Our activation is the exact (erf) GELU, transformers' "gelu". A model using another function
-  ("gelu_new", GPT-2's tanh approximation, by default) is refused rather than silently changed.
+- Our activation is the exact (erf) GELU, transformers' "gelu", or under --openai-gelu its tanh
+  approximation, transformers' "gelu_new" (GPT-2's own, its default), which import maps to
+  --openai-gelu. A model using another function is refused rather than silently changed.
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from megatron_2bw.config import Config, DataConfig, ModelConfig
 from megatron_2bw.data.tokenizers import SENTENCEPIECE_TYPES
 
 EXACT_GELU = ("gelu", "gelu_python")  # transformers' names of erf GELU
+TANH_GELU = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")  # ... and of its tanh approximation
 SILU = ("silu", "swish")  # transformers' names of x * sigmoid(x)
 WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
 # transformers' "llama3" rope type with the constants Megatron-LM's --use-rope-scaling fixes
@@ -304,7 +306,7 @@ def to_hf_config(model: ModelConfig, special_ids: dict[str, int | None]):
         config = transformers.GPT2Config(
             vocab_size=model.vocab_size, n_positions=model.max_position_embeddings,
             n_embd=model.hidden_size, n_layer=model.num_layers, n_head=model.num_attention_heads,
-            n_inner=model.ffn_hidden_size, activation_function="gelu",
+            n_inner=model.ffn_hidden_size, activation_function=_gelu_name(model),
             resid_pdrop=model.hidden_dropout, embd_pdrop=model.hidden_dropout,
             attn_pdrop=model.attention_dropout, layer_norm_epsilon=model.layernorm_epsilon,
             initializer_range=model.init_method_std, scale_attn_weights=True,
@@ -333,7 +335,7 @@ def to_hf_config(model: ModelConfig, special_ids: dict[str, int | None]):
         config = transformers.MegatronBertConfig(
             vocab_size=model.vocab_size, hidden_size=model.hidden_size,
             num_hidden_layers=model.num_layers, num_attention_heads=model.num_attention_heads,
-            intermediate_size=model.ffn_hidden_size, hidden_act="gelu",
+            intermediate_size=model.ffn_hidden_size, hidden_act=_gelu_name(model),
             hidden_dropout_prob=model.hidden_dropout,
             attention_probs_dropout_prob=model.attention_dropout,
             max_position_embeddings=model.max_position_embeddings,
@@ -343,6 +345,17 @@ def to_hf_config(model: ModelConfig, special_ids: dict[str, int | None]):
     config.architectures = [architecture]
     config.dtype = "float32"
     return config
+
+
+def _gelu_name(model: ModelConfig) -> str:
+    return TANH_GELU[0] if model.openai_gelu else EXACT_GELU[0]
+
+
+def _gelu_of(field: str, name: str) -> dict:
+    """ModelConfig's activation field for transformers' `name`, or a ConversionError."""
+    _require(name in EXACT_GELU + TANH_GELU, field, name,
+             'the exact erf GELU ("gelu") or its tanh approximation ("gelu_new")')
+    return {"openai_gelu": name in TANH_GELU}
 
 
 def _rope_parameters(model: ModelConfig) -> dict:
@@ -362,8 +375,7 @@ def from_hf_config(config) -> ModelConfig:
     """A ModelConfig computing the same function as `config`, or a ConversionError naming the
     field that our model cannot reproduce."""
     if config.model_type == "gpt2":
-        _require(config.activation_function in EXACT_GELU, "activation_function",
-                 config.activation_function, 'the exact erf GELU ("gelu")')
+        activation = _gelu_of("activation_function", config.activation_function)
         _require(config.scale_attn_weights, "scale_attn_weights", config.scale_attn_weights,
                  "attention scaled by 1/sqrt(head_dim) (true)")
         _require(not config.scale_attn_by_inverse_layer_idx, "scale_attn_by_inverse_layer_idx",
@@ -381,10 +393,9 @@ def from_hf_config(config) -> ModelConfig:
             vocab_size=config.vocab_size, hidden_dropout=config.resid_pdrop,
             attention_dropout=config.attn_pdrop, init_method_std=config.initializer_range,
             layernorm_epsilon=config.layer_norm_epsilon,
-            untie_embeddings_and_output_weights=not config.tie_word_embeddings)
+            untie_embeddings_and_output_weights=not config.tie_word_embeddings, **activation)
     if config.model_type == "megatron-bert":
-        _require(config.hidden_act in EXACT_GELU, "hidden_act", config.hidden_act,
-                 'the exact erf GELU ("gelu")')
+        activation = _gelu_of("hidden_act", config.hidden_act)
         _require(not config.is_decoder, "is_decoder", config.is_decoder, "a bidirectional encoder")
         _require(getattr(config, "position_embedding_type", "absolute") == "absolute",
                  "position_embedding_type", getattr(config, "position_embedding_type", None),
@@ -397,7 +408,7 @@ def from_hf_config(config) -> ModelConfig:
             hidden_dropout=config.hidden_dropout_prob,
             attention_dropout=config.attention_probs_dropout_prob,
             init_method_std=config.initializer_range, layernorm_epsilon=config.layer_norm_eps,
-            bert_binary_head=True, num_tokentypes=config.type_vocab_size)
+            bert_binary_head=True, num_tokentypes=config.type_vocab_size, **activation)
     if config.model_type in ("llama", "qwen2", "qwen3"):
         return _from_llama_config(config)
     raise ConversionError(f"config.json has model_type = {config.model_type!r}; supported are "

@@ -39,7 +39,8 @@ CONVERT_HINT = ("convert it with tools/convert_checkpoint.py --load {root} --sav
 ARCHITECTURE_FIELDS = ("model_type", "num_layers", "hidden_size", "num_attention_heads",
                        "ffn_hidden_size", "max_position_embeddings", "vocab_size", "num_tokentypes",
                        "bert_binary_head", "untie_embeddings_and_output_weights", "normalization",
-                       "add_bias_linear", "add_qkv_bias", "swiglu", "position_embedding_type",
+                       "add_bias_linear", "add_qkv_bias", "swiglu", "openai_gelu",
+                       "position_embedding_type",
                        "rotary_percent", "rotary_base", "rotary_interleaved", "rope_scaling",
                        "rope_scaling_factor", "num_query_groups", "head_dim", "qk_layernorm",
                        "apply_layernorm_1p")

@@ -27,6 +27,7 @@ class BertHeads(nn.Module):
         self.final_norm = build_norm(config)
         self.lm_transform = ReplicatedLinear(h, h)
         self.lm_norm = LayerNorm(h, config.layernorm_epsilon, config.apply_layernorm_1p)
+        self.gelu_approximation = config.gelu_approximation
         self.lm_bias = make_param((padded_vocab_size,), group, 0, "zeros")
         self.binary_head = None
         if config.bert_binary_head:
@@ -35,7 +36,8 @@ class BertHeads(nn.Module):
 
     def forward(self, hidden, word_embeddings, group):
         hidden = self.final_norm(hidden)
-        lm_hidden = self.lm_norm(F.gelu(self.lm_transform(hidden)))
+        lm_hidden = self.lm_norm(F.gelu(self.lm_transform(hidden),
+                                        approximate=self.gelu_approximation))
         lm_logits = parallel_lm_logits(lm_hidden, word_embeddings, group) + self.lm_bias
         binary_logits = None
         if self.binary_head is not None:

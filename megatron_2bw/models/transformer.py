@@ -274,12 +274,14 @@ def softmax_in_fp32_attention(q, k, v, mask, causal: bool, dropout: float, coeff
 
 
 class ParallelMLP(nn.Module):
-    """GELU MLP, or with --swiglu silu(gate) * up, gate and up from one fused column-parallel
-    projection whose rows alternate (gate, up) per unit so any contiguous shard holds both."""
+    """GELU MLP (the exact erf GELU, or with --openai-gelu its tanh approximation), or with
+    --swiglu silu(gate) * up, gate and up from one fused column-parallel projection whose rows
+    alternate (gate, up) per unit so any contiguous shard holds both."""
 
     def __init__(self, config: ModelConfig, group):
         super().__init__()
         self.swiglu = config.swiglu
+        self.gelu_approximation = config.gelu_approximation
         f, bias = config.ffn_hidden_size, config.add_bias_linear
         sequence_parallel = uses_sequence_parallel(config, group)
         self.fc1 = ColumnParallelLinear(config.hidden_size, 2 * f if self.swiglu else f, group,
@@ -292,7 +294,7 @@ class ParallelMLP(nn.Module):
         if self.swiglu:
             gate, up = hidden.unflatten(-1, (-1, 2)).unbind(-1)
             return self.fc2(F.silu(gate) * up)
-        return self.fc2(F.gelu(hidden))
+        return self.fc2(F.gelu(hidden, approximate=self.gelu_approximation))
 
 
 class TransformerLayer(nn.Module):

@@ -457,7 +457,8 @@ def _profile_identity(model: ModelConfig) -> dict:
 
 # short names of the architecture switches in a cache file's name
 _SWITCH_NAMES = {"normalization": "", "bias_linear": "bias", "qkv_bias": "qkvbias",
-                 "swiglu": "swiglu", "position_embedding_type": "pos", "rotary_percent": "rot",
+                 "swiglu": "swiglu", "openai_gelu": "tanhgelu", "position_embedding_type": "pos",
+                 "rotary_percent": "rot",
                  "rotary_interleaved": "interleaved", "query_groups": "g", "head_dim": "kv",
                  "qk_layernorm": "qknorm", "layernorm_1p": "norm1p",
                  "softmax_in_fp32": "fp32softmax"}
@@ -474,14 +475,14 @@ def _architecture(model: ModelConfig) -> dict:
     rope = m.position_embedding_type == "rope"
     switches = {"normalization": m.normalization, "bias_linear": m.add_bias_linear,
                 "qkv_bias": m.add_bias_linear or m.add_qkv_bias, "swiglu": m.swiglu,
-                "position_embedding_type": m.position_embedding_type,
+                "openai_gelu": m.openai_gelu, "position_embedding_type": m.position_embedding_type,
                 "rotary_percent": m.rotary_percent if rope else 1.0,
                 "rotary_interleaved": rope and m.rotary_interleaved,
                 "query_groups": m.query_groups, "head_dim": m.head_dim,
                 "qk_layernorm": m.qk_layernorm, "layernorm_1p": m.apply_layernorm_1p,
                 "softmax_in_fp32": m.softmax_in_fp32}
     gpt2 = {"normalization": "LayerNorm", "bias_linear": True, "qkv_bias": True, "swiglu": False,
-            "position_embedding_type": "learned_absolute", "rotary_percent": 1.0,
+            "openai_gelu": False, "position_embedding_type": "learned_absolute", "rotary_percent": 1.0,
             "rotary_interleaved": False, "query_groups": m.num_attention_heads,
             "head_dim": m.hidden_size // m.num_attention_heads, "qk_layernorm": False,
             "layernorm_1p": False, "softmax_in_fp32": False}

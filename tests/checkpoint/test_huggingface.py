@@ -73,8 +73,9 @@ def test_exported_bert_computes_our_logits(switches, tmp_path):
     ({**QWEN3, **ZERO_CENTRED}, "Qwen3ForCausalLM"),  # q_norm and k_norm
     ({**QWEN3, "kv_channels": 16}, "Qwen3ForCausalLM"),  # heads wider than hidden / heads
     (ZERO_CENTRED, "GPT2LMHeadModel"),
+    ({"openai_gelu": True}, "GPT2LMHeadModel"),  # GPT-2's own tanh GELU: gelu_new
 ], ids=["gpt2", "llama-untied", "llama-tied", "llama-biases", "qwen2", "llama-rope-scaling",
-        "qwen3-1p", "qwen3-wide-heads", "gpt2-1p"])
+        "qwen3-1p", "qwen3-wide-heads", "gpt2-1p", "gpt2-tanh-gelu"])
 def test_exported_gpt_computes_our_logits(switches, architecture, tmp_path):
     """GPT-2's layout, and Llama's: RMSNorm (random weights), SwiGLU, rotary positions and
     grouped-query attention; from a t=2 x p=2 checkpoint. Under --apply-layernorm-1p every norm
@@ -87,7 +88,7 @@ def test_exported_gpt_computes_our_logits(switches, architecture, tmp_path):
     model = state.config.model
     assert hf.config.tie_word_embeddings == (not model.untie_embeddings_and_output_weights)
     if architecture == "GPT2LMHeadModel":
-        assert hf.config.activation_function == "gelu"
+        assert hf.config.activation_function == ("gelu_new" if model.openai_gelu else "gelu")
     else:
         assert hf.config.num_key_value_heads == 2 and hf.config.num_attention_heads == 4
         assert hf.config.head_dim == model.head_dim == switches.get("kv_channels", 8)
@@ -182,9 +183,34 @@ def test_import_then_export_gives_back_the_same_tensors(kind, tied, tmp_path):
         assert torch.equal(tensor, exported[name]), name
 
 
-def test_gpt2_default_tanh_gelu_is_refused_by_name(tmp_path):
-    _tiny_hf("gpt", activation_function="gelu_new").save_pretrained(tmp_path / "source")
-    with pytest.raises(ConversionError, match="activation_function = 'gelu_new'"):
+@pytest.mark.parametrize("kind,field,name", [("gpt", "activation_function", "gelu_new"),
+                                             ("bert", "hidden_act", "gelu_pytorch_tanh")])
+def test_tanh_gelu_imports_as_openai_gelu_and_computes_the_transformers_logits(kind, field, name,
+                                                                               tmp_path):
+    """GPT-2's default activation, gelu_new, is Megatron-LM's --openai-gelu: a GPT-2 (or a BERT)
+    with it imports and computes what transformers does. With the exact GELU instead, the
+    logits would differ by more than the tolerance (checked)."""
+    source = _tiny_hf(kind, **{field: name})
+    source.save_pretrained(tmp_path / "source")
+    imported = import_from_hf(str(tmp_path / "source"))
+    assert imported.config.model.openai_gelu
+    tokens = _tokens(2)
+    with torch.no_grad():
+        model = whole_model(imported)
+        theirs = source.eval()(tokens)
+        if kind == "gpt":
+            difference = (model.logits(tokens) - theirs.logits).abs().max()
+        else:
+            types, padding = torch.zeros_like(tokens), torch.ones_like(tokens)
+            hidden = model.encode(None, {"text": tokens, "types": types, "padding_mask": padding})
+            lm_logits, _ = model.heads(hidden, model.head_weight(), None)
+            difference = (lm_logits[..., :VOCAB] - theirs.prediction_logits).abs().max()
+    assert difference < 1e-5
+
+
+def test_another_activation_is_refused_by_name(tmp_path):
+    _tiny_hf("gpt", activation_function="relu").save_pretrained(tmp_path / "source")
+    with pytest.raises(ConversionError, match="activation_function = 'relu'"):
         load_tool("import_from_hf").main(["--hf-path", str(tmp_path / "source"), "--save",
                                           str(tmp_path / "ckpt")])
     assert not (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").exists()
