@@ -26,8 +26,9 @@ def run_tool(name: str, argv: list[str], monkeypatch) -> int:
     return exit_info.value.code
 
 
-def gelu_new_gpt2(directory):
-    config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=32, n_layer=2, n_head=4)
+def relu_gpt2(directory):
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=32, n_layer=2,
+                                     n_head=4, activation_function="relu")
     transformers.GPT2LMHeadModel(config).save_pretrained(directory)
 
 
@@ -41,8 +42,8 @@ def gelu_new_gpt2(directory):
      "checkpoint directory {tmp}/missing does not exist"),
     ("export_to_hf", ["--load", "{ckpt}", "--output", "{tmp}/hf", "--hidden-size", "64"],
      "--hidden-size 64 contradicts checkpoint {ckpt}, whose model has hidden_size = 32"),
-    ("import_from_hf", ["--hf-path", "{tmp}/gelu_new", "--save", "{tmp}/imported"],
-     "config.json has activation_function = 'gelu_new'"),
+    ("import_from_hf", ["--hf-path", "{tmp}/relu", "--save", "{tmp}/imported"],
+     "config.json has activation_function = 'relu'"),
     ("evaluate_perplexity", ["--load", "{ckpt}"],
      "give exactly one of --data-path PREFIX and --input FILE"),
     ("evaluate_perplexity", ["--load", "{ckpt}", "--input", "{tmp}/none.txt",
@@ -53,7 +54,7 @@ def test_bad_input_is_one_line_naming_the_flag_and_exit_status_2(tool, argv, mes
                                                                   monkeypatch, capsys):
     save_random_checkpoint(tmp_path / "ckpt", "gpt", t=1, p=1)
     if tool == "import_from_hf":
-        gelu_new_gpt2(tmp_path / "gelu_new")
+        relu_gpt2(tmp_path / "relu")
         capsys.readouterr()
     fill = {"ckpt": str(tmp_path / "ckpt"), "tmp": str(tmp_path)}
     assert run_tool(tool, [a.format(**fill) for a in argv], monkeypatch) == 2
