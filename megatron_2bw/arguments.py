@@ -119,6 +119,9 @@ def build_parser(description: str = "", extra_args_provider=None) -> argparse.Ar
     g = parser.add_argument_group("parallelism")
     _flag(g, "--tensor-model-parallel-size", "parallel", "tensor_parallel", type=int)
     _flag(g, "--pipeline-model-parallel-size", "parallel", "pipeline_parallel", type=int)
+    _flag(g, "--context-parallel-size", "parallel", "context_parallel", type=int,
+          help="GPT: split every sequence over this many ranks of each data-parallel replica "
+               "(default 1); attention gathers the keys and values of the whole sequence")
     _flag(g, "--pipeline-schedule", "parallel", "schedule", choices=["2bw", "flush", "gpipe"])
     _flag(g, "--pipeline-layer-split", "parallel", "layer_split", type=str,
           help="layers per stage, e.g. 5,7,7,5")
@@ -341,7 +344,6 @@ REFUSED_MEGATRON_FLAGS = {
 }
 # flags whose value decides: refused unless it asks for what megatron_2bw does
 VALUED_MEGATRON_FLAGS = {
-    "--context-parallel-size": (int, 1, "context parallelism is not implemented (1 is accepted)"),
     "--num-experts": (int, None, "mixture-of-experts layers are not implemented"),
     "--ckpt-format": (str, None, "megatron_2bw writes its own atomic per-rank checkpoints "
                                  "(docs/checkpoints.md; tools/convert_checkpoint.py reshards "
@@ -581,6 +583,22 @@ def _validate_architecture(m, t: int) -> None:
         _require(not m.rope_scaling, "--use-rope-scaling needs --position-embedding-type rope")
 
 
+def _validate_context_parallel(config: Config) -> None:
+    cp, m = config.parallel.context_parallel, config.model
+    if cp == 1:
+        return
+    _require(m.model_type == "gpt", f"--context-parallel-size {cp}: context parallelism applies "
+                                    f"to GPT pretraining only (BERT's attention is bidirectional "
+                                    f"over padded sequences)")
+    _require(m.seq_length % (2 * cp) == 0,
+             f"--context-parallel-size {cp} cuts each sequence into 2 x {cp} chunks (two per rank, "
+             f"for balanced causal work): --seq-length {m.seq_length} must be divisible by "
+             f"{2 * cp}")
+    _require(not config.parallel.auto_parallel,
+             f"--auto-parallel plans without context parallelism: drop --context-parallel-size "
+             f"{cp} or --auto-parallel")
+
+
 def _require(condition: bool, message: str):
     if not condition:
         raise ConfigError(message)
@@ -593,6 +611,7 @@ def validate(config: Config, require_data: bool = True) -> None:
                         ("--num-attention-heads", m.num_attention_heads),
                         ("--seq-length", m.seq_length), ("--micro-batch-size", tr.micro_batch_size),
                         ("--tensor-model-parallel-size", par.tensor_parallel),
+                        ("--context-parallel-size", par.context_parallel),
                         ("--pipeline-model-parallel-size", par.pipeline_parallel),
                         ("--train-iters", tr.train_iters), ("--log-interval", tr.log_interval),
                         ("--eval-interval", tr.eval_interval)]:
@@ -616,9 +635,12 @@ def validate(config: Config, require_data: bool = True) -> None:
              f"--ffn-hidden-size must be a positive integer, got {m.ffn_hidden_size} (with "
              f"--swiglu its default is 2/3 of 4 * --hidden-size rounded down to a multiple of 64)")
     _validate_architecture(m, t)
-    _require(not m.sequence_parallel or m.seq_length % t == 0,
-             f"--sequence-parallel splits --seq-length {m.seq_length} over "
-             f"--tensor-model-parallel-size {t}, which must divide it")
+    _validate_context_parallel(config)
+    local_length = m.seq_length // par.context_parallel
+    _require(not m.sequence_parallel or local_length % t == 0,
+             f"--sequence-parallel splits --seq-length {m.seq_length} (/ --context-parallel-size "
+             f"{par.context_parallel}) over --tensor-model-parallel-size {t}, which must divide "
+             f"{local_length}")
     _require(m.ffn_hidden_size % t == 0,
              f"--tensor-model-parallel-size {t} must divide --ffn-hidden-size {m.ffn_hidden_size}")
     _require(m.max_position_embeddings >= m.seq_length,
@@ -660,12 +682,15 @@ def validate(config: Config, require_data: bool = True) -> None:
 
 
 def validate_for_world(config: Config, world_size: int) -> int:
-    """Checks that need the world size; returns the data-parallel size d."""
+    """Checks that need the world size; returns the data-parallel size d (of the batch: the
+    context-parallel ranks of a replica read the same samples)."""
     t, p = config.parallel.tensor_parallel, config.parallel.pipeline_parallel
-    _require(world_size % (t * p) == 0,
+    cp = config.parallel.context_parallel
+    _require(world_size % (t * p * cp) == 0,
              f"world size {world_size} is not divisible by --tensor-model-parallel-size {t} x "
-             f"--pipeline-model-parallel-size {p}")
-    d = world_size // (t * p)
+             f"--pipeline-model-parallel-size {p}"
+             + (f" x --context-parallel-size {cp}" if cp > 1 else ""))
+    d = world_size // (t * p * cp)
     tr = config.training
     if tr.global_batch_size is None:
         tr.global_batch_size = tr.micro_batch_size * d

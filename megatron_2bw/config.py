@@ -116,6 +116,7 @@ class ModelConfig:
 class ParallelConfig:
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
+    context_parallel: int = 1  # cp ranks split each sequence (GPT); part of the data-parallel ranks
     schedule: str | None = None  # "2bw" | "flush" | "gpipe"; None picks 2bw when p > 1
     layer_split: list[int] | None = None  # layers per stage
     distributed_backend: str | None = None  # None: nccl with CUDA, gloo otherwise

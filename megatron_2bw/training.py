@@ -13,7 +13,7 @@ import sys
 import time
 import traceback
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -80,7 +80,8 @@ def build_stage(config: Config, layout: ParallelLayout, device: torch.device, ti
     ranges = layer_ranges(config.model.num_layers, par.pipeline_parallel, par.layer_split)
     model = build_stage_model(config.model, layout.group("tensor"), par.tensor_parallel,
                               ranges[stage], layout.is_first_stage, layout.is_last_stage,
-                              config.training.seed, config.recompute).to(device)
+                              config.training.seed, config.recompute,
+                              layout.group("context")).to(device)
     schedule = par.pipeline_schedule
     versions = WeightVersions(model, working_dtype(config), grad_dtype(config),
                               single_version=schedule != "2bw")
@@ -96,14 +97,14 @@ def build_stage(config: Config, layout: ParallelLayout, device: torch.device, ti
         log_params_norm=config.logging.log_params_norm,
         log_num_zeros_in_grad=config.logging.log_num_zeros_in_grad,
         per_token_loss=train.calculate_per_token_loss)
-    d = layout.data
-    microbatches = train.global_batch_size // (train.micro_batch_size * d)
+    microbatches = train.global_batch_size // (train.micro_batch_size * layout.data_replicas)
     p2p = None
     if par.pipeline_parallel > 1:
         prev_rank = layout.stage_rank(stage - 1) if stage > 0 else None
         next_rank = layout.stage_rank(stage + 1) if not layout.is_last_stage else None
         m = config.model
-        shape = (train.micro_batch_size, m.seq_length // m.sequence_ranks(par.tensor_parallel),
+        shape = (train.micro_batch_size,
+                 m.seq_length // (m.sequence_ranks(par.tensor_parallel) * layout.context),
                  m.hidden_size)
         p2p = PipelineP2P(prev_rank, next_rank, layout.group("pipeline"), shape,
                           working_dtype(config), device, par.timeout_minutes)
@@ -131,7 +132,10 @@ def startup_memory_report(stage: Stage) -> str:
     """This rank's memory by kind: the planner's estimate (the same estimator its search uses) and
     what the built stage holds (weights, gradients and optimizer state exist from the start)."""
     c, layout = stage.config, stage.layout
-    estimate = estimate_stage_memory(c.model, c.parallel, c.precision, c.recompute,
+    # under context parallelism a rank's activations are those of its part of the sequence (the
+    # gathered keys and values, which are whole, left out)
+    model = replace(c.model, seq_length=c.model.seq_length // layout.context)
+    estimate = estimate_stage_memory(model, c.parallel, c.precision, c.recompute,
                                      c.optimizer.optimizer, c.training.micro_batch_size,
                                      stage.microbatches, layout.data, layout.stage)
     measured = static_breakdown(stage.versions, stage.optimizer)
@@ -164,7 +168,8 @@ class MicrobatchFeed:
 def microbatches_of(stage: Stage, batch: int) -> int:
     """m of `batch`: its global batch (batch_schedule.py) over micro x d."""
     train = stage.config.training
-    return batch_schedule(train).global_batch(batch) // (train.micro_batch_size * stage.layout.data)
+    return batch_schedule(train).global_batch(batch) // (train.micro_batch_size *
+                                                         stage.layout.data_replicas)
 
 
 def run_segment(stage: Stage, first_batch: int, batches: int, feed: MicrobatchFeed) -> None:
@@ -428,7 +433,8 @@ def setup(config: Config, typed: set) -> tuple[Config, ParallelLayout, torch.dev
                       f"hardware, not necessarily this machine", flush=True)
     par = config.parallel
     validate_for_world(config, info.world_size)
-    layout = ParallelLayout(info.world_size, par.tensor_parallel, par.pipeline_parallel, info.rank)
+    layout = ParallelLayout(info.world_size, par.tensor_parallel, par.pipeline_parallel, info.rank,
+                            par.context_parallel)
     layout.build_groups(par.timeout_minutes)
     return config, layout, device, plan
 
@@ -500,13 +506,13 @@ def build_data(config: Config, layout: ParallelLayout, tokenizer):
             datasets = build_pretraining_datasets(config, tokenizer, counts)
         if layout.world_size > 1:
             dist.barrier()
-    c = layout.coords
 
     def factory(dataset):
         if dataset is None:
             return None
         return lambda consumed: build_data_iterator(dataset, consumed, train.micro_batch_size,
-                                                    c.dp, layout.data, config.data.num_workers)
+                                                    layout.sample_rank, layout.data_replicas,
+                                                    config.data.num_workers)
     return tuple(factory(dataset) for dataset in datasets)
 
 
@@ -658,8 +664,9 @@ def startup_summary(stage: Stage) -> str:
     n = sum(p.numel() for p in stage.versions.master)
     first = microbatches_of(stage, 0)
     ramp = f" (first {first}: the batch size changes)" if first != stage.microbatches else ""
-    return (f" megatron_2bw: world {layout.world_size} = t {layout.tensor} x d {layout.data} x "
-            f"p {layout.pipeline}, schedule {c.parallel.pipeline_schedule}, m = {stage.microbatches} "
+    context = f" x cp {layout.context}" if layout.context > 1 else ""
+    return (f" megatron_2bw: world {layout.world_size} = t {layout.tensor} x d "
+            f"{layout.data_replicas}{context} x p {layout.pipeline}, schedule {c.parallel.pipeline_schedule}, m = {stage.microbatches} "
             f"microbatches of {c.training.micro_batch_size}{ramp}, "
             f"{c.precision.working_dtype_name}; "
             f"stage 0 holds {n / 1e6:.2f} M parameters on rank 0")

@@ -303,8 +303,6 @@ def test_megatron_schedule_and_logging_flags_fill_the_config():
 
 
 @pytest.mark.parametrize("extra,expected", [
-    (["--context-parallel-size", "2"], "--context-parallel-size 2: context parallelism is not "
-                                       "implemented"),
     (["--num-experts", "8"], "--num-experts 8: mixture-of-experts layers are not implemented"),
     (["--ckpt-format", "torch_dist"], "--ckpt-format torch_dist: megatron_2bw writes its own"),
     (["--fp8-format", "hybrid"], "--fp8-format hybrid: FP8 needs Transformer Engine"),

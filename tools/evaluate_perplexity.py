@@ -137,9 +137,11 @@ def main(argv=None) -> dict:
     if config.model.model_type != "gpt":
         raise ConfigError(f"checkpoint {args.load} holds a {config.model.model_type} model; "
                           f"perplexity evaluation needs a GPT")
-    if config.parallel.pipeline_parallel != 1:
-        raise ConfigError("--pipeline-model-parallel-size must be 1 for evaluation (any "
-                          "checkpoint layout loads; use tensor parallelism to split the model)")
+    for flag, size in [("--pipeline-model-parallel-size", config.parallel.pipeline_parallel),
+                       ("--context-parallel-size", config.parallel.context_parallel)]:
+        if size != 1:
+            raise ConfigError(f"{flag} must be 1 for evaluation (any checkpoint layout loads; "
+                              f"use tensor parallelism to split the model)")
     seq_length = config.model.seq_length
     tokenizer = matching_tokenizer(config, state.config.model.vocab_size,
                                    required=args.task == "lambada" or args.input is not None)

@@ -11,11 +11,12 @@ MODELS = {"gpt": GPTModel, "bert": BertModel}
 
 def build_stage_model(config: ModelConfig, group, tensor_parallel: int, layers: range,
                       pre_process: bool, post_process: bool, seed: int,
-                      recompute: RecomputeConfig | None = None):
-    """The stage's module with Megatron's initialisation (independent of the parallel layout)."""
+                      recompute: RecomputeConfig | None = None, context_group=None):
+    """The stage's module with Megatron's initialisation (independent of the parallel layout).
+    `context_group`: the ranks splitting each sequence (GPT's context parallelism)."""
     if config.model_type not in MODELS:
         raise ValueError(f"unknown model type {config.model_type!r}; expected one of {list(MODELS)}")
     model = MODELS[config.model_type](config, group, config.padded_vocab_size(tensor_parallel),
-                                      layers, pre_process, post_process, recompute)
+                                      layers, pre_process, post_process, recompute, context_group)
     initialize_parameters(model, seed, config.init_method_std, config.num_layers)
     return model

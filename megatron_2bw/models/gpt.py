@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from megatron_2bw.config import ModelConfig
+from megatron_2bw.models.context_parallel import ContextSplit
 from megatron_2bw.models.transformer import LanguageModelStage, build_norm
 from megatron_2bw.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron_2bw.tensor_parallel.layers import parallel_lm_logits
@@ -32,18 +33,26 @@ class GPTModel(LanguageModelStage):
 
     def forward(self, hidden, batch: dict):
         tokens = batch["tokens"]
-        position_ids = batch.get("position_ids")
+        inputs, labels = tokens[:, :-1], tokens[:, 1:]
+        position_ids, documents = batch.get("position_ids"), batch.get("document_ids")
+        mask = None if documents is None else document_causal_mask(documents)
+        split = None
+        if self.context_group is not None:  # this rank's part of each sequence
+            split = ContextSplit(inputs.shape[1], self.context_group, inputs.device)
+            inputs, labels = split.local(inputs), split.local(labels)
+            position_ids = split.queries[None] if position_ids is None else split.local(position_ids)
+            mask = split.attention_mask(documents)
         if self.pre_process:
-            hidden = self.embedding(tokens[:, :-1], position_ids=position_ids)
-        documents = batch.get("document_ids")
-        hidden = self.transformer(hidden, None if documents is None else
-                                  document_causal_mask(documents), position_ids)
+            hidden = self.embedding(inputs, position_ids=position_ids)
+        hidden = self.transformer(hidden, mask, position_ids)
         if not self.post_process:
             return hidden
         logits = self.lm_logits(hidden)
-        losses = vocab_parallel_cross_entropy(logits, tokens[:, 1:], self.group, self.config.vocab_size)
+        losses = vocab_parallel_cross_entropy(logits, labels, self.group, self.config.vocab_size)
         loss_mask = batch.get("loss_mask")
-        if loss_mask is None:
+        if split is not None:
+            loss = split.loss(losses, loss_mask)
+        elif loss_mask is None:
             loss = losses.mean()
         else:
             loss_mask = loss_mask.to(losses.dtype)

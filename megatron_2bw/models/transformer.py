@@ -15,6 +15,7 @@ from torch import nn
 
 from megatron_2bw.config import ModelConfig, RecomputeConfig
 from megatron_2bw.distributed.comm import group_size
+from megatron_2bw.models.context_parallel import gather_keys
 from megatron_2bw.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
                                                  VocabParallelEmbedding, make_param,
                                                  replicated_param)
@@ -187,11 +188,14 @@ def apply_rotary(x, rotary, interleaved: bool):
 
 class ParallelAttention(nn.Module):
     """Self-attention with query groups (and their heads) split over the tensor-parallel group.
-    `layer_number` (1-based, global) is --apply-query-key-layer-scaling's coefficient."""
+    `layer_number` (1-based, global) is --apply-query-key-layer-scaling's coefficient. With a
+    `context_group` (context parallelism) the queries are this rank's part of the sequence and the
+    keys and values are gathered from all of it (models/context_parallel.py)."""
 
     def __init__(self, config: ModelConfig, group, causal: bool, recompute_core: bool,
-                 layer_number: int = 1):
+                 layer_number: int = 1, context_group=None):
         super().__init__()
+        self.context_group = context_group
         h, t = config.hidden_size, group_size(group)
         sequence_parallel = uses_sequence_parallel(config, group)
         self.local_heads = config.num_attention_heads // t
@@ -230,6 +234,8 @@ class ParallelAttention(nn.Module):
         if rotary is not None:
             q = apply_rotary(q, rotary, self.rotary_interleaved)
             k = apply_rotary(k, rotary, self.rotary_interleaved)
+        if self.context_group is not None:  # once per query group, before the heads share them
+            k, v = gather_keys(k, self.context_group), gather_keys(v, self.context_group)
         if self.heads_per_group > 1:
             k, v = (t.repeat_interleave(self.heads_per_group, dim=1) for t in (k, v))
         return q, k, v
@@ -299,11 +305,12 @@ class ParallelMLP(nn.Module):
 
 class TransformerLayer(nn.Module):
     def __init__(self, config: ModelConfig, group, causal: bool, recompute_core: bool = False,
-                 layer_number: int = 1):
+                 layer_number: int = 1, context_group=None):
         super().__init__()
         sequence_parallel = uses_sequence_parallel(config, group)
         self.input_norm = build_norm(config, sequence_parallel)
-        self.attention = ParallelAttention(config, group, causal, recompute_core, layer_number)
+        self.attention = ParallelAttention(config, group, causal, recompute_core, layer_number,
+                                           context_group)
         self.post_attention_norm = build_norm(config, sequence_parallel)
         self.mlp = ParallelMLP(config, group)
         self.dropout = Dropout(config.hidden_dropout, sequence_parallel)
@@ -318,13 +325,13 @@ class TransformerStack(nn.Module):
     the pipeline split), with Megatron's recomputation policies."""
 
     def __init__(self, config: ModelConfig, group, layers: range, causal: bool,
-                 recompute: RecomputeConfig | None = None):
+                 recompute: RecomputeConfig | None = None, context_group=None):
         super().__init__()
         recompute = recompute or RecomputeConfig()
         self.recompute = recompute
         selective = recompute.granularity == "selective"
         self.layers = nn.ModuleDict({
-            str(i): TransformerLayer(config, group, causal, selective, layer_number=i + 1)
+            str(i): TransformerLayer(config, group, causal, selective, i + 1, context_group)
             for i in layers})
         self.rotary = RotaryEmbedding(config) if config.position_embedding_type == "rope" else None
         # under --sequence-parallel a rank holds 1/t of the sequence; rotary tables cover all of it
@@ -381,16 +388,17 @@ class LanguageModelStage(nn.Module):
 
     def __init__(self, config: ModelConfig, group, padded_vocab_size: int, layers: range,
                  pre_process: bool = True, post_process: bool = True,
-                 recompute: RecomputeConfig | None = None):
+                 recompute: RecomputeConfig | None = None, context_group=None):
         super().__init__()
-        self.config, self.group = config, group
+        self.config, self.group, self.context_group = config, group, context_group
         self.pre_process, self.post_process = pre_process, post_process
         untied = config.untie_embeddings_and_output_weights
         if pre_process:
             self.embedding = Embedding(config, padded_vocab_size, group)
             if not post_process and not untied:
                 self.embedding.word_embeddings.weight.spec.tied = True
-        self.transformer = TransformerStack(config, group, layers, self.causal, recompute)
+        self.transformer = TransformerStack(config, group, layers, self.causal, recompute,
+                                            context_group)
         if post_process:
             self.build_heads(config, padded_vocab_size, group)
             if untied:  # the output layer's own vocabulary-parallel weights

@@ -1,5 +1,6 @@
-"""pretrain_gpt.py under torchrun: tensor parallelism (t=2 x d=2) and 2BW with t=2 x p=2 (GPT-2's
-layout, and Llama's with sequence parallelism) train a tiny GPT on --mock-data and the loss falls."""
+"""pretrain_gpt.py under torchrun: tensor parallelism (t=2 x d=2), 2BW with t=2 x p=2 (GPT-2's
+layout, and Llama's with sequence parallelism) and with p=2 x cp=2 (context parallelism) train a
+tiny GPT on --mock-data and the loss falls."""
 import os
 import re
 import subprocess
@@ -31,7 +32,9 @@ def losses(output: str) -> list[float]:
      "--untie-embeddings-and-output-weights", "--sequence-parallel",
      "--qk-layernorm", "--apply-layernorm-1p",  # and Qwen3's, in bf16 with an fp32 softmax
      "--bf16", "--attention-softmax-in-fp32", "--apply-query-key-layer-scaling"],
-], ids=["t2d2", "t2p2-2bw", "t2p2-2bw-qwen3-bf16-sequence-parallel"])
+    ["--pipeline-model-parallel-size", "2", "--context-parallel-size", "2",  # Llama's, with rope
+     "--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope"],
+], ids=["t2d2", "t2p2-2bw", "t2p2-2bw-qwen3-bf16-sequence-parallel", "p2-cp2-2bw-llama"])
 def test_loss_falls(layout):
     result = subprocess.run([TORCHRUN, "--nproc-per-node", "4", "--master-port", str(free_port()),
                              "pretrain_gpt.py", *TINY, *layout], cwd=ROOT, capture_output=True,

@@ -38,12 +38,12 @@ def microbatch_samples(k: int, m: int, micro: int, d: int, dp_rank: int, global_
 
 def gpt_feed(config: Config, layout: ParallelLayout, dataset=None):
     tr = config.training
-    m = tr.global_batch_size // (tr.micro_batch_size * layout.data)
+    m = tr.global_batch_size // (tr.micro_batch_size * layout.data_replicas)
     dataset = dataset or MockGPTDataset(10_000, config.model.seq_length, config.model.vocab_size, 7)
 
     def feed(k: int) -> dict:
-        idx = microbatch_samples(k, m, tr.micro_batch_size, layout.data, layout.coords.dp,
-                                 tr.global_batch_size)
+        idx = microbatch_samples(k, m, tr.micro_batch_size, layout.data_replicas,
+                                 layout.sample_rank, tr.global_batch_size)
         samples = [dataset[i] for i in idx]
         return {key: torch.stack([torch.from_numpy(s[key]) for s in samples]) for key in samples[0]}
     return feed
@@ -52,8 +52,9 @@ def gpt_feed(config: Config, layout: ParallelLayout, dataset=None):
 def stage_on_rank(rank: int, world: int, config: Config, on_step=None):
     """This rank's layout (groups built) and CPU stage of `config`."""
     validate_for_world(config, world)
-    layout = ParallelLayout(world, config.parallel.tensor_parallel,
-                            config.parallel.pipeline_parallel, rank)
+    par = config.parallel
+    layout = ParallelLayout(world, par.tensor_parallel, par.pipeline_parallel, rank,
+                            par.context_parallel)
     layout.build_groups(1.0)
     return layout, build_stage(config, layout, torch.device("cpu"), None, on_step=on_step)
 

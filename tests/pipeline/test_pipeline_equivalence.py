@@ -116,20 +116,23 @@ LLAMA = {**UNTIED, "normalization": "RMSNorm", "add_bias_linear": False, "swiglu
 
 
 def check_flush_and_2bw(architecture: dict, feed, t: int, p: int, world: int,
-                        parallel_only: dict | None = None) -> dict:
+                        parallel_only: dict | None = None, context: int = 1) -> dict:
     """Flush on `world` ranks reaches one process's weights, 2BW the delayed-update reference's
-    (`parallel_only`: model fields the parallel runs add, e.g. sequence parallelism). Returns
-    2BW's weights."""
+    (`parallel_only`: model fields the parallel runs add, e.g. sequence parallelism; `context`:
+    their --context-parallel-size). Returns 2BW's weights."""
     parallel = {**architecture, **(parallel_only or {})}
+
+    def parallel_config(optimizer: str, schedule: str):
+        c = config(optimizer, t=t, p=p, schedule=schedule, **parallel)
+        c.parallel.context_parallel = context
+        return c
     single = full_weights(run_ranks(1, train_on_ranks, config("adam", schedule="flush",
                                                               **architecture), 3, feed))
-    flushed = run_ranks(world, train_on_ranks, config("adam", t=t, p=p, schedule="flush",
-                                                      **parallel), 3, feed)
+    flushed = run_ranks(world, train_on_ranks, parallel_config("adam", "flush"), 3, feed)
     assert max_difference(full_weights(flushed), single, VOCAB) < 1e-5
     c = config("sgd", **architecture)
     reference = delayed_update_reference(c, 5, feed(c, ParallelLayout(1, 1, 1)), 4)
-    two_bw = full_weights(run_ranks(world, train_on_ranks, config("sgd", t=t, p=p, schedule="2bw",
-                                                                  **parallel), 5, feed))
+    two_bw = full_weights(run_ranks(world, train_on_ranks, parallel_config("sgd", "2bw"), 5, feed))
     assert max_difference(two_bw, reference, VOCAB) < 1e-5
     return two_bw
 
@@ -173,3 +176,17 @@ def test_qk_layernorm_matches_one_process(sequence_parallel):
     two_bw = check_flush_and_2bw(QK_NORMED, position_reset_feed, 2, 2, 4,
                                  {"sequence_parallel": sequence_parallel})
     assert two_bw["transformer.layers.0.attention.q_norm.weight"].abs().max() > 0
+
+
+@pytest.mark.parametrize("architecture,feed,t,p,world,parallel_only", [
+    ({}, gpt_feed, 1, 1, 2, {}),  # learned positions: each rank embeds its chunks' positions
+    ({}, gpt_feed, 1, 1, 4, {}),  # two replicas of two context-parallel ranks each
+    (LLAMA, document_feed, 1, 2, 4, {}),  # rotary, query groups, the document flags, two stages
+    (LLAMA, position_reset_feed, 2, 1, 4, {"sequence_parallel": True}),
+], ids=["gpt2-cp2", "gpt2-cp2-d2", "llama-documents-cp2-p2", "llama-cp2-t2-sequence-parallel"])
+def test_context_parallel_matches_one_process(architecture, feed, t, p, world, parallel_only):
+    """--context-parallel-size 2: each rank holds two of the four chunks of every sequence (its
+    queries), and attention gathers the keys and values of all of them. Flush reaches one
+    process's weights, 2BW the delayed-update reference's; with --eod-mask-loss the loss is the
+    whole sequence's masked mean, and --reset-attention-mask's documents mask the gathered keys."""
+    check_flush_and_2bw(architecture, feed, t, p, world, parallel_only, context=2)

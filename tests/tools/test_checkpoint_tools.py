@@ -49,6 +49,9 @@ def relu_gpt2(directory):
     ("evaluate_perplexity", ["--load", "{ckpt}", "--input", "{tmp}/none.txt",
                              "--pipeline-model-parallel-size", "2"],
      "--pipeline-model-parallel-size must be 1 for evaluation"),
+    ("evaluate_perplexity", ["--load", "{ckpt}", "--input", "{tmp}/none.txt",
+                             "--context-parallel-size", "2"],
+     "--context-parallel-size must be 1 for evaluation"),
 ])
 def test_bad_input_is_one_line_naming_the_flag_and_exit_status_2(tool, argv, message, tmp_path,
                                                                   monkeypatch, capsys):
