@@ -20,15 +20,17 @@ class ResumeRun:
     p: int
     root: Path  # straight.jsonl, first.jsonl, second.jsonl and checkpoints/
     ranks: list  # per rank: {"straight": weights, "resumed": weights, "final_loss": float | None}
+    context: int = 1  # --context-parallel-size
 
     @property
     def checkpoints(self) -> str:
         return str(self.root / "checkpoints")
 
     def flags(self, *extra: str) -> list[str]:
-        data_parallel = 4 // (self.t * self.p)  # 2 microbatches per batch: the fewest 2BW takes
+        # 2 microbatches per batch: the fewest 2BW takes
+        data_parallel = 4 // (self.t * self.p * self.context)
         return pretrain_flags(self.t, self.p, 2 * N, "--global-batch-size", str(4 * data_parallel),
-                              *extra)
+                              "--context-parallel-size", str(self.context), *extra)
 
 
 def _master_weights(stage) -> dict:
@@ -46,9 +48,9 @@ def _resume_scenario(rank: int, world: int, run: ResumeRun) -> dict:
             "final_loss": evaluate_checkpoint(rank, world, run.flags(), ckpt)}
 
 
-def _run(tmp_path_factory, t: int, p: int) -> ResumeRun:
+def _run(tmp_path_factory, t: int, p: int, context: int = 1) -> ResumeRun:
     torch.set_num_threads(1)
-    run = ResumeRun(t, p, tmp_path_factory.mktemp(f"resume_t{t}_p{p}"), [])
+    run = ResumeRun(t, p, tmp_path_factory.mktemp(f"resume_t{t}_p{p}_cp{context}"), [], context)
     run.ranks = run_ranks(4, _resume_scenario, run, timeout=300)
     return run
 
@@ -61,3 +63,8 @@ def t2p2_run(tmp_path_factory) -> ResumeRun:
 @pytest.fixture(scope="session")
 def p2d2_run(tmp_path_factory) -> ResumeRun:
     return _run(tmp_path_factory, 1, 2)
+
+
+@pytest.fixture(scope="session")
+def p2cp2_run(tmp_path_factory) -> ResumeRun:
+    return _run(tmp_path_factory, 1, 2, context=2)

@@ -1,5 +1,6 @@
-"""Save/load: exact resume (2BW, dropout on) for t=2 x p=2 and p=2 x d=2, an interrupted save
-leaves the previous checkpoint as latest, and layout or model mismatches are named."""
+"""Save/load: exact resume (2BW, dropout on) for t=2 x p=2, p=2 x d=2 and p=2 x cp=2, an
+interrupted save leaves the previous checkpoint as latest, and layout or model mismatches are
+named."""
 import os
 
 import pytest
@@ -17,7 +18,7 @@ from tests.checkpoint.helpers import (config_from_flags, logged_losses, pretrain
                                       save_random_checkpoint)
 
 
-@pytest.mark.parametrize("run_name", ["t2p2_run", "p2d2_run"])
+@pytest.mark.parametrize("run_name", ["t2p2_run", "p2d2_run", "p2cp2_run"])
 def test_resumed_training_is_bit_identical_to_straight_training(run_name, request):
     run = request.getfixturevalue(run_name)
     straight = logged_losses(run.root / "straight.jsonl")
