@@ -135,8 +135,8 @@ class GradientUpdater:
         """The last stage's microbatch means, weighted by their tokens under per_token_loss."""
         weight = tokens if self.per_token_loss else 1.0
         sums = self.loss_sums.setdefault(batch, {})
-        for key, value in metrics.items():
-            sums[key] = sums.get(key, 0.0) + value * weight
+        for key, value in metrics.items():  # in float64, on the device (no wait for the value)
+            sums[key] = sums.get(key, 0.0) + torch.as_tensor(value, dtype=torch.float64) * weight
 
     # -- batch boundary ------------------------------------------------------------------------
     def _time(self, name):
