@@ -498,8 +498,6 @@ def _validate_batch_schedule(tr) -> None:
         return
     start, increment, samples = tr.rampup_batch_size
     flag = f"--rampup-batch-size {start} {increment} {samples}"
-    _require(tr.train_samples is not None, f"{flag} goes with --train-samples (Megatron-LM's "
-                                           f"rule: no batch-size ramp for iteration-based training)")
     _require(tr.global_batch_size is not None, f"{flag} ramps up to --global-batch-size: give it")
     _require(start > 0 and increment > 0 and samples >= 0,
              f"{flag}: START and INCREMENT must be positive and SAMPLES >= 0")

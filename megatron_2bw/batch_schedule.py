@@ -5,7 +5,9 @@ Megatron-LM's two schedules, both functions of the samples consumed before the i
   batch from START by INCREMENT in equal shares of the first SAMPLES samples: START + INCREMENT *
   int(c / (SAMPLES / increments)), at most --global-batch-size, where increments = (global -
   START) / INCREMENT. --train-samples then counts the ramp's iterations one by one and the rest
-  in whole global batches (its `update_train_iters`), kept exactly.
+  in whole global batches (its `update_train_iters`), kept exactly. Megatron-LM refuses the ramp
+  with --train-iters, which its own GPT-3 175B script combines with it; here the run is then
+  --train-iters iterations, the first ones smaller, the schedules still counted in samples.
 - --step-batch-size-schedule "0:768 250B:1536 ..." (its newer flag, which replaced the ramp):
   THRESHOLD:BATCH pairs, thresholds in tokens (K, M, B, T suffixes), converted to samples by the
   sequence length; the batch is the one of the last threshold reached. --train-samples counts

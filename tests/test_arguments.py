@@ -21,7 +21,7 @@ TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"
     (["--pipeline-layer-split", "1,x"], "--pipeline-layer-split expects comma-separated integers"),
     (["--lr", "abc"], "argument --lr: invalid float value: 'abc'"),
     (["--rampup-batch-size", "16", "16", "5859375"],
-     "--rampup-batch-size 16 16 5859375 goes with --train-samples"),
+     "--rampup-batch-size 16 16 5859375 ramps up to --global-batch-size: give it"),
     (["--rampup-batch-size", "16", "16"], "argument --rampup-batch-size: expected 3 arguments"),
 ])
 def test_bad_flags_give_one_line(extra, expected):

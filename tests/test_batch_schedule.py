@@ -3,7 +3,7 @@ cases, and the flags' checks."""
 import pytest
 
 from megatron_2bw.arguments import ConfigError, parse_config, validate_for_world
-from megatron_2bw.batch_schedule import BatchSchedule, Phase, parse_step_schedule
+from megatron_2bw.batch_schedule import BatchSchedule, Phase, batch_schedule, parse_step_schedule
 from megatron_2bw.config import OptimizerConfig, TrainingConfig
 from megatron_2bw.optim.lr_schedule import learning_rate, schedule_position
 
@@ -120,6 +120,36 @@ def test_flags_fill_the_ramp_and_count_iterations():
     assert config.training.train_iters == 6
 
 
+# Megatron-LM's examples/gpt3/train_gpt3_175b_distributed.sh: model and training blocks (its
+# data paths replaced by mock data); it combines the ramp with --train-iters
+MEGATRON_GPT3_175B = [
+    "--num-layers", "96", "--hidden-size", "12288", "--num-attention-heads", "96",
+    "--seq-length", "2048", "--max-position-embeddings", "2048", "--attention-backend", "auto",
+    "--micro-batch-size", "1", "--global-batch-size", "1536", "--rampup-batch-size", "16", "16",
+    "5859375", "--train-iters", "500000", "--weight-decay", "0.1", "--adam-beta1", "0.9",
+    "--adam-beta2", "0.95", "--init-method-std", "0.006", "--clip-grad", "1.0", "--fp16",
+    "--lr", "6.0e-5", "--lr-decay-style", "cosine", "--min-lr", "6.0e-6",
+    "--lr-warmup-fraction", ".001", "--lr-decay-iters", "430000",
+    "--tensor-model-parallel-size", "8", "--pipeline-model-parallel-size", "16",
+    "--split", "949,50,1", "--log-interval", "100", "--save-interval", "10000",
+    "--eval-interval", "1000", "--eval-iters", "10", "--mock-data", "--vocab-size", "50257"]
+
+
+def test_megatron_gpt3_175b_script_runs_its_ramp_over_its_iterations():
+    config, _ = parse_config(MEGATRON_GPT3_175B)
+    validate_for_world(config, 8 * 16)  # one replica: the ramp's first batch is m = 16 = p
+    train = config.training
+    assert train.rampup_batch_size == [16, 16, 5859375] and train.train_iters == 500000
+    schedule = batch_schedule(train)
+    assert schedule.global_batch(0) == 16 and schedule.global_batch(499999) == 1536
+    # the learning rate follows samples: the warm-up (0.1% of 430000 iterations of 1536) ends
+    # later in iterations than at the full batch
+    opt = config.optimizer
+    assert learning_rate(429, opt, train) < opt.lr
+    with pytest.raises(ConfigError, match="raise the ramp START to >= 32"):
+        validate_for_world(parse_config(MEGATRON_GPT3_175B)[0], 8 * 16 * 2)
+
+
 @pytest.mark.parametrize("world,extra,expected", [
     (4, [], "START 4 and INCREMENT 4 must be divisible by --micro-batch-size 2 x data-parallel "
             "size 4"),
@@ -134,7 +164,6 @@ def test_world_checks_name_the_ramp(world, extra, expected):
 
 
 @pytest.mark.parametrize("extra,expected", [
-    (["--global-batch-size", "16", "--train-iters", "5"], "goes with --train-samples"),
     (["--train-samples", "60"], "ramps up to --global-batch-size: give it"),
     (["--global-batch-size", "18", "--train-samples", "60"],
      "--global-batch-size 18 must be START plus a whole number of INCREMENTs"),
