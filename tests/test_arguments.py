@@ -181,6 +181,26 @@ def test_megatron_bert_example_script_carries_over():
     (["--use-rope-scaling"], "--use-rope-scaling needs --position-embedding-type rope"),
     (["--transformer-impl", "transformer_engine"], "--transformer-impl transformer_engine: "
                                                    "megatron_2bw builds its layers from torch ops"),
+    (["--num-experts", "8"], "--num-experts 8: mixture-of-experts layers are not implemented"),
+    (["--ckpt-format", "torch_dist"], "--ckpt-format torch_dist: megatron_2bw writes its own"),
+    (["--fp8-format", "hybrid"], "--fp8-format hybrid: FP8 needs Transformer Engine"),
+    (["--async-save"], "--async-save is not supported"),
+    (["--tp-comm-overlap"], "--tp-comm-overlap is not supported"),
+    (["--grad-reduce-in-bf16"], "--grad-reduce-in-bf16 reduces the gradients in bf16"),
+    (["--bf16", "--grad-reduce-in-bf16", "--accumulate-allreduce-grads-in-fp32"],
+     "--grad-reduce-in-bf16 reduces the gradients in bf16"),
+    (["--check-for-nan-in-loss-and-grad", "--no-check-for-nan-in-loss-and-grad"],
+     "give --check-for-nan-in-loss-and-grad or --no-check-for-nan-in-loss-and-grad, not both"),
+    (["--decoupled-min-lr", "1e-5"], "--decoupled-min-lr needs --decoupled-lr"),
+    (["--start-weight-decay", "0.1"], "--start-weight-decay and --end-weight-decay go with "
+                                      "--weight-decay-incr-style linear or cosine"),
+    (["--weight-decay-incr-style", "linear", "--end-weight-decay", "0.1"],
+     "--weight-decay-incr-style linear needs --start-weight-decay and --end-weight-decay"),
+    (["--lr-warmup-init", "-1"], "--lr-warmup-init must be >= 0"),
+    (["--manual-gc-interval", "-1"], "--manual-gc-interval must be >= 0"),
+    (["--tensorboard-log-interval", "0"], "--tensorboard-log-interval must be a positive integer"),
+    (["--profile", "--profile-step-start", "5", "--profile-step-end", "5"],
+     "--profile-step-start 5 must be >= 0 and below --profile-step-end 5"),
 ])
 def test_megatron_flags_refused_with_the_reason(extra, expected):
     with pytest.raises(ConfigError) as error:
@@ -300,34 +320,6 @@ def test_megatron_schedule_and_logging_flags_fill_the_config():
     assert log.log_params_norm and log.log_num_zeros_in_grad and log.tensorboard_log_interval == 3
     assert log.log_timers_to_tensorboard and log.log_validation_ppl_to_tensorboard
     assert log.profile_ranks == [0, 1]
-
-
-@pytest.mark.parametrize("extra,expected", [
-    (["--num-experts", "8"], "--num-experts 8: mixture-of-experts layers are not implemented"),
-    (["--ckpt-format", "torch_dist"], "--ckpt-format torch_dist: megatron_2bw writes its own"),
-    (["--fp8-format", "hybrid"], "--fp8-format hybrid: FP8 needs Transformer Engine"),
-    (["--async-save"], "--async-save is not supported"),
-    (["--tp-comm-overlap"], "--tp-comm-overlap is not supported"),
-    (["--grad-reduce-in-bf16"], "--grad-reduce-in-bf16 reduces the gradients in bf16"),
-    (["--bf16", "--grad-reduce-in-bf16", "--accumulate-allreduce-grads-in-fp32"],
-     "--grad-reduce-in-bf16 reduces the gradients in bf16"),
-    (["--check-for-nan-in-loss-and-grad", "--no-check-for-nan-in-loss-and-grad"],
-     "give --check-for-nan-in-loss-and-grad or --no-check-for-nan-in-loss-and-grad, not both"),
-    (["--decoupled-min-lr", "1e-5"], "--decoupled-min-lr needs --decoupled-lr"),
-    (["--start-weight-decay", "0.1"], "--start-weight-decay and --end-weight-decay go with "
-                                      "--weight-decay-incr-style linear or cosine"),
-    (["--weight-decay-incr-style", "linear", "--end-weight-decay", "0.1"],
-     "--weight-decay-incr-style linear needs --start-weight-decay and --end-weight-decay"),
-    (["--lr-warmup-init", "-1"], "--lr-warmup-init must be >= 0"),
-    (["--manual-gc-interval", "-1"], "--manual-gc-interval must be >= 0"),
-    (["--tensorboard-log-interval", "0"], "--tensorboard-log-interval must be a positive integer"),
-    (["--profile", "--profile-step-start", "5", "--profile-step-end", "5"],
-     "--profile-step-start 5 must be >= 0 and below --profile-step-end 5"),
-])
-def test_megatron_training_flags_refused_with_the_reason(extra, expected):
-    with pytest.raises(ConfigError) as error:
-        parse_config([*TINY, *extra])
-    assert expected in str(error.value)
 
 
 def test_profiled_ranks_must_exist():
