@@ -13,6 +13,8 @@ data-parallel group, which holds the cp ranks too, the gradients are those of th
 sequence's mean."""
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from megatron_2bw.distributed.comm import group_rank, group_size
@@ -34,7 +36,6 @@ class ContextSplit:
         if seq_length % (2 * cp):
             raise ValueError(f"--seq-length {seq_length} must divide into 2 x "
                              f"--context-parallel-size {cp} chunks")
-        self.group = group
         self.cp = cp
         self.queries = local_positions(seq_length, cp, rank, device)
         # the keys after the all-gather: every rank's positions, in rank order
@@ -61,6 +62,13 @@ class ContextSplit:
         loss_mask = loss_mask.to(losses.dtype)
         local = (losses * self.local(loss_mask)).sum()
         return self.cp * local / loss_mask.sum().clamp(min=1.0)
+
+
+@functools.lru_cache(maxsize=8)
+def context_split(seq_length: int, group, device) -> ContextSplit:
+    """The split of `seq_length` for this rank of `group`, built once (the forward of every
+    microbatch asks for it)."""
+    return ContextSplit(seq_length, group, device)
 
 
 def gather_keys(x: torch.Tensor, group) -> torch.Tensor:

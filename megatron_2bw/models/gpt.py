@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from megatron_2bw.config import ModelConfig
-from megatron_2bw.models.context_parallel import ContextSplit
+from megatron_2bw.models.context_parallel import context_split
 from megatron_2bw.models.transformer import LanguageModelStage, build_norm
 from megatron_2bw.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron_2bw.tensor_parallel.layers import parallel_lm_logits
@@ -38,7 +38,7 @@ class GPTModel(LanguageModelStage):
         mask = None if documents is None else document_causal_mask(documents)
         split = None
         if self.context_group is not None:  # this rank's part of each sequence
-            split = ContextSplit(inputs.shape[1], self.context_group, inputs.device)
+            split = context_split(inputs.shape[1], self.context_group, inputs.device)
             inputs, labels = split.local(inputs), split.local(labels)
             position_ids = split.queries[None] if position_ids is None else split.local(position_ids)
             mask = split.attention_mask(documents)
