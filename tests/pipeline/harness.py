@@ -68,11 +68,16 @@ def train_on_ranks(rank: int, world: int, config: Config, batches: int, feed_fac
     if before is not None:
         before(stage)
     run_segment(stage, 0, batches, feed_factory(config, layout))
+    return {**rank_weights(layout, stage),
+            "results": [(r.batch, r.skipped, r.grad_norm, r.metrics) for r in results]}
+
+
+def rank_weights(layout: ParallelLayout, stage) -> dict:
+    """This rank's coordinates and master weights with their specs, as full_weights takes them."""
     c = layout.coords
     weights = {n: (m.detach().clone(), m.spec if hasattr(m, "spec") else spec)
                for n, m, spec in zip(stage.versions.names, stage.versions.master, stage.versions.specs)}
-    return {"coords": (c.tp, c.dp, c.pp), "weights": weights,
-            "results": [(r.batch, r.skipped, r.grad_norm, r.metrics) for r in results]}
+    return {"coords": (c.tp, c.dp, c.pp), "weights": weights}
 
 
 def full_weights(rank_results: list) -> dict[str, torch.Tensor]:

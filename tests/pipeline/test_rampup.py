@@ -18,7 +18,8 @@ from megatron_2bw.training import (MicrobatchFeed, microbatches_of, pretrain, ru
                                    segment_ends)
 from tests.checkpoint.helpers import config_from_flags, logged_losses, pretrain_flags
 from tests.distributed_helpers import run_ranks
-from tests.pipeline.harness import full_weights, max_difference, stage_on_rank, tiny_config
+from tests.pipeline.harness import (full_weights, max_difference, rank_weights, stage_on_rank,
+                                    tiny_config)
 from tests.pipeline.reference import delayed_update_reference
 
 VOCAB = 101
@@ -45,8 +46,8 @@ def train_like_pretrain(rank: int, world: int, c):
     """pretrain()'s loop without its logging, data files and checkpoints."""
     results = []
     layout, stage = stage_on_rank(rank, world, c, on_step=results.append)
-    iterator = build_data_iterator(dataset(c), 0, c.training.micro_batch_size, layout.coords.dp,
-                                   layout.data)
+    iterator = build_data_iterator(dataset(c), 0, c.training.micro_batch_size, layout.sample_rank,
+                                   layout.data_replicas)
     segments = []
     for end in segment_ends(c, stage.iteration):
         m = microbatches_of(stage, stage.iteration)
@@ -54,10 +55,7 @@ def train_like_pretrain(rank: int, world: int, c):
                     MicrobatchFeed(iterator, torch.device("cpu"), stage.iteration * m))
         segments.append((stage.iteration, end, m))
         stage.iteration = end
-    tp, dp, pp = layout.coords.tp, layout.coords.dp, layout.coords.pp
-    weights = {n: (w.detach().clone(), spec) for n, w, spec in
-               zip(stage.versions.names, stage.versions.master, stage.versions.specs)}
-    return {"coords": (tp, dp, pp), "weights": weights, "segments": segments,
+    return {**rank_weights(layout, stage), "segments": segments,
             "steps": [r.batch for r in results]}
 
 
