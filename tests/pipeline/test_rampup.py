@@ -13,7 +13,6 @@ from megatron_2bw.arguments import validate_for_world
 from megatron_2bw.batch_schedule import batch_schedule
 from megatron_2bw.data.mock import MockGPTDataset
 from megatron_2bw.data.samplers import build_data_iterator
-from megatron_2bw.distributed.layout import ParallelLayout
 from megatron_2bw.training import (MicrobatchFeed, microbatches_of, pretrain, run_segment,
                                    segment_ends)
 from tests.checkpoint.helpers import config_from_flags, logged_losses, pretrain_flags
