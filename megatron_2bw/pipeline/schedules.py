@@ -9,7 +9,10 @@ Schedules (p stages, m microbatches per batch, batches numbered from 0):
           last backward of batch b a stage reduces the batch's gradients; the step that creates
           version b+1 is deferred until that version is first needed (first forward of batch b+2) or
           the gradient buffer is needed again (reduce of batch b+1), so cross-stage decisions
-          (global grad norm, fp16 overflow) complete in the background.
+          (global grad norm, fp16 overflow) complete in the background. In the segment's final
+          drain, where those forwards are missing, the step keeps the slot the forward would have
+          had, so the stages' steps stay in their steady-state order (the first stage's, which the
+          others' wait for, before the later stages need theirs).
 - "flush" PipeDream-Flush: 1F1B drained after every batch; batch b uses version b (vanilla).
 - "gpipe" GPipe: all forwards of a batch, then all backwards, drained after every batch.
 A training run is cut into segments (at evaluation and checkpoint points); each segment is one call
@@ -89,9 +92,12 @@ def stage_actions(schedule: str, stages: int, microbatches: int, batches: int, s
             b = pending_steps.pop(0)
             yield Action(STEP, version=b + 1, batch=b)
 
-    def forward(k: int):
+    def steps_due_before_forward(k: int):
         if schedule == "2bw" and pending_steps and k // m >= pending_steps[0] + 2:
             yield from flush_pending_steps()
+
+    def forward(k: int):
+        yield from steps_due_before_forward(k)
         if not first:
             yield Action(RECV_ACT, k)
         yield Action(FORWARD, k, version(k))
@@ -127,7 +133,8 @@ def stage_actions(schedule: str, stages: int, microbatches: int, batches: int, s
         for i, k in enumerate(ks[warmup:]):
             yield from forward(k)
             yield from backward(ks[i])
-        for k in ks[len(ks) - warmup:]:
+        for k in ks[len(ks) - warmup:]:  # the drain: backward k where forward k+warmup would be
+            yield from steps_due_before_forward(k + warmup)
             yield from backward(k)
 
     if schedule == "2bw":

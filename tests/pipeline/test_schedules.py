@@ -52,6 +52,22 @@ def test_2bw_versions_and_deferred_step():
             assert step < position[f"F{2 * (b + 2)}@v{b + 1}"]
 
 
+@pytest.mark.parametrize("stages,microbatches,batches,first", [s for s in SHAPES if s[2] > 1])
+def test_2bw_steps_keep_their_steady_state_slot_in_the_drain(stages, microbatches, batches, first):
+    # step(b) on stage r comes where the first forward of batch b+2 comes in the steady state, after
+    # the stage's backward of microbatch (b+2)m - (p-r-1) - 1; in the final drain that forward is
+    # missing, and the step must not slide to the end of batch b+1: the first stage starts its part
+    # of the global grad norm in its step, and the later stages' steps wait for it
+    m = microbatches
+    for stage, stage_list in enumerate(S.build_schedule("2bw", stages, m, batches, first)):
+        warmup = stages - stage - 1
+        backwards = 0
+        for a in stage_list:
+            backwards += a.kind == S.BACKWARD
+            if a.kind == S.STEP and a.batch < first + batches - 1:  # the last one ends the segment
+                assert backwards == (a.batch + 2 - first) * m - warmup, (stage, str(a))
+
+
 def test_in_flight_limits():
     for schedule, limit in (("2bw", lambda s: 4 - s), ("flush", lambda s: 4 - s), ("gpipe", lambda s: 6)):
         for s, stage_actions in enumerate(S.build_schedule(schedule, 4, 6, 2)):
