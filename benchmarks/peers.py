@@ -7,13 +7,15 @@ plain torch.nn modules computing the same function (pre-LayerNorm blocks, fused 
 names equal to ours, and its weights are copied from megatron_2bw's own initialisation: every run
 starts from identical weights, so the first batch's loss must agree across all runs.
 
-Each trainer builds its stage and exposes `run(first_batch, batches)` and `first_loss`; the harness
-(pipeline_throughput.py) does the timing and memory measurement identically for every run.
+Each trainer builds its stage and exposes `run(first_batch, batches)`, `first_loss` and `batch_ends`
+(batch -> perf_counter when this rank finished it); the harness (pipeline_throughput.py) does the
+timing and memory measurement identically for every run.
 """
 from __future__ import annotations
 
 import contextlib
 import io
+import time
 import warnings
 
 import torch
@@ -164,6 +166,7 @@ class TorchPipeliningTrainer:
         self.tied = (self.module.embedding.word_embeddings.weight if self.first
                      else self.module.output_embedding)
         self.first_loss: float | None = None
+        self.batch_ends: dict[int, float] = {}
 
     def run(self, first_batch: int, batches: int) -> None:
         for b in range(first_batch, first_batch + batches):
@@ -186,6 +189,7 @@ class TorchPipeliningTrainer:
                         p.grad.mul_(clip / (norm + 1e-6))
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=False)
+            self.batch_ends[b] = time.perf_counter()
             if b == 0 and self.last:
                 self.first_loss = float(torch.stack(losses).detach().mean())
 
@@ -240,6 +244,7 @@ class DeepSpeedTrainer:
         self.engine, _, _, _ = deepspeed.initialize(model=module, config=ds_config,
                                                     optimizer=build_optimizer(module, workload))
         self.first_loss: float | None = None
+        self.batch_ends: dict[int, float] = {}
 
     def _microbatches(self, first_batch: int, batches: int):
         micro = self.workload.micro_batch
@@ -253,5 +258,6 @@ class DeepSpeedTrainer:
         data = self._microbatches(first_batch, batches)
         for b in range(first_batch, first_batch + batches):
             loss = self.engine.train_batch(data_iter=data)
+            self.batch_ends[b] = time.perf_counter()
             if b == 0:
                 self.first_loss = float(loss)  # the engine broadcasts the batch mean to all stages

@@ -13,7 +13,16 @@ benchmark waits for other processes to go quiet, measures how many cores they
 took during the run and repeats a disturbed run (--max-other-load, --retries). The table gives
 the median tokens/s with the min-max spread, the ratio to the one-process median, the peak memory
 growth per stage and the first batch's loss (identical weights and data in every run, so it must
-agree). The layer split is chosen from measured per-layer, embedding and head times
+agree).
+
+Two throughputs per run, from the same measured batches (one segment):
+- tokens/s (the headline): from the end of the first measured batch to the end of the last, on the
+  last stage, as the training log times its iterations (Megatron's "elapsed time per iteration").
+  A training run fills and drains 2BW's pipeline once per segment (between evaluations or
+  checkpoints, typically thousands of batches), so this is what training runs at; Flush, GPipe and
+  the peers drain every batch, so their drains fall inside the window.
+- segment tokens/s: the whole segment's wall time between barriers, 2BW's fill and drain included:
+  what a run that evaluated every --measured-batches batches would get. The layer split is chosen from measured per-layer, embedding and head times
 unless --pipeline-layer-split is given, and its ideal speed-up is reported. Right after each
 round's 2BW run the two stages also compute side by side without communication, each on its core
 (--side-by-side-seconds): how fast the machine let them compute in that round, runtime aside.
@@ -289,8 +298,10 @@ class MegatronTrainer:
         self.timers = Timers(1) if workload.time_shares else None
         self.stage = build_stage(config, layout, device, self.timers, on_step=self._on_step)
         self._batch: tuple[int, torch.Tensor | None] = (-1, None)
+        self.batch_ends: dict[int, float] = {}  # batch -> its last backward's end on this rank
 
     def _on_step(self, result) -> None:
+        self.batch_ends[result.batch] = result.ended_at  # under 2BW the step itself comes later
         if result.batch == 0 and "lm loss" in result.metrics:
             self.first_loss = result.metrics["lm loss"]
 
@@ -322,6 +333,17 @@ class RankResult:
     peak_memory_bytes: int
     first_loss: float | None
     time_shares: dict[str, float] | None = None  # action kind -> share of `seconds` (ours only)
+    batch_ends: dict[int, float] = field(default_factory=dict)  # measured batch -> perf_counter
+
+
+def steady_tokens_per_s(workload: Workload, ranks: list[RankResult]) -> float:
+    """Tokens/s from the end of the first measured batch to the end of the last on the last stage
+    (the rank that logs the loss), as the training log times iterations: a segment's single fill
+    and drain (2BW's) fall outside the window, the per-batch drains of the other schedules inside."""
+    ends = ranks[-1].batch_ends
+    first = workload.warmup_batches
+    last = first + workload.measured_batches - 1
+    return (last - first) * workload.tokens_per_batch / (ends[last] - ends[first])
 
 
 def import_runtime(name: str) -> None:
@@ -351,7 +373,9 @@ def train_one_rank(name: str, workload: Workload, split, rank: int, world: int) 
     seconds = time.perf_counter() - start
     shares = None if timers is None else {name: elapsed / seconds for name, elapsed
                                           in timers.summary(reset=True).items()}
-    return RankResult(seconds, memory.peak_bytes(), trainer.first_loss, shares)
+    measured = range(workload.warmup_batches, workload.warmup_batches + workload.measured_batches)
+    return RankResult(seconds, memory.peak_bytes(), trainer.first_loss, shares,
+                      {b: trainer.batch_ends[b] for b in measured})
 
 
 def _barrier(world: int) -> None:
@@ -456,7 +480,8 @@ def wait_for_idle(max_cores: float, timeout: float, window: float = 2.0) -> floa
 @dataclass
 class RunSummary:
     name: str
-    tokens_per_s: list[float] = field(default_factory=list)  # one per repeat
+    tokens_per_s: list[float] = field(default_factory=list)  # one per repeat (steady_tokens_per_s)
+    segment_tokens_per_s: list[float] = field(default_factory=list)  # one per repeat (wall)
     other_load: list[float] = field(default_factory=list)  # cores other processes used, per repeat
     peak_memory_bytes: list[int] = field(default_factory=list)  # per stage, max over repeats
     first_loss: float | None = None
@@ -465,6 +490,10 @@ class RunSummary:
     @property
     def median(self) -> float:
         return statistics.median(self.tokens_per_s)
+
+    @property
+    def segment_median(self) -> float:
+        return statistics.median(self.segment_tokens_per_s)
 
     def median_time_shares(self) -> list[dict[str, float]]:
         """Per stage: each action kind's median share of the measured time over the repeats."""
@@ -520,8 +549,9 @@ def benchmark(workload: Workload, names: list[str], split: list[int], repeats: i
                                                          bind=bind), quiet, meter)
             seconds = max(r.seconds for r in ranks)
             summary = summaries[name]
-            summary.tokens_per_s.append(workload.measured_batches * workload.tokens_per_batch
-                                        / seconds)
+            summary.tokens_per_s.append(steady_tokens_per_s(workload, ranks))
+            summary.segment_tokens_per_s.append(workload.measured_batches
+                                                * workload.tokens_per_batch / seconds)
             summary.other_load.append(load)
             summary.peak_memory_bytes = [max(a, r.peak_memory_bytes)
                                          for a, r in zip(summary.peak_memory_bytes, ranks)]
@@ -558,18 +588,25 @@ def format_side_by_side(rounds: list[SideBySide], summaries: list[RunSummary]) -
     return "\n".join(lines)
 
 
-def format_table(summaries: list[RunSummary], baseline: float | None) -> str:
+def format_table(summaries: list[RunSummary], baseline: float | None,
+                 segment_baseline: float | None) -> str:
     lines = [f"{'run':<12} {'tokens/s (median)':>17} {'min-max':>11} {'x one proc':>10} "
-             f"{'peak MiB per stage':>18} {'batch-0 loss':>12} {'others':>6}  trained by",
-             "-" * 126]
+             f"{'segment tokens/s':>16} {'x one proc':>10} {'peak MiB per stage':>18} "
+             f"{'batch-0 loss':>12} {'others':>6}  trained by", "-" * 154]
     for s in summaries:
         spread = f"{min(s.tokens_per_s):.0f}-{max(s.tokens_per_s):.0f}"
         ratio = f"{s.median / baseline:.2f}x" if baseline else "-"
+        segment_ratio = f"{s.segment_median / segment_baseline:.2f}x" if segment_baseline else "-"
         memory = " | ".join(f"{b / 2 ** 20:.0f}" for b in s.peak_memory_bytes)
         loss = f"{s.first_loss:.4f}" if s.first_loss is not None else "-"
-        lines.append(f"{s.name:<12} {s.median:>17.0f} {spread:>11} {ratio:>10} {memory:>18} "
+        lines.append(f"{s.name:<12} {s.median:>17.0f} {spread:>11} {ratio:>10} "
+                     f"{s.segment_median:>16.0f} {segment_ratio:>10} {memory:>18} "
                      f"{loss:>12} {max(s.other_load):>6.2f}  {RUNS[s.name][1]}")
-    lines.append("others: the most cores other processes kept busy during any repeat of the run")
+    lines += ["tokens/s: from the end of the first measured batch to the end of the last, on the "
+              "last stage (as the training log times iterations; 2BW's one fill and drain per "
+              "segment outside, every other schedule's per-batch drains inside)",
+              "segment tokens/s: the whole segment between barriers (2BW's fill and drain inside)",
+              "others: the most cores other processes kept busy during any repeat of the run"]
     return "\n".join(lines)
 
 
@@ -642,7 +679,8 @@ def build_parser() -> argparse.ArgumentParser:
     b = parser.add_argument_group("measurement")
     b.add_argument("--warmup-batches", type=int, default=2)
     b.add_argument("--measured-batches", type=int, default=24,
-                   help="batches timed per run, as one segment (2BW fills and drains once)")
+                   help="batches timed per run, as one segment (2BW fills and drains once); at "
+                        "least 2 (tokens/s runs from the first's end to the last's)")
     b.add_argument("--repeats", type=int, default=3, help="interleaved rounds (median, min-max)")
     b.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated subset of {','.join(RUNS)}")
     b.add_argument("--no-bind-cores", action="store_true",
@@ -682,6 +720,9 @@ def parse_workload(args) -> tuple[Workload, list[str], list[int] | None]:
                  "micro_batch_size", "global_batch_size", "measured_batches", "repeats"):
         if getattr(args, flag) < 1:
             fail(f"--{flag.replace('_', '-')} must be a positive integer, got {getattr(args, flag)}")
+    if args.measured_batches < 2:
+        fail(f"--measured-batches must be >= 2 (tokens/s runs from the end of the first measured "
+             f"batch to the end of the last), got {args.measured_batches}")
     if args.warmup_batches < 1:
         fail(f"--warmup-batches must be >= 1 (batch 0's loss is compared), got {args.warmup_batches}")
     if args.global_batch_size % args.micro_batch_size:
@@ -746,7 +787,8 @@ def main(argv=None) -> list[RunSummary]:
                                                     bar, bind=not args.no_bind_cores,
                                                     side_by_side_seconds=args.side_by_side_seconds)
     baseline = next((s.median for s in summaries if s.name == "one_process"), None)
-    print(format_table(summaries, baseline))
+    segment_baseline = next((s.segment_median for s in summaries if s.name == "one_process"), None)
+    print(format_table(summaries, baseline, segment_baseline))
     if workload.time_shares:
         print(format_time_shares(summaries))
     if side_by_side:
@@ -761,10 +803,17 @@ def main(argv=None) -> list[RunSummary]:
                   "stage_costs_s": dataclasses.asdict(costs),
                   "stages_side_by_side": [r.record() for r in side_by_side],
                   "orders": orders,  # per round, the runs in the order they ran
+                  "throughput": "tokens_per_s: from the end of the first measured batch to the "
+                                "end of the last on the last stage; segment_tokens_per_s: the "
+                                "measured segment's wall time between barriers",
                   "runs": [{"name": s.name, "tokens_per_s": s.median,
                             "tokens_per_s_repeats": s.tokens_per_s,
+                            "segment_tokens_per_s": s.segment_median,
+                            "segment_tokens_per_s_repeats": s.segment_tokens_per_s,
                             "other_processes_cores": s.other_load,
                             "speedup_vs_one_process": s.median / baseline if baseline else None,
+                            "segment_speedup_vs_one_process":
+                                s.segment_median / segment_baseline if segment_baseline else None,
                             "peak_memory_bytes": s.peak_memory_bytes,
                             "first_batch_loss": s.first_loss,
                             **({"time_shares_per_stage": s.median_time_shares(),

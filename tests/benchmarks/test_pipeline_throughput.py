@@ -28,7 +28,7 @@ def test_every_run_trains_the_same_model_and_reports(tmp_path, capsys):
     assert names == ["one_process", "gpipe", "flush", "2bw", "torch_1f1b", "torch_gpipe",
                      "deepspeed"]
     for run in record["runs"]:
-        assert run["tokens_per_s"] > 0
+        assert run["tokens_per_s"] > 0 and run["segment_tokens_per_s"] > 0
         assert len(run["peak_memory_bytes"]) == (1 if run["name"] == "one_process" else 2)
         assert all(b > 0 for b in run["peak_memory_bytes"])
     # identical initial weights and data: batch 0's loss is the same function value in every run,
@@ -53,7 +53,9 @@ def test_side_by_side_phase_runs_right_after_each_round_s_2bw_run(monkeypatch):
 
     def run_once(name, *args, **kwargs):
         order.append(name)
-        return [bench.RankResult(1.0, 1, None)] * bench.RUNS[name][0]
+        ends = {b: float(b) for b in range(workload.warmup_batches,
+                                            workload.warmup_batches + workload.measured_batches)}
+        return [bench.RankResult(1.0, 1, None, batch_ends=ends)] * bench.RUNS[name][0]
 
     def side_by_side(*args):
         order.append("side by side")
@@ -73,6 +75,33 @@ def test_side_by_side_phase_runs_right_after_each_round_s_2bw_run(monkeypatch):
     _, _, orders = bench.benchmark(workload, ["one_process", "flush"], [1, 1], repeats=1,
                                    side_by_side_seconds=1.0)
     assert order == orders[0] + ["side by side"]
+
+
+@pytest.mark.parametrize("schedule", ["2bw", "flush", "gpipe"])
+def test_tokens_per_s_leaves_out_only_2bw_s_fill_and_drain(schedule):
+    # the measured segment of 6 batches on 2 stages, replayed with fixed durations: the headline
+    # window (between the last stage's batch ends) gives 2BW's steady period; the segment's wall
+    # time also pays its one fill and drain. Flush and GPipe drain every batch: both measures agree.
+    from megatron_2bw.pipeline import schedules as S
+    workload, _, _ = bench.parse_workload(bench.build_parser().parse_args(
+        TINY + ["--warmup-batches", "1", "--measured-batches", "6"]))
+    m, first = workload.microbatches, workload.warmup_batches
+    costs = {S.FORWARD: 1.0, S.BACKWARD: 2.0}
+    timed = S.timeline(S.build_schedule(schedule, 2, m, workload.measured_batches, first),
+                       lambda stage, a: costs.get(a.kind, 0.0))
+    ends = {t.action.microbatch // m: t.end for t in timed[1]
+            if t.action.kind == S.BACKWARD and t.action.microbatch % m == m - 1}
+    segment_seconds = max(t.end for row in timed for t in row)
+    ranks = [bench.RankResult(segment_seconds, 1, None, batch_ends=ends)] * 2
+    steady = bench.steady_tokens_per_s(workload, ranks)
+    segment = workload.measured_batches * workload.tokens_per_batch / segment_seconds
+    period = {"2bw": 3.0 * m, "flush": 3.0 * m + 3.0, "gpipe": 3.0 * m + 3.0}[schedule]
+    assert steady == pytest.approx(workload.tokens_per_batch / period)
+    if schedule == "2bw":  # the fill (stage 1 waits one forward) and drain (stage 0's last backward)
+        assert segment_seconds == pytest.approx(workload.measured_batches * period + 1.0 + 2.0)
+        assert segment < 0.93 * steady
+    else:  # a segment of drained batches is just those batches
+        assert segment == pytest.approx(steady, rel=0.05)
 
 
 def test_side_by_side_ideal_is_the_one_core_total_over_the_slowest_busy_stage():
@@ -133,6 +162,7 @@ def test_split_is_chosen_from_measured_costs():
     (["--json", "/no/such/dir/r.json"], "does not exist"),
     (["--retries", "-1"], "must not be negative"),
     (["--side-by-side-seconds", "-1"], "--side-by-side-seconds must not be negative"),
+    (["--measured-batches", "1"], "--measured-batches must be >= 2"),
 ])
 def test_bad_input_is_one_line_error(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
