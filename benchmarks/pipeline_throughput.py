@@ -22,8 +22,10 @@ Two throughputs per run, from the same measured batches (one segment):
   checkpoints, typically thousands of batches), so this is what training runs at; Flush, GPipe and
   the peers drain every batch, so their drains fall inside the window.
 - segment tokens/s: the whole segment's wall time between barriers, 2BW's fill and drain included:
-  what a run that evaluated every --measured-batches batches would get. The layer split is chosen from measured per-layer, embedding and head times
-unless --pipeline-layer-split is given, and its ideal speed-up is reported. Right after each
+  what a run that evaluated every --measured-batches batches would get.
+
+The layer split is chosen from measured per-layer, embedding and head times unless
+--pipeline-layer-split is given, and its ideal speed-up is reported. Right after each
 round's 2BW run the two stages also compute side by side without communication, each on its core
 (--side-by-side-seconds): how fast the machine let them compute in that round, runtime aside.
 """
@@ -298,10 +300,11 @@ class MegatronTrainer:
         self.timers = Timers(1) if workload.time_shares else None
         self.stage = build_stage(config, layout, device, self.timers, on_step=self._on_step)
         self._batch: tuple[int, torch.Tensor | None] = (-1, None)
-        self.batch_ends: dict[int, float] = {}  # batch -> its last backward's end on this rank
+        self.batch_ends: dict[int, float] = {}  # batch -> StepResult.ended_at on this rank
 
     def _on_step(self, result) -> None:
-        self.batch_ends[result.batch] = result.ended_at  # under 2BW the step itself comes later
+        # the batch's end (its gradient reduction began); under 2BW the step itself comes later
+        self.batch_ends[result.batch] = result.ended_at
         if result.batch == 0 and "lm loss" in result.metrics:
             self.first_loss = result.metrics["lm loss"]
 
