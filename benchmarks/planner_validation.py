@@ -39,7 +39,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -92,16 +91,11 @@ def _train(rank: int, world: int, config: Config, warmup: int, measured: int,
     layout = ParallelLayout(world, par.tensor_parallel, par.pipeline_parallel, rank)
     layout.build_groups(par.timeout_minutes)
     device = pick_device(rank)
-    stage = build_stage(config, layout, device, None)
+    batch_ends: list[float] = []  # StepResult.ended_at: when the rank began reducing the batch
+    stage = build_stage(config, layout, device, None,
+                        on_step=lambda result: batch_ends.append(result.ended_at))
     if post_ahead is not None and stage.executor.p2p is not None:
         stage.executor.p2p.post_ahead = post_ahead
-    batch_ends: list[float] = []
-    reduce = stage.updater.reduce
-
-    def timed_reduce(batch: int, microbatches: int) -> None:
-        batch_ends.append(time.perf_counter())
-        reduce(batch, microbatches)
-    stage.updater.reduce = timed_reduce
     model = config.model
     generator = torch.Generator().manual_seed(1000 + layout.coords.dp)
     tokens = torch.randint(0, model.vocab_size, (8, config.training.micro_batch_size,

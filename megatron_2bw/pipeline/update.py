@@ -53,9 +53,8 @@ class StepResult:
     loss_scale: float
     metrics: dict = field(default_factory=dict)  # last stage: batch-mean losses
     # time.perf_counter() when this rank began reducing the batch: right after its last backward
-    # of the batch, after the previous batch's step where 2BW defers that step to there (the last
-    # stage). Batches end one batch of work apart in every schedule, while 2BW's deferred steps
-    # bunch up at a drain
+    # of the batch (on 2BW's last stage, after the previous batch's step, which is due there).
+    # Batches end one batch of work apart in every schedule; 2BW's deferred steps bunch up at a drain
     ended_at: float = 0.0
     params_norm: float | None = None  # --log-params-norm: of the master weights after the step
     num_zeros_in_grad: int | None = None  # --log-num-zeros-in-grad; None for a skipped step
