@@ -204,10 +204,7 @@ class GradientUpdater:
         """The batch's average is in the buffer: move it into the master gradients, then start
         the tied-embedding all-reduce and this stage's part of the norm."""
         v = self.versions
-        if not v.alias:
-            for grad, (a, b) in zip(v.master_grad_regions, v.layout.owned):
-                grad.copy_(v.main_grad_buffer[a:b])
-            v.main_grad_buffer.zero_()
+        v.take_gradients()
         if self.tied and group_size(self.embedding_group) > 1:
             pending.tied = all_reduce(v.master_grad_regions[0], self.embedding_group,
                                       async_op=True)

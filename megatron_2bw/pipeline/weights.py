@@ -10,7 +10,9 @@ schedule's actions name, and the gradient-accumulation buffer.
   front and then reuses the storage of released versions, so it holds exactly two working copies:
   one more than Flush, in the working precision only.
 - Gradients of every version accumulate into one flat buffer (`main_grad_buffer`, views per
-  parameter): the schedule reduces a batch's gradients before any backward of the next batch runs.
+  parameter): the schedule reduces a batch's gradients before any backward of the next batch runs,
+  and `take_gradients` then moves them into the master gradients (in fp32 2BW the two trade
+  storage), leaving the buffer zeroed for that backward.
 - With fp32 and a single-version schedule the master weights are the working weights and the flat
   buffer is their .grad: no copy at all (Megatron's fp32 memory).
 - `shard(group)` (the distributed optimizer) keeps only this rank's 1/d of the master weights and
@@ -164,10 +166,10 @@ class WeightVersions:
             master_flat = first.flat.to(torch.float32, copy=True)
             master_grad_flat = self._zeros(self.layout.total, torch.float32)
         self.master_regions = [master_flat[a:b] for a, b in self.layout.owned]
-        self.master_grad_regions = [master_grad_flat[a:b] for a, b in self.layout.owned]
         self.master = [nn.Parameter(view) for view in self.param_views(master_flat)]
-        for m, g, spec in zip(self.master, self.param_views(master_grad_flat), self.specs):
-            m.grad, m.spec = g, spec
+        for m, spec in zip(self.master, self.specs):
+            m.spec = spec
+        self._point_master_grads_at(master_grad_flat)
         self.versions: dict[int, WorkingCopy] = {0: first}
         self._free: list[WorkingCopy] = []
         self._add_spare_copy()
@@ -190,6 +192,41 @@ class WeightVersions:
             else:  # e.g. bf16 weights with fp32 accumulation: add each microbatch's gradient
                 leaf.register_post_accumulate_grad_hook(_accumulate_into(grad))
         return WorkingCopy(leaves, flat)
+
+    def _point_master_grads_at(self, flat: torch.Tensor) -> None:
+        """The (unsharded) master gradients become views of `flat`."""
+        self._master_grad_flat = flat
+        self.master_grad_regions = [flat[a:b] for a, b in self.layout.owned]
+        for m, g in zip(self.master, self.param_views(flat)):
+            m.grad = g
+
+    @property
+    def swaps_gradients(self) -> bool:
+        """fp32 working weights and buffer with separate, unsharded fp32 master gradients (2BW in
+        fp32): the buffer and the master gradients trade storage instead of copying."""
+        return (not self.alias and not self.sharded and self.working_dtype == torch.float32
+                and self.main_grad_buffer.dtype == torch.float32)
+
+    @torch.no_grad()
+    def take_gradients(self) -> None:
+        """Move the buffer's (reduced) gradients into the master gradients and leave the buffer
+        zeroed for the next batch. Where the two are alike (swaps_gradients) they trade storage:
+        a zeroing pass instead of a copy and a zeroing pass, and the working leaves' .grad move
+        to the new buffer (the master gradients were consumed by the previous step)."""
+        if self.alias:
+            return
+        if not self.swaps_gradients:
+            for grad, (a, b) in zip(self.master_grad_regions, self.layout.owned):
+                grad.copy_(self.main_grad_buffer[a:b])
+            self.main_grad_buffer.zero_()
+            return
+        gradients, buffer = self.main_grad_buffer, self._master_grad_flat
+        buffer.zero_()
+        self.main_grad_buffer, self.main_grads = buffer, self.param_views(buffer)
+        for copy in self.working_copies():
+            for leaf, grad in zip(copy, self.main_grads):
+                leaf.grad = grad
+        self._point_master_grads_at(gradients)
 
     def _add_spare_copy(self) -> None:
         """2BW's second working copy, allocated at start so the stage holds from the first step

@@ -396,7 +396,11 @@ def stage_costs(model: ModelConfig, hardware: HardwareSpec, costs: ComputeCosts,
         data_ar = net.allreduce_time("data", g * P, s, buckets)
         # processor seconds of the gradients' reduction (measured groups only: none at d = 1)
         data_processor = buckets * hardware.allreduce_processor_s(d, g * P / buckets)
-        local = ((2 * g + 4) if separate_master else 0) * P + 12 * P  # move + zero, grad norm
+        # the buffer into the master gradients: a copy and a zeroing pass, or where the two trade
+        # storage (fp32 2BW, unsharded: WeightVersions.swaps_gradients) the zeroing alone; the
+        # grad norm
+        move = (g if e == 4 and g == 4 and shards == 1 else 2 * g + 4) if separate_master else 0
+        local = move * P + 12 * P
         # the blocking all-reduce over the tensor-parallel group of the replicated parameters'
         # gradients each rank computes in part (update.py, sum_tensor_partial_grads)
         summed = g * stage_tensor_partial_grad_parameters(model, t, layers, first, last)

@@ -25,7 +25,6 @@ def record_order(rank: int, world: int, schedule: str, distributed_optimizer: bo
         config.parallel, use_distributed_optimizer=distributed_optimizer))
     layout, stage = stage_on_rank(rank, world, config)
     events: list[str] = []
-    gradients = stage.versions.main_grad_buffer.untyped_storage().data_ptr()
     real_all_reduce, real_reduce_scatter = update.all_reduce, update.reduce_scatter_tensor
 
     class RecordedWork:
@@ -38,8 +37,9 @@ def record_order(rank: int, world: int, schedule: str, distributed_optimizer: bo
 
     def all_reduce(tensor, group, **options):
         work = real_all_reduce(tensor, group, **options)
-        if group is stage.updater.data_group and \
-                tensor.untyped_storage().data_ptr() == gradients:
+        # the buffer of the moment: fp32 2BW trades it with the master gradients every batch
+        gradients = stage.versions.main_grad_buffer.untyped_storage().data_ptr()
+        if group is stage.updater.data_group and tensor.untyped_storage().data_ptr() == gradients:
             events.append(STARTED)
             return RecordedWork(work)
         return work
