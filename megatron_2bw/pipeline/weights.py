@@ -260,6 +260,7 @@ class WeightVersions:
         self.layout = dataclasses.replace(self.layout, shards=group_size(group),
                                           rank=group_rank(group))
         self.data_group = group
+        self._master_grad_flat = None  # the full flat is dropped: each rank keeps its shard's
         owned = self.layout.owned
         if self.alias:  # the master weights and gradients are the working copy and the buffer
             self.master_regions = [self.versions[self.newest].flat[a:b] for a, b in owned]
