@@ -6,6 +6,7 @@ logger that does nothing, so the training loop can call it unconditionally.
 """
 from __future__ import annotations
 
+import collections
 import datetime
 import json
 import netrc
@@ -16,6 +17,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import torch
+import torch.distributed as dist
 
 from megatron_2bw.config import LoggingConfig
 
@@ -94,6 +96,61 @@ class Timers:
     def summary(self, reset: bool = True) -> dict[str, float]:
         """Seconds accumulated per enabled timer since the last reset."""
         return {name: timer.elapsed(reset) for name, timer in self._timers.items()}
+
+
+# the runtime's timers (pipeline/executor.py, pipeline/update.py), all at level 1
+TIMER_NAMES = ("forward", "backward", "p2p-wait", "allreduce", "optimizer")
+
+
+class TimersAcrossRanks:
+    """Each log interval's timers as (min, max) over the job's ranks, printed by the writer, as
+    Megatron-LM prints its timers with --timing-log-level >= 1.
+
+    The ranks end an interval at different points of their schedules (2BW never drains), so a
+    blocking collective there would hold every rank until the last reached its point: a bubble
+    per interval. Each interval's figures therefore go out in one non-blocking all-reduce on a
+    group of their own (gloo: no device sync, no second device communicator); the writer prints
+    them at a later step, once every rank's are in, and `finish` waits for the rest (every rank
+    submits every interval)."""
+
+    def __init__(self, group, is_writer: bool):
+        self.group, self.is_writer = group, is_writer  # group None: this process alone
+        self._pending: collections.deque = collections.deque()
+
+    def submit(self, first: int, last: int, milliseconds: dict[str, float]) -> None:
+        """This rank's milliseconds per iteration of iterations first..last, by timer name."""
+        values = [milliseconds.get(name, 0.0) for name in TIMER_NAMES]
+        # one MAX all-reduce gives both: the max of the values and of their negations
+        figures = torch.tensor(values + [-v for v in values], dtype=torch.float64)
+        work = None if self.group is None else \
+            dist.all_reduce(figures, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        self._pending.append((first, last, figures, work))
+        self.print_ready()
+
+    def print_ready(self, wait: bool = False) -> None:
+        """Print the intervals whose exchange has completed (all of them with `wait`), in order."""
+        while self._pending:
+            first, last, figures, work = self._pending[0]
+            if work is not None and not (wait or work.is_completed()):
+                return
+            self._pending.popleft()
+            if work is not None:
+                work.wait()
+            if self.is_writer:
+                print(format_timers(first, last, figures.tolist()), flush=True)
+
+    def finish(self) -> None:
+        self.print_ready(wait=True)
+
+
+def format_timers(first: int, last: int, figures: list[float]) -> str:
+    """Megatron-LM's timer block; `figures`: the maxima, then the negated minima (TIMER_NAMES
+    order)."""
+    n = len(TIMER_NAMES)
+    lines = [f" (min, max) time across ranks (ms per iteration, iterations {first}-{last}):"]
+    for i, name in enumerate(TIMER_NAMES):
+        lines.append(f"    {name + ' ':.<40}: ({-figures[n + i]:.2f}, {figures[i]:.2f})")
+    return "\n".join(lines)
 
 
 def measured_bubble_fraction(summary: dict[str, float], batch_time: float) -> float:

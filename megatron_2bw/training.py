@@ -14,6 +14,7 @@ import time
 import traceback
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -26,8 +27,8 @@ from megatron_2bw.distributed.launch import (exit_process, init_distributed, loc
                                               usable_cores)
 from megatron_2bw.distributed.layout import ParallelLayout
 from megatron_2bw.distributed.p2p import PipelineP2P
-from megatron_2bw.logging import (IterationProfiler, Timers, TrainingLogger, format_log_line,
-                                  measured_bubble_fraction)
+from megatron_2bw.logging import (IterationProfiler, Timers, TimersAcrossRanks, TrainingLogger,
+                                  format_log_line, measured_bubble_fraction)
 from megatron_2bw.memory import MemoryTracker, optimizer_state_tensors, static_breakdown
 from megatron_2bw.models import build_stage_model
 from megatron_2bw.optim.grad_scaler import build_loss_scaler
@@ -237,6 +238,7 @@ class ProgressLog:
         self.memory: MemoryTracker | None = None
         self.results: list[StepResult] = []
         self.interval_throughputs: list[float] = []  # samples/s per log interval
+        self.timers_across_ranks: TimersAcrossRanks | None = None  # --timing-log-level >= 1
 
     def begin_segment(self) -> None:
         now = time.perf_counter()
@@ -250,6 +252,8 @@ class ProgressLog:
 
     def __call__(self, result: StepResult) -> None:
         self.results.append(result)
+        if self.timers_across_ranks is not None:
+            self.timers_across_ranks.print_ready()
         iteration = result.batch + 1
         train = self.config.training
         values = iteration_values(result)
@@ -268,7 +272,7 @@ class ProgressLog:
         # per iteration of the interval (whose batches can differ: batch_schedule.py)
         samples = (batches.consumed(iteration) - batches.consumed(self.last_logged)) / \
             max(iterations, 1)
-        self.last_logged = iteration
+        first_of_interval, self.last_logged = self.last_logged + 1, iteration
         metrics = {key: sum(r.metrics.get(key, 0.0) for r in self.results) / len(self.results)
                    for key in self.results[-1].metrics}
         finite = [r.grad_norm for r in self.results if not r.skipped]
@@ -290,8 +294,11 @@ class ProgressLog:
         if self.memory is not None:
             metrics["mem-peak-bytes"] = self.memory.peak_bytes()
         timings = self.timers.summary(reset=True)
-        for name, value in timings.items():
-            metrics[f"timers/{name}-ms"] = value * 1000 / max(iterations, 1)
+        per_iteration_ms = {name: value * 1000 / max(iterations, 1)
+                            for name, value in timings.items()}
+        metrics.update({f"timers/{name}-ms": ms for name, ms in per_iteration_ms.items()})
+        if self.timers_across_ranks is not None:
+            self.timers_across_ranks.submit(first_of_interval, iteration, per_iteration_ms)
         if "forward" in timings:
             metrics["bubble-fraction"] = measured_bubble_fraction(timings, seconds * iterations)
         self.results = []
@@ -591,6 +598,7 @@ def pretrain(config: Config, typed: set = frozenset()) -> Stage:
     synchronize = torch.cuda.synchronize if device.type == "cuda" else None
     timers = Timers(config.logging.timing_log_level, synchronize)
     log = ProgressLog(config, layout, timers, 0)
+    log.timers_across_ranks = timers_across_ranks(config, log.is_writer)
     housekeeping = MemoryHousekeeping(config.training, device)
 
     def end_of_iteration(result: StepResult) -> None:
@@ -649,6 +657,8 @@ def pretrain(config: Config, typed: set = frozenset()) -> Stage:
         with housekeeping.around_evaluation():  # as Megatron-LM: once training is complete
             evaluate(stage, test_data(0), log, stage.iteration, split="test")
     profiler.finish(stage.iteration)
+    if log.timers_across_ranks is not None:
+        log.timers_across_ranks.finish()
     report_memory(stage)
     if plan is not None and log.is_writer and log.interval_throughputs:
         measured = sorted(log.interval_throughputs)[len(log.interval_throughputs) // 2]
@@ -657,6 +667,18 @@ def pretrain(config: Config, typed: set = frozenset()) -> Stage:
               flush=True)
     log.sink.close()
     return stage
+
+
+def timers_across_ranks(config: Config, is_writer: bool) -> TimersAcrossRanks | None:
+    """The timer report of --timing-log-level >= 1, on a gloo group of every rank (collective:
+    every rank calls this)."""
+    if config.logging.timing_log_level < 1:
+        return None
+    group = None
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        group = dist.new_group(backend="gloo",
+                               timeout=timedelta(minutes=config.parallel.timeout_minutes))
+    return TimersAcrossRanks(group, is_writer)
 
 
 def startup_summary(stage: Stage) -> str:

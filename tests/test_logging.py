@@ -4,8 +4,9 @@ import time
 import pytest
 
 from megatron_2bw.config import LoggingConfig
-from megatron_2bw.logging import (Timers, TrainingLogger, format_log_line,
-                                  measured_bubble_fraction, wandb_mode)
+from megatron_2bw.distributed.forked import run_forked
+from megatron_2bw.logging import (TIMER_NAMES, Timers, TimersAcrossRanks, TrainingLogger,
+                                  format_log_line, measured_bubble_fraction, wandb_mode)
 
 METRICS = [{"lm loss": 9.5, "learning-rate": 1e-4, "tokens-per-sec": 1000.0},
            {"lm loss": 8.25, "learning-rate": 2e-4, "tokens-per-sec": 1100.0},
@@ -148,6 +149,53 @@ def test_measured_bubble_fraction():
         measured_bubble_fraction({"forward": 0.3}, 1.0)
     with pytest.raises(ValueError, match="batch_time"):
         measured_bubble_fraction(summary, 0.0)
+
+
+def _timer_block_lines(text: str) -> dict[str, tuple[float, float]]:
+    return {line.split(" .")[0].strip(): tuple(map(float, line.split(": (")[1][:-1].split(", ")))
+            for line in text.splitlines() if line.startswith("    ")}
+
+
+def test_timers_of_one_process_print_at_once_with_min_equal_to_max(capsys):
+    report = TimersAcrossRanks(None, is_writer=True)
+    report.submit(1, 10, {"forward": 12.5, "backward": 20.25})
+    out = capsys.readouterr().out
+    assert out.startswith(" (min, max) time across ranks (ms per iteration, iterations 1-10):")
+    figures = _timer_block_lines(out)
+    assert list(figures) == list(TIMER_NAMES)  # every timer, absent ones at 0
+    assert figures["forward"] == (12.5, 12.5) and figures["backward"] == (20.25, 20.25)
+    assert figures["p2p-wait"] == (0.0, 0.0)
+    TimersAcrossRanks(None, is_writer=False).submit(1, 10, {"forward": 1.0})
+    assert capsys.readouterr().out == ""  # only the writer prints
+
+
+def _submit_without_waiting(rank, world, delay_s):
+    """Rank 1 submits `delay_s` late: rank 0's submit and print_ready must not wait for it."""
+    import torch.distributed as dist
+    report = TimersAcrossRanks(dist.new_group(backend="gloo"), is_writer=rank == 0)
+    if rank == 1:
+        time.sleep(delay_s)
+    started = time.perf_counter()
+    report.submit(1, 5, {"forward": 10.0 * (rank + 1), "optimizer": 1.0 + rank})
+    returned_after = time.perf_counter() - started
+    pending_then = len(report._pending)
+    report.submit(6, 10, {"forward": 5.0})
+    report.finish()
+    return returned_after, pending_then
+
+
+def test_timers_across_ranks_are_exchanged_without_blocking_and_printed_in_order(capfd):
+    delay_s = 1.0
+    (returned_after, pending), _ = run_forked(2, _submit_without_waiting, delay_s, timeout=60)
+    assert returned_after < delay_s / 2  # the submit did not wait for the late rank
+    assert pending == 1  # nor did the print: the interval was still out
+    out = capfd.readouterr().out
+    blocks = out.split(" (min, max) time across ranks")[1:]
+    assert [b.split("iterations ")[1].split(")")[0] for b in blocks] == ["1-5", "6-10"]
+    first = _timer_block_lines(blocks[0])
+    assert first["forward"] == (10.0, 20.0) and first["optimizer"] == (1.0, 2.0)
+    assert first["backward"] == (0.0, 0.0)
+    assert _timer_block_lines(blocks[1])["forward"] == (5.0, 5.0)
 
 
 def test_format_log_line_shows_present_metrics_and_eta():

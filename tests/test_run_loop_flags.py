@@ -163,6 +163,26 @@ def test_timers_reach_the_sinks_only_with_the_flag(with_timers, tmp_path, monkey
     assert "bubble: " in capsys.readouterr().out  # the printed line is the same either way
 
 
+def test_a_2bw_pipeline_prints_every_intervals_timers_across_its_ranks(capfd):
+    """The stages end an interval at different points of 2BW's schedule, which never drains:
+    the exchange must neither hang nor lose an interval."""
+    run_ranks(2, _pretrain, [*TINY, "--pipeline-model-parallel-size", "2", "--global-batch-size",
+                             "8", "--log-interval", "2", "--timing-log-level", "1",
+                             "--eval-interval", "6"], timeout=120)
+    out = capfd.readouterr().out
+    blocks = re.findall(r"time across ranks \(ms per iteration, iterations (\d+)-(\d+)\):\n"
+                        r"((?:    .*\n)+)", out)
+    assert [(int(a), int(b)) for a, b, _ in blocks] == [(1, 2), (3, 4), (5, 6)]
+    for _, _, lines in blocks:
+        figures = {line.split(" .")[0].strip(): line.split(": (")[1].rstrip(")").split(", ")
+                   for line in lines.splitlines()}
+        assert set(figures) == {"forward", "backward", "p2p-wait", "allreduce", "optimizer"}
+        low, high = map(float, figures["forward"])
+        assert 0 < low <= high  # both stages ran forwards
+        low, high = map(float, figures["p2p-wait"])
+        assert 0 < low <= high  # and both waited for the other
+
+
 @pytest.mark.parametrize("with_ppl", [False, True])
 def test_a_runs_log_file_plots_and_holds_validation_ppl_with_the_flag(with_ppl, tmp_path):
     log_file = tmp_path / "log.jsonl"
