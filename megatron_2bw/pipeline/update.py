@@ -309,6 +309,7 @@ class GradientUpdater:
                 grad.mul_(coefficient)
         # Megatron counts the zeros of the unscaled, clipped gradients the optimizer steps with
         zeros = self._zeros_in_grad() if self.log_num_zeros_in_grad else None
+        self.versions.prepare_step()
         self.optimizer.step()
         self.scaler.update(False)
         self._new_version(batch, skipped=False)

@@ -9,6 +9,10 @@ schedule's actions name, and the gradient-accumulation buffer.
 - `create(v)` fills a copy from the master weights after a step. 2BW allocates its second copy up
   front and then reuses the storage of released versions, so it holds exactly two working copies:
   one more than Flush, in the working precision only.
+- In fp32 2BW (unsharded) the master weights are the newest version's own working copy, not a
+  third fp32 copy: `prepare_step` first moves them to the free copy (a copy pass, which the new
+  version would cost anyway), unless the schedule has just released their own copy, which the
+  step then updates in place (the last stage's case: no copy at all).
 - Gradients of every version accumulate into one flat buffer (`main_grad_buffer`, views per
   parameter): the schedule reduces a batch's gradients before any backward of the next batch runs,
   and `take_gradients` then moves them into the master gradients (in fp32 2BW the two trade
@@ -151,7 +155,8 @@ class WeightVersions:
             self._slots.append((module.get_submodule(owner_name), attr))
         self.layout = FlatLayout.build([p.numel() for _, p in named],
                                        [s.tied for s in self.specs], _world_size())
-        self.alias = single_version and working_dtype == torch.float32 and grad_dtype == torch.float32
+        fp32 = working_dtype == torch.float32 and grad_dtype == torch.float32
+        self.alias = single_version and fp32
         self.device = named[0][1].device
         self.data_group = None  # set by shard()
         self.main_grad_buffer = self._zeros(self.layout.total, grad_dtype)
@@ -160,11 +165,11 @@ class WeightVersions:
         with torch.no_grad():
             for leaf, (_, p) in zip(first, named):
                 leaf.copy_(p)
-        if self.alias:
-            master_flat, master_grad_flat = first.flat, self.main_grad_buffer
-        else:
-            master_flat = first.flat.to(torch.float32, copy=True)
-            master_grad_flat = self._zeros(self.layout.total, torch.float32)
+        # the working copy the master weights are (fp32: Flush's one copy, 2BW's newest), or None
+        self._master_copy: WorkingCopy | None = first if fp32 else None
+        master_flat = first.flat if fp32 else first.flat.to(torch.float32, copy=True)
+        master_grad_flat = self.main_grad_buffer if self.alias else \
+            self._zeros(self.layout.total, torch.float32)
         self.master_regions = [master_flat[a:b] for a, b in self.layout.owned]
         self.master = [nn.Parameter(view) for view in self.param_views(master_flat)]
         for m, spec in zip(self.master, self.specs):
@@ -199,6 +204,41 @@ class WeightVersions:
         self.master_grad_regions = [flat[a:b] for a, b in self.layout.owned]
         for m, g in zip(self.master, self.param_views(flat)):
             m.grad = g
+
+    def _point_master_at(self, copy: WorkingCopy) -> None:
+        """The (unsharded) master weights become views of working copy `copy`."""
+        self._master_copy = copy
+        self.master_regions = [copy.flat[a:b] for a, b in self.layout.owned]
+        for m, view in zip(self.master, self.param_views(copy.flat)):
+            m.data = view
+
+    @property
+    def master_follows_newest(self) -> bool:
+        """fp32 2BW, unsharded: the master weights are the newest version's working copy."""
+        return not self.alias and self._master_copy is not None
+
+    @torch.no_grad()
+    def prepare_step(self) -> None:
+        """Call before the optimizer steps. Where the master weights follow the newest version:
+        while a live version still uses their copy, copy it into the free one and move the master
+        weights there, so that the step writes the new version and leaves that one intact; once
+        the schedule has released their copy, the step updates it in place."""
+        if not self.master_follows_newest:
+            return
+        copy = self._master_copy
+        if any(c is copy for c in self.versions.values()):
+            free = self._free.pop()
+            free.flat.copy_(copy.flat)
+            self._point_master_at(free)
+        else:
+            self._take_released_newest()
+
+    def _take_released_newest(self) -> WorkingCopy:
+        """The newest version's copy, out of the free ones: the schedule has just released it
+        (the last release appends it; where the master weights follow it, it is theirs)."""
+        copy = self._master_copy if self.master_follows_newest else self._free[-1]
+        self._free = [c for c in self._free if c is not copy]
+        return copy
 
     @property
     def swaps_gradients(self) -> bool:
@@ -266,6 +306,7 @@ class WeightVersions:
             self.master_regions = [self.versions[self.newest].flat[a:b] for a, b in owned]
             self.master_grad_regions = [self.main_grad_buffer[a:b] for a, b in owned]
         else:
+            self._master_copy = None  # the master weights become a separate fp32 shard
             master = self._zeros(self.layout.shard_numel, torch.float32)
             grads = self._zeros(self.layout.shard_numel, torch.float32)
             sizes = [b - a for a, b in owned]
@@ -286,7 +327,7 @@ class WeightVersions:
                                                     self.master_regions):
                 source = copy.flat[a:b] if self.alias else master.to(self.working_dtype)
                 _all_gather(copy.flat[start:end], source, group=self.data_group)
-        elif not self.alias:
+        elif copy is not self._master_copy:  # else it is the master weights
             for (a, b), master in zip(self.layout.owned, self.master_regions):
                 copy.flat[a:b].copy_(master)
 
@@ -336,7 +377,9 @@ class WeightVersions:
         """Version `version` from the master weights; for a skipped step, the newest copy (the
         master weights did not change), also when the schedule has just released it."""
         if skipped:
-            copy = self.versions[self.newest] if self.versions else self._free.pop()
+            copy = self.versions[self.newest] if self.versions else self._take_released_newest()
+        elif self.master_follows_newest:  # prepare_step took it out of the free copies
+            copy = self._master_copy
         else:
             if self._free:
                 copy = self._free.pop()
@@ -356,13 +399,17 @@ class WeightVersions:
             self._fill_from_master(pool[0])
             self.versions[newest] = pool[0]
         else:
+            # where the master weights are a working copy, it holds the newest version
+            keep = self._master_copy
+            pool = [c for c in pool if c is not keep]
             for version, tensors in sorted((saved or {}).items()):
-                copy = pool.pop() if pool else self._new_copy()
+                copy = keep if version == newest and keep is not None else \
+                    (pool.pop() if pool else self._new_copy())
                 for leaf, tensor in zip(copy, tensors):
                     leaf.copy_(tensor)
                 self.versions[version] = copy
             if newest not in self.versions:
-                copy = pool.pop() if pool else self._new_copy()
+                copy = keep if keep is not None else (pool.pop() if pool else self._new_copy())
                 self._fill_from_master(copy)
                 self.versions[newest] = copy
             self._free = pool

@@ -110,8 +110,9 @@ def test_2bw_holds_one_more_working_copy_and_the_estimate_fits(precision, layout
             assert abs(estimate["activations"] - activations) <= 0.25 * activations, run
 
 
-def test_startup_report_shows_the_estimate_and_what_the_stage_holds():
-    config = precise_config("bf16", schedule="2bw", optimizer="adam", layers=2)
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])  # fp32 2BW: master = newest version
+def test_startup_report_shows_the_estimate_and_what_the_stage_holds(precision):
+    config = precise_config(precision, schedule="2bw", optimizer="adam", layers=2)
     stage = build_stage(config, ParallelLayout(1, 1, 1, 0), torch.device("cpu"), None)
     line = startup_memory_report(stage)
     estimated, held = line.split("; held at start ")

@@ -1,9 +1,13 @@
-"""WeightVersions' gradient buffer: after a batch, take_gradients leaves the batch's gradients in
-the master gradients and a zeroed buffer; fp32 2BW trades the two storages instead of copying."""
+"""WeightVersions: after a batch, take_gradients leaves the batch's gradients in the master
+gradients and a zeroed buffer (fp32 2BW trades the two storages instead of copying); in fp32 2BW
+the master weights are the newest version's working copy, and a step never writes a version in
+use."""
 import pytest
 import torch
 from torch import nn
 
+from megatron_2bw.memory import storage_bytes
+from megatron_2bw.pipeline import schedules as S
 from megatron_2bw.pipeline.weights import WeightVersions
 from megatron_2bw.tensor_parallel.layers import initialize_parameters, replicated_param
 
@@ -54,3 +58,51 @@ def test_take_gradients_leaves_each_batch_in_the_master_and_a_zeroed_buffer(work
         assert traded == swaps
     # trading alternates between two storages; copying keeps one buffer
     assert len(storages) == (2 if swaps else 1)
+
+
+def _storage(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("working, follows", [(torch.float32, True), (torch.bfloat16, False)])
+def test_fp32_2bw_holds_two_weight_copies_the_master_weights_being_the_newest(working, follows):
+    versions = WeightVersions(Tiny(), working, torch.float32, single_version=False)
+    assert versions.master_follows_newest == follows
+    numel, e = versions.layout.total, torch.finfo(working).bits // 8
+    weights = storage_bytes(versions.master_regions + [c.flat for c in versions.working_copies()])
+    # two working copies; a third, fp32, copy only where the working precision differs
+    assert weights == 2 * e * numel + (0 if follows else 4 * numel)
+    newest = versions.versions[versions.newest].flat
+    assert (_storage(versions.master[0]) == _storage(newest)) == follows
+
+
+@pytest.mark.parametrize("stage, copies", [(0, 6), (1, 1)])
+def test_a_2bw_step_writes_a_free_copy_and_copies_only_while_its_version_is_in_use(stage, copies):
+    """The schedule's actions of one stage (p = 2, m = 2, 6 batches) drive the versions; each step
+    stands in for the optimizer by adding 1 to the master weights. The first stage steps while the
+    newest version is still in use (a copy first); the last steps right after releasing it (in
+    place), except in the drain, whose last step follows no release."""
+    versions = WeightVersions(Tiny(), torch.float32, torch.float32, single_version=False)
+    values = {0: [m.detach().clone() for m in versions.master]}
+    copied = 0
+    for action in S.stage_actions("2bw", 2, 2, 6, stage):
+        if action.kind in S.COMPUTE_KINDS:
+            versions.install(action.version)
+            for leaf, want in zip(versions.versions[action.version], values[action.version]):
+                assert torch.equal(leaf, want)  # no step has written a version in use
+        elif action.kind == S.RELEASE_VERSION:
+            versions.release(action.version)
+        elif action.kind == S.STEP:
+            before = versions._master_copy
+            versions.prepare_step()
+            copied += versions._master_copy is not before
+            master = _storage(versions.master[0])
+            assert all(_storage(c.flat) != master for c in versions.versions.values())
+            with torch.no_grad():
+                for m in versions.master:
+                    m.add_(1.0)
+            versions.create(action.version)
+            values[action.version] = [w + 1.0 for w in values[action.version - 1]]
+            assert _storage(versions.versions[action.version].flat) == master
+            assert versions.distinct_versions + len(versions._free) == 2  # never a third copy
+    assert copied == copies

@@ -124,6 +124,22 @@ def test_the_data_parallel_reduction_runs_on_after_reduce():
         assert stage.reduce_s == pytest.approx(local[sharded])
 
 
+def test_fp32_2bw_writes_a_new_version_by_copy_except_on_the_last_stage():
+    """The master weights are the newest version (WeightVersions.prepare_step): the first stage
+    copies it into the free copy before each step (8 bytes a parameter); the last stage steps
+    right after releasing the older version and updates that copy in place; in bf16 every stage
+    writes the new version from the fp32 master weights (4 + 2 bytes)."""
+    hw = toy_hardware(devices_per_node=8, nodes=1)
+    candidate = Candidate(1, 2, 1, 1, None, "2bw", layer_split=(1, 3))
+    P = [stage_parameters(MODEL, 1, 1, True, False), stage_parameters(MODEL, 1, 3, False, True)]
+    adam = (28 + 8) / 1e12
+    first, last = stage_costs(MODEL, hw, COSTS, candidate, PrecisionConfig(), "adam")
+    assert first.step_s == pytest.approx((adam + 8 / 1e12) * P[0])
+    assert last.step_s == pytest.approx(adam * P[1])
+    first, last = stage_costs(MODEL, hw, COSTS, candidate, PrecisionConfig(bf16=True), "adam")
+    assert (first.step_s, last.step_s) == pytest.approx([(adam + 6 / 1e12) * n for n in P])
+
+
 def test_recomputation_adds_a_forward_and_tensor_parallelism_adds_all_reduces():
     plain, full, selective = costs_of()[1], costs_of("full")[1], costs_of("selective")[1]
     assert full.backward_s - plain.backward_s == pytest.approx(3 * 1.0)

@@ -305,7 +305,7 @@ P0 = EMBEDDING + 2 * LAYER  # stage 0 of 2
 @pytest.mark.parametrize("precision, schedule, params, grads, stash", [
     (PrecisionConfig(), "flush", 4, 4, 0),  # fp32 master weights are the working weights
     (PrecisionConfig(), "gpipe", 4, 4, 0),
-    (PrecisionConfig(), "2bw", 8, 8, 4),  # master + working, master grad + accumulation, 2nd copy
+    (PrecisionConfig(), "2bw", 4, 8, 4),  # master = newest; master grad + accumulation; 2nd copy
     (PrecisionConfig(fp16=True), "2bw", 6, 6, 2),
     (PrecisionConfig(bf16=True), "flush", 6, 6, 0),
     (PrecisionConfig(fp16=True, accumulate_allreduce_grads_in_fp32=True), "flush", 6, 8, 0),
@@ -321,6 +321,9 @@ def test_optimizer_and_distributed_optimizer():
     m = memory(data_parallel=4, distributed=True)
     assert (m.params, m.grads, m.optimizer) == (2 * P0 + P0, 2 * P0 + P0, 2 * P0)
     assert memory(data_parallel=4).optimizer == 8 * P0  # d alone shards nothing
+    # fp32 2BW: sharded master weights are a separate shard (unsharded, the newest version)
+    m = memory(PrecisionConfig(), data_parallel=4, distributed=True)
+    assert (m.params, m.grads, m.versions_stash) == (4 * P0 + P0, 4 * P0 + P0, 4 * P0)
 
 
 def test_activations_follow_the_schedules_in_flight_counts():
