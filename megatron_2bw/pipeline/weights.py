@@ -242,10 +242,9 @@ class WeightVersions:
 
     @property
     def swaps_gradients(self) -> bool:
-        """fp32 working weights and buffer with separate, unsharded fp32 master gradients (2BW in
-        fp32): the buffer and the master gradients trade storage instead of copying."""
-        return (not self.alias and not self.sharded and self.working_dtype == torch.float32
-                and self.main_grad_buffer.dtype == torch.float32)
+        """The buffer and the (separate, unsharded) master gradients trade storage instead of
+        copying: in fp32 2BW, the case where the master weights follow the newest version."""
+        return self.master_follows_newest
 
     @torch.no_grad()
     def take_gradients(self) -> None:
