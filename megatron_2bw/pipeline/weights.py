@@ -9,10 +9,10 @@ schedule's actions name, and the gradient-accumulation buffer.
 - `create(v)` fills a copy from the master weights after a step. 2BW allocates its second copy up
   front and then reuses the storage of released versions, so it holds exactly two working copies:
   one more than Flush, in the working precision only.
-- In fp32 2BW (unsharded) the master weights are the newest version's own working copy, not a
-  third fp32 copy: `prepare_step` first moves them to the free copy (a copy pass, which the new
-  version would cost anyway), unless the schedule has just released their own copy, which the
-  step then updates in place (the last stage's case: no copy at all).
+- In fp32 2BW the master weights are the newest version's own working copy (sharded: this
+  rank's part of it), not a third fp32 copy: `prepare_step` first moves them to the free copy (a
+  copy pass, which the new version would cost anyway), unless the schedule has just released
+  their own copy, which the step then updates in place (the last stage's case: no copy at all).
 - Gradients of every version accumulate into one flat buffer (`main_grad_buffer`, views per
   parameter): the schedule reduces a batch's gradients before any backward of the next batch runs,
   and `take_gradients` then moves them into the master gradients (in fp32 2BW the two trade
@@ -20,7 +20,8 @@ schedule's actions name, and the gradient-accumulation buffer.
 - With fp32 and a single-version schedule the master weights are the working weights and the flat
   buffer is their .grad: no copy at all (Megatron's fp32 memory).
 - `shard(group)` (the distributed optimizer) keeps only this rank's 1/d of the master weights and
-  of their gradients; a new version is then assembled by an all-gather over the group.
+  of their gradients; a new version is then assembled by an all-gather over the group (in place
+  where the master weights are part of the copy: fp32).
 
 Every flat tensor shares one `FlatLayout`, so copying, reducing and gathering are whole-region
 operations.
@@ -206,29 +207,41 @@ class WeightVersions:
             m.grad = g
 
     def _point_master_at(self, copy: WorkingCopy) -> None:
-        """The (unsharded) master weights become views of working copy `copy`."""
+        """The master weights become views of this rank's part of working copy `copy`."""
         self._master_copy = copy
         self.master_regions = [copy.flat[a:b] for a, b in self.layout.owned]
-        for m, view in zip(self.master, self.param_views(copy.flat)):
+        for m, view in zip(self.master, self._owned_views(self.master_regions)):
             m.data = view
+
+    def _owned_views(self, regions: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Each parameter's elements in `regions` (this rank's part of every region): the whole
+        parameter in its shape, or when sharded the part this rank owns, flattened."""
+        views = []
+        for i, shape in enumerate(self.shapes):
+            part = self.layout.owned_part(i)
+            view = regions[part.region][part.start:part.start + part.numel]
+            views.append(view.view(shape) if not self.sharded else view)
+        return views
 
     @property
     def master_follows_newest(self) -> bool:
-        """fp32 2BW, unsharded: the master weights are the newest version's working copy."""
+        """fp32 2BW: the master weights are (this rank's part of) the newest version's working
+        copy."""
         return not self.alias and self._master_copy is not None
 
     @torch.no_grad()
     def prepare_step(self) -> None:
         """Call before the optimizer steps. Where the master weights follow the newest version:
-        while a live version still uses their copy, copy it into the free one and move the master
-        weights there, so that the step writes the new version and leaves that one intact; once
-        the schedule has released their copy, the step updates it in place."""
+        while a live version still uses their copy, copy their part into the free one and move
+        the master weights there, so that the step writes the new version and leaves that one
+        intact; once the schedule has released their copy, the step updates it in place."""
         if not self.master_follows_newest:
             return
         copy = self._master_copy
         if any(c is copy for c in self.versions.values()):
             free = self._free.pop()
-            free.flat.copy_(copy.flat)
+            for a, b in self.layout.owned:  # sharded: create() gathers the other replicas' parts
+                free.flat[a:b].copy_(copy.flat[a:b])
             self._point_master_at(free)
         else:
             self._take_released_newest()
@@ -243,8 +256,8 @@ class WeightVersions:
     @property
     def swaps_gradients(self) -> bool:
         """The buffer and the (separate, unsharded) master gradients trade storage instead of
-        copying: in fp32 2BW, the case where the master weights follow the newest version."""
-        return self.master_follows_newest
+        copying: in fp32 2BW, unless sharded (a 1/d shard cannot trade with the full buffer)."""
+        return self.master_follows_newest and not self.sharded
 
     @torch.no_grad()
     def take_gradients(self) -> None:
@@ -301,30 +314,31 @@ class WeightVersions:
         self.data_group = group
         self._master_grad_flat = None  # the full flat is dropped: each rank keeps its shard's
         owned = self.layout.owned
-        if self.alias:  # the master weights and gradients are the working copy and the buffer
-            self.master_regions = [self.versions[self.newest].flat[a:b] for a, b in owned]
-            self.master_grad_regions = [self.main_grad_buffer[a:b] for a, b in owned]
-        else:
-            self._master_copy = None  # the master weights become a separate fp32 shard
-            master = self._zeros(self.layout.shard_numel, torch.float32)
-            grads = self._zeros(self.layout.shard_numel, torch.float32)
-            sizes = [b - a for a, b in owned]
-            self.master_regions = list(master.split(sizes))
-            self.master_grad_regions = list(grads.split(sizes))
+        sizes = [b - a for a, b in owned]
+        if self._master_copy is not None:  # fp32: the master weights stay part of a working copy
+            self.master_regions = [self._master_copy.flat[a:b] for a, b in owned]
+        else:  # a separate fp32 shard
+            self.master_regions = list(self._zeros(self.layout.shard_numel, torch.float32)
+                                       .split(sizes))
             for (start, _), (a, b), region, full in zip(self.layout.regions, owned,
                                                         self.master_regions, unsharded):
                 region.copy_(full[a - start:b - start])
-        for i, m in enumerate(self.master):
-            part = self.layout.owned_part(i)
-            m.data = self.master_regions[part.region][part.start:part.start + part.numel]
-            m.grad = self.master_grad_regions[part.region][part.start:part.start + part.numel]
+        if self.alias:  # the master gradients are the buffer
+            self.master_grad_regions = [self.main_grad_buffer[a:b] for a, b in owned]
+        else:
+            self.master_grad_regions = list(self._zeros(self.layout.shard_numel, torch.float32)
+                                            .split(sizes))
+        for m, weights, grad in zip(self.master, self._owned_views(self.master_regions),
+                                    self._owned_views(self.master_grad_regions)):
+            m.data, m.grad = weights, grad
 
     @torch.no_grad()
     def _fill_from_master(self, copy: WorkingCopy) -> None:
         if self.sharded:  # every rank contributes its updated part
             for (start, end), (a, b), master in zip(self.layout.regions, self.layout.owned,
                                                     self.master_regions):
-                source = copy.flat[a:b] if self.alias else master.to(self.working_dtype)
+                source = copy.flat[a:b] if copy is self._master_copy else \
+                    master.to(self.working_dtype)
                 _all_gather(copy.flat[start:end], source, group=self.data_group)
         elif copy is not self._master_copy:  # else it is the master weights
             for (a, b), master in zip(self.layout.owned, self.master_regions):
@@ -379,6 +393,7 @@ class WeightVersions:
             copy = self.versions[self.newest] if self.versions else self._take_released_newest()
         elif self.master_follows_newest:  # prepare_step took it out of the free copies
             copy = self._master_copy
+            self._fill_from_master(copy)  # sharded: the other replicas' parts
         else:
             if self._free:
                 copy = self._free.pop()

@@ -363,9 +363,10 @@ def stage_costs(model: ModelConfig, hardware: HardwareSpec, costs: ComputeCosts,
     tied_ar = net.allreduce_time("embedding", tied_bytes) if tied else 0.0
     separate_master = e != 4 or g != 4 or candidate.schedule == "2bw"
     shards = d if parallel.use_distributed_optimizer else 1
-    # fp32 2BW, unsharded: the buffer and the master gradients trade storage, and the master
-    # weights are the newest version's working copy (WeightVersions)
-    fp32_versions = e == 4 and g == 4 and shards == 1 and candidate.schedule == "2bw"
+    # fp32 2BW: the master weights are (this rank's part of) the newest version's working copy,
+    # and unsharded the buffer and the master gradients trade storage (WeightVersions)
+    fp32_versions = e == 4 and g == 4 and candidate.schedule == "2bw"
+    swaps_gradients = fp32_versions and shards == 1
     layer_counts = list(candidate.layer_split) if candidate.layer_split else \
         [len(r) for r in layer_ranges(model.num_layers, p)]
 
@@ -401,19 +402,21 @@ def stage_costs(model: ModelConfig, hardware: HardwareSpec, costs: ComputeCosts,
         data_processor = buckets * hardware.allreduce_processor_s(d, g * P / buckets)
         # the buffer into the master gradients: a copy and a zeroing pass, or where the two trade
         # storage the zeroing alone; the grad norm
-        move = (g if fp32_versions else 2 * g + 4) if separate_master else 0
+        move = (g if swaps_gradients else 2 * g + 4) if separate_master else 0
         local = move * P + 12 * P
         # the blocking all-reduce over the tensor-parallel group of the replicated parameters'
         # gradients each rank computes in part (update.py, sum_tensor_partial_grads)
         summed = g * stage_tensor_partial_grad_parameters(model, t, layers, first, last)
         partial_ar = net.allreduce_time("tensor", summed, s) if summed else 0.0
         # optimizer + unscaling, and the new working version: written from the master weights or,
-        # where they are the newest version, a copy of it before the step; none on the last
-        # stage, which steps right after releasing the older version's copy and updates that in
-        # place (WeightVersions.prepare_step)
-        in_place = fp32_versions and last
-        step = (OPTIMIZER_STEP_BYTES[optimizer] + 8) * P / shards + \
-            ((4 + e) * P if separate_master and not in_place else 0)
+        # where they are the newest version, a copy of this rank's part of it before the step;
+        # none on the last stage, which steps right after releasing the older version's copy and
+        # updates that in place (WeightVersions.prepare_step)
+        if fp32_versions:
+            version = 0 if last else (4 + e) * P / shards
+        else:
+            version = (4 + e) * P if separate_master else 0
+        step = (OPTIMIZER_STEP_BYTES[optimizer] + 8) * P / shards + version
         if shards > 1:  # each replica updates its shard, then the working weights are gathered
             step_comm = net.allreduce_time("data", e * P, s) / 2
             data_processor += hardware.allreduce_processor_s(d, e * P) / 2

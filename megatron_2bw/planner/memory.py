@@ -337,10 +337,10 @@ def estimate_stage_memory(model: ModelConfig, parallel: ParallelConfig, precisio
     e, g = dtype_bytes(precision), grad_buffer_bytes(precision)
     versions = 2 if schedule == "2bw" else 1
     shards = data_parallel if parallel.use_distributed_optimizer else 1
-    # weights.py: in fp32 the master weights are a working copy (2BW's newest) unless sharded,
-    # and the master gradients the accumulation buffer unless a second version accumulates
+    # weights.py: in fp32 the master weights are (part of) a working copy (2BW's newest), and
+    # the master gradients the accumulation buffer unless a second version accumulates
     fp32 = e == 4 and g == 4
-    separate_master = not fp32 or (versions > 1 and shards > 1)
+    separate_master = not fp32
     separate_master_grads = not fp32 or versions > 1
 
     params = e * P + (4 * P / shards if separate_master else 0)

@@ -110,15 +110,28 @@ def test_2bw_holds_one_more_working_copy_and_the_estimate_fits(precision, layout
             assert abs(estimate["activations"] - activations) <= 0.25 * activations, run
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp32"])  # fp32 2BW: master = newest version
-def test_startup_report_shows_the_estimate_and_what_the_stage_holds(precision):
+def _startup_report(rank: int, world: int, config) -> str:
+    layout = ParallelLayout(world, 1, 1, rank)  # d = world replicas
+    layout.build_groups(60.0)
+    return startup_memory_report(build_stage(config, layout, torch.device("cpu"), None))
+
+
+# fp32 2BW: the master weights are the newest version, or with the distributed optimizer this
+# rank's half of it (d = 2)
+@pytest.mark.parametrize("precision, distributed", [("bf16", False), ("fp32", False),
+                                                    ("fp32", True)])
+def test_startup_report_shows_the_estimate_and_what_the_stage_holds(precision, distributed):
     config = precise_config(precision, schedule="2bw", optimizer="adam", layers=2)
-    stage = build_stage(config, ParallelLayout(1, 1, 1, 0), torch.device("cpu"), None)
-    line = startup_memory_report(stage)
-    estimated, held = line.split("; held at start ")
-    assert line.startswith(" [rank 0] stage 0 memory (MiB): estimated params ")
-    for kind in ("params", "grads", "optimizer state", "2bw stash"):
-        number = re.compile(re.escape(kind) + r" ([0-9.]+)")
-        assert float(number.search(held).group(1)) > 0
-        assert number.search(held).group(1) == number.search(estimated).group(1), line
-    assert re.search(r"activations [0-9.]+ \| workspace [0-9.]+ \| total [0-9.]+", estimated)
+    if distributed:
+        config.parallel.use_distributed_optimizer = True
+        lines = run_ranks(2, _startup_report, config)
+    else:
+        lines = [_startup_report(0, 1, config)]
+    for rank, line in enumerate(lines):
+        estimated, held = line.split("; held at start ")
+        assert line.startswith(f" [rank {rank}] stage 0 memory (MiB): estimated params ")
+        for kind in ("params", "grads", "optimizer state", "2bw stash"):
+            number = re.compile(re.escape(kind) + r" ([0-9.]+)")
+            assert float(number.search(held).group(1)) > 0
+            assert number.search(held).group(1) == number.search(estimated).group(1), line
+        assert re.search(r"activations [0-9.]+ \| workspace [0-9.]+ \| total [0-9.]+", estimated)

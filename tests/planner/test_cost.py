@@ -140,6 +140,21 @@ def test_fp32_2bw_writes_a_new_version_by_copy_except_on_the_last_stage():
     assert (first.step_s, last.step_s) == pytest.approx([(adam + 6 / 1e12) * n for n in P])
 
 
+def test_sharded_fp32_2bw_copies_only_its_part_of_the_newest_version():
+    """With the distributed optimizer over d = 2 the master weights are this rank's half of the
+    newest version: the first stage copies that half (8 bytes a parameter / 2) before its step,
+    the last stage none; each steps its half and all-gathers the rest."""
+    hw = toy_hardware(devices_per_node=8, nodes=1)
+    candidate = Candidate(1, 2, 2, 1, None, "2bw", layer_split=(1, 3))
+    P = [stage_parameters(MODEL, 1, 1, True, False), stage_parameters(MODEL, 1, 3, False, True)]
+    first, last = stage_costs(MODEL, hw, COSTS, candidate, PrecisionConfig(), "adam",
+                              ParallelConfig(use_distributed_optimizer=True))
+    adam = (28 + 8) / 1e12
+    assert first.step_s - first.step_comm_s == pytest.approx((adam + 8 / 1e12) * P[0] / 2)
+    assert last.step_s - last.step_comm_s == pytest.approx(adam * P[1] / 2)
+    assert first.step_comm_s > 0 and last.step_comm_s > 0
+
+
 def test_recomputation_adds_a_forward_and_tensor_parallelism_adds_all_reduces():
     plain, full, selective = costs_of()[1], costs_of("full")[1], costs_of("selective")[1]
     assert full.backward_s - plain.backward_s == pytest.approx(3 * 1.0)

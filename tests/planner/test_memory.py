@@ -321,9 +321,10 @@ def test_optimizer_and_distributed_optimizer():
     m = memory(data_parallel=4, distributed=True)
     assert (m.params, m.grads, m.optimizer) == (2 * P0 + P0, 2 * P0 + P0, 2 * P0)
     assert memory(data_parallel=4).optimizer == 8 * P0  # d alone shards nothing
-    # fp32 2BW: sharded master weights are a separate shard (unsharded, the newest version)
+    # fp32 2BW: the master weights are this rank's part of the newest version; their gradients
+    # a separate shard
     m = memory(PrecisionConfig(), data_parallel=4, distributed=True)
-    assert (m.params, m.grads, m.versions_stash) == (4 * P0 + P0, 4 * P0 + P0, 4 * P0)
+    assert (m.params, m.grads, m.versions_stash) == (4 * P0, 4 * P0 + P0, 4 * P0)
 
 
 def test_activations_follow_the_schedules_in_flight_counts():
