@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_2bw.config import LoggingConfig
+from megatron_2bw.distributed.comm import all_reduce
 
 
 class Timer:
@@ -122,8 +123,7 @@ class TimersAcrossRanks:
         values = [milliseconds.get(name, 0.0) for name in TIMER_NAMES]
         # one MAX all-reduce gives both: the max of the values and of their negations
         figures = torch.tensor(values + [-v for v in values], dtype=torch.float64)
-        work = None if self.group is None else \
-            dist.all_reduce(figures, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        work = all_reduce(figures, self.group, op=dist.ReduceOp.MAX, async_op=True)
         self._pending.append((first, last, figures, work))
         self.print_ready()
 

@@ -361,11 +361,13 @@ def stage_costs(model: ModelConfig, hardware: HardwareSpec, costs: ComputeCosts,
     tied_bytes = 4 * model.padded_vocab_size(t) // t * model.hidden_size  # fp32 master gradients
     tied = p > 1 and not model.untie_embeddings_and_output_weights
     tied_ar = net.allreduce_time("embedding", tied_bytes) if tied else 0.0
-    separate_master = e != 4 or g != 4 or candidate.schedule == "2bw"
     shards = d if parallel.use_distributed_optimizer else 1
-    # fp32 2BW: the master weights are (this rank's part of) the newest version's working copy,
-    # and unsharded the buffer and the master gradients trade storage (WeightVersions)
-    fp32_versions = e == 4 and g == 4 and candidate.schedule == "2bw"
+    # as in memory.py: in fp32 the master weights are (this rank's part of) a working copy, under
+    # 2BW the newest version's; the master gradients are separate unless fp32 Flush/GPipe, and
+    # in fp32 2BW, unsharded, they trade storage with the buffer (WeightVersions)
+    fp32 = e == 4 and g == 4
+    fp32_versions = fp32 and candidate.schedule == "2bw"
+    separate_master_grads = not fp32 or fp32_versions
     swaps_gradients = fp32_versions and shards == 1
     layer_counts = list(candidate.layer_split) if candidate.layer_split else \
         [len(r) for r in layer_ranges(model.num_layers, p)]
@@ -402,7 +404,7 @@ def stage_costs(model: ModelConfig, hardware: HardwareSpec, costs: ComputeCosts,
         data_processor = buckets * hardware.allreduce_processor_s(d, g * P / buckets)
         # the buffer into the master gradients: a copy and a zeroing pass, or where the two trade
         # storage the zeroing alone; the grad norm
-        move = (g if swaps_gradients else 2 * g + 4) if separate_master else 0
+        move = (g if swaps_gradients else 2 * g + 4) if separate_master_grads else 0
         local = move * P + 12 * P
         # the blocking all-reduce over the tensor-parallel group of the replicated parameters'
         # gradients each rank computes in part (update.py, sum_tensor_partial_grads)
@@ -415,7 +417,7 @@ def stage_costs(model: ModelConfig, hardware: HardwareSpec, costs: ComputeCosts,
         if fp32_versions:
             version = 0 if last else (4 + e) * P / shards
         else:
-            version = (4 + e) * P if separate_master else 0
+            version = 0 if fp32 else (4 + e) * P
         step = (OPTIMIZER_STEP_BYTES[optimizer] + 8) * P / shards + version
         if shards > 1:  # each replica updates its shard, then the working weights are gathered
             step_comm = net.allreduce_time("data", e * P, s) / 2
