@@ -100,6 +100,14 @@ class StageCost:
     forward_comm_s: float = 0.0
     backward_comm_s: float = 0.0
     step_comm_s: float = 0.0
+    # the tensor-parallel collectives of one forward and one backward, in all-reduces (under
+    # --sequence-parallel a lone reduce-scatter or all-gather counts half: tensor_collectives),
+    # and the wait for a peer's turn each includes (Network.wake_s, part of *_comm_s). Where
+    # ranks share processors the replay alternates them with the compute, pays that wait only
+    # while other ranks of the node have work, and lets the group's lagging peer compute in it
+    forward_collectives: float = 0.0
+    backward_collectives: float = 0.0
+    wake_s: float = 0.0
     # the data-parallel all-reduce (or reduce-scatter) of the gradient buffer: it runs on after
     # reduce and must be in before the stage's next backward or its step (update.py)
     reduce_background_s: float = 0.0
@@ -256,6 +264,20 @@ class PieceTimes:
     head_comm_processor_s: float = 0.0
 
 
+def tensor_collectives(layers: int, first: bool, last: bool, recompute: str | None,
+                       sequence_parallel: bool) -> tuple[float, float]:
+    """The blocking tensor-parallel collectives of a stage's forward and backward, in all-reduces
+    (at t > 1; piece_times charges each): a layer meets twice per pass (after attention, after
+    the MLP; full recomputation reruns the forward's in backward), the embedding once (under
+    --sequence-parallel a reduce-scatter forward and an all-gather backward, half each), the
+    loss three times (max, target logit, sum), the head once backward and, under
+    --sequence-parallel, its gather of the sequence forward (half)."""
+    half = 0.5 if sequence_parallel else 0.0
+    forward = 2 * layers + (1 - half) * first + (3 + half) * last
+    backward = 2 * layers * (2 if recompute == "full" else 1) + half * first + last
+    return forward, backward
+
+
 def piece_times(model: ModelConfig, network: Network, costs: ComputeCosts, micro_batch_size: int,
                 recompute: str | None, precision: PrecisionConfig) -> PieceTimes:
     activation = micro_batch_size * model.seq_length * model.hidden_size * dtype_bytes(precision)
@@ -281,11 +303,10 @@ def piece_times(model: ModelConfig, network: Network, costs: ComputeCosts, micro
     layer_f = costs.layer_forward_s + 2 * layer_f_ar
     layer_b = costs.layer_backward_s + 2 * layer_b_ar
     layer_b_comm = 2 * layer_b_ar
-    layer_calls = 4  # Megatron's f and g, forward and backward
+    layer_calls = sum(tensor_collectives(1, False, False, recompute, sequence_parallel))
     if recompute == "full":
         layer_b += layer_f
         layer_b_comm += 2 * layer_f_ar
-        layer_calls += 2
     elif recompute == "selective":
         layer_b += costs.attention_core_forward_s
     # measured for groups of 2 or more only: nothing at t = 1
@@ -396,6 +417,9 @@ def stage_costs(model: ModelConfig, hardware: HardwareSpec, costs: ComputeCosts,
         messages = int(not first) + int(not last)
         forward += messages * hardware.p2p_processor_s
         backward += messages * hardware.p2p_processor_s
+        forward_collectives, backward_collectives = tensor_collectives(
+            layers, first, last, candidate.recompute, model.sequence_ranks(t) > 1) \
+            if t > 1 else (0.0, 0.0)
 
         P = stage_parameters(model, t, layers, first, last)
         buckets = max(1, math.ceil(P / parallel.ddp_bucket_size))
@@ -433,6 +457,8 @@ def stage_costs(model: ModelConfig, hardware: HardwareSpec, costs: ComputeCosts,
             step_s=step / memory_rate + step_comm,
             tied_async_s=tied_ar if first and not last else 0.0,
             forward_comm_s=forward_comm, backward_comm_s=backward_comm, step_comm_s=step_comm,
+            forward_collectives=forward_collectives, backward_collectives=backward_collectives,
+            wake_s=net.wake_s(t) if t > 1 else 0.0,
             reduce_background_s=data_ar, comm_processor_s=comm_processor,
             batch_comm_processor_s=data_processor))
     return result
@@ -451,9 +477,11 @@ class CoreSharing:
     """A node running more ranks than it has processors (CPU ranks sharing cores): the ranks of
     each stage on each node, and a node's processors. The replay (simulator.py) shares a node's
     processors equally among its ranks computing at that moment; a rank blocked in a transfer or
-    a collective needs none."""
+    a collective needs none, except that a tensor-parallel group waiting for a peer's turn holds
+    one processor (the lagging peer computes)."""
     ranks: tuple[tuple[int, ...], ...]  # [node][stage]
     slots: int
+    tensor_parallel: int = 1  # ranks per tensor-parallel group (inside one node)
 
     def bound(self, stages: list[StageCost], microbatches: int) -> float:
         """The least time per batch: each node's processors must get through the processor time
@@ -474,7 +502,7 @@ def core_sharing(hardware: HardwareSpec, candidate: Candidate) -> CoreSharing | 
     ranks = [[0] * c.pipeline_parallel for _ in range(hardware.nodes)]
     for rank in range(world):
         ranks[rank // hardware.devices_per_node][layout.coordinates(rank).pp] += 1
-    return CoreSharing(tuple(map(tuple, ranks)), hardware.compute_slots)
+    return CoreSharing(tuple(map(tuple, ranks)), hardware.compute_slots, c.tensor_parallel)
 
 
 def busiest_stage(stages: list[StageCost], microbatches: int) -> int:

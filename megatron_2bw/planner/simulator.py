@@ -11,7 +11,11 @@ Two replays of the same rules: with a processor per rank each stage runs ahead o
 (fast: the planner replays many candidates for large clusters); where ranks share a node's
 processors (cost.CoreSharing, CPU ranks), one clock for all, on which the ranks computing at each
 moment share their node's processors equally and a rank blocked in a collective or transfer
-(the *_comm_s parts of its durations) needs none.
+(the *_comm_s parts of its durations) needs none. There a forward or backward alternates compute
+and its tensor-parallel collectives, as the runtime does, and each collective's wait for a peer's
+turn (StageCost.wake_s) happens only while other ranks of the node have work (a peer loses its
+turn only to a rank with work); during that wait the group's lagging peer computes, so the group
+holds one processor.
 
 The time per batch is taken in steady state, between the ends of the first and the next-to-last
 batch's reduce: the first batch absorbs the pipeline fill, and under 2BW a batch also runs the
@@ -188,15 +192,23 @@ def _replay_own_processors(replay: _Replay) -> None:
 
 
 _DONE = 1e-12  # seconds: a segment this close to its end has ended
+_WAITS = ("until", "idle", "held")  # segments that end at a time
 
 
 def _replay_sharing_processors(replay: _Replay, sharing: CoreSharing) -> None:
     """Ranks share their node's processors: one clock; an action is a list of segments, ("cpu",
     seconds of work at full speed), ("wall", seconds) or ("until", time) spent blocked without a
-    processor, ("reduced", batch) marking the end of a reduce. The ranks computing at a moment
-    share their node's processors equally (all ranks of a stage behave alike)."""
+    processor in a collective or transfer, ("idle", time) waiting for another stage (a receive,
+    the batch's step), ("wake", seconds) waiting for a peer's turn, which becomes ("held", time)
+    if the node has other ranks with work and is skipped otherwise, ("reduced", batch) marking
+    the end of a reduce. The ranks computing at a moment share their node's processors equally
+    (all ranks of a stage behave alike), less one processor per tensor-parallel group in a held
+    wait."""
     compiled, durations, m = replay.compiled, replay.durations, replay.m
     p = len(compiled)
+    # per node, its stages; per stage, whether other groups of it (replicas) share a node with it
+    node_stages = [[s for s in range(p) if node[s]] for node in sharing.ranks]
+    replicas = [any(node[s] > sharing.tensor_parallel for node in sharing.ranks) for s in range(p)]
     segments: list[list[list]] = [[] for _ in range(p)]
     batch_of = [0] * p  # the batch of each stage's current action
     reached: list[float | None] = [None] * p  # when a blocked stage reached its action
@@ -212,9 +224,14 @@ def _replay_sharing_processors(replay: _Replay, sharing: CoreSharing) -> None:
             return True
         if code in (0, 1):
             replay.microbatch(s, code)
-            work, comm = ((cost.forward_s, cost.forward_comm_s) if code == 0
-                          else (cost.backward_s, cost.backward_comm_s))
-            segments[s] = [["cpu", work - comm], ["wall", comm]]
+            work, comm, calls = ((cost.forward_s, cost.forward_comm_s, cost.forward_collectives)
+                                 if code == 0 else
+                                 (cost.backward_s, cost.backward_comm_s, cost.backward_collectives))
+            wake = calls * cost.wake_s
+            pieces = max(1, round(calls))
+            segments[s] = [list(segment) for _ in range(pieces) for segment in
+                           (("cpu", (work - comm) / pieces), ("wall", max(comm - wake, 0.0) / pieces),
+                            ("wake", wake / pieces))]
             batch = k // m
         elif code in (2, 4):
             replay.send(s, code, k, t)
@@ -223,7 +240,7 @@ def _replay_sharing_processors(replay: _Replay, sharing: CoreSharing) -> None:
             if done is None:
                 reached[s] = t
                 return False
-            segments[s] = [["until", done]]
+            segments[s] = [["idle", done]]
         elif code == 6:
             segments[s] = [["cpu", cost.reduce_s], ["reduced", batch]]
         elif code == 7:
@@ -231,12 +248,23 @@ def _replay_sharing_processors(replay: _Replay, sharing: CoreSharing) -> None:
             if ready is None:
                 reached[s] = t
                 return False
-            segments[s] = [["until", ready], ["cpu", cost.step_s - cost.step_comm_s],
+            segments[s] = [["idle", ready], ["cpu", cost.step_s - cost.step_comm_s],
                            ["wall", cost.step_comm_s]]
         reached[s] = None
         batch_of[s] = batch
         replay.position[s] += 1
         return True
+
+    def has_work(s: int) -> bool:
+        """Stage s is not waiting for another stage at `now`."""
+        if segments[s]:
+            return segments[s][0][0] != "idle"
+        return reached[s] is None and replay.position[s] < len(compiled[s])
+
+    def others_have_work(s: int) -> bool:
+        """A rank outside stage s's tensor-parallel group, on one of its nodes, has work."""
+        return replicas[s] or any(has_work(x) for stages in node_stages if s in stages
+                                  for x in stages if x != s)
 
     def settle(s: int) -> bool:
         """Drop the ended segments of stage s at `now`; True if its action ended."""
@@ -245,10 +273,15 @@ def _replay_sharing_processors(replay: _Replay, sharing: CoreSharing) -> None:
             kind, value = current[0]
             if kind == "wall":
                 current[0] = ["until", now + value]
+            elif kind == "wake":
+                if others_have_work(s):
+                    current[0] = ["held", now + value]
+                else:
+                    current.pop(0)
             elif kind == "reduced":
                 replay.reduced(s, value, now)
                 current.pop(0)
-            elif (kind == "cpu" and value <= _DONE) or (kind == "until" and value <= now + _DONE):
+            elif (kind == "cpu" and value <= _DONE) or (kind in _WAITS and value <= now + _DONE):
                 current.pop(0)
             else:
                 return False
@@ -265,13 +298,17 @@ def _replay_sharing_processors(replay: _Replay, sharing: CoreSharing) -> None:
                     ended = True
                 moved = moved or ended
         computing = [s for s in range(p) if segments[s] and segments[s][0][0] == "cpu"]
-        waits = [segments[s][0][1] for s in range(p) if segments[s] and segments[s][0][0] == "until"]
+        waits = [segments[s][0][1] for s in range(p) if segments[s] and segments[s][0][0] in _WAITS]
         if not computing and not waits:
             return  # finished, or deadlocked (simulate reports it)
+        holding = [s for s in range(p) if segments[s] and segments[s][0][0] == "held"]
         load = [sum(node[s] for s in computing) for node in sharing.ranks]
-        rate = {s: min(1.0, min(sharing.slots / load[n] for n, node in enumerate(sharing.ranks)
+        free = [max(sharing.slots - sum(node[s] for s in holding) / sharing.tensor_parallel, 0.0)
+                for node in sharing.ranks]
+        rate = {s: min(1.0, min(free[n] / load[n] for n, node in enumerate(sharing.ranks)
                                 if node[s])) for s in computing}
-        finish = {s: now + segments[s][0][1] / rate[s] for s in computing}
+        finish = {s: now + segments[s][0][1] / rate[s] if rate[s] else float("inf")
+                  for s in computing}  # no rate: lagging peers hold every processor
         next_time = min([*finish.values(), *waits])
         for s in computing:
             segment = segments[s][0]
@@ -316,7 +353,10 @@ def simulate(actions: list[list[S.Action]] | Compiled, durations: list[StageCost
     busiest = busiest_stage(durations, m)
     cost = durations[busiest]
     busy = m * (cost.forward_s + cost.backward_s) + cost.reduce_s + cost.step_s
-    floor = max(busy, sharing.bound(durations, m) if sharing else 0.0)
+    # ranks sharing processors skip the waits for a peer's turn while the rest of the node idles
+    skippable = m * (cost.forward_collectives + cost.backward_collectives) * cost.wake_s \
+        if sharing else 0.0
+    floor = max(busy - skippable, sharing.bound(durations, m) if sharing else 0.0)
     time_per_batch = max((ends[-2] - ends[0]) / intervals, floor)
     steady = reduces[1:-1]
 

@@ -292,6 +292,31 @@ def test_a_blocked_rank_waits_half_a_slice_where_ranks_outside_its_group_share_i
     assert Network(own, 2, 2, 1).wake_s(2) == 0.0 and plain.wake_s(2) == 0.0
 
 
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+@pytest.mark.parametrize("recompute", [None, "full"])
+def test_a_stage_counts_the_collectives_it_is_charged_for(sequence_parallel, recompute):
+    """With every tensor-parallel all-reduce costing the same (latency only), a pass's collective
+    time is its count of all-reduces times one (the replay cuts a pass into that many pieces and
+    pays each one's wait for a peer's turn), on the embedding's and the head's stages too."""
+    hw = dataclasses.replace(toy_hardware(devices_per_node=4, nodes=1), intra_node_bandwidth=1e30,
+                             compute_slots_per_node=2, scheduler_slice_s=0.5)
+    model = dataclasses.replace(MODEL, sequence_parallel=sequence_parallel)
+    candidate = Candidate(2, 2, 1, 1, recompute, "2bw", layer_split=(1, 3))
+    first, last = stage_costs(model, hw, COSTS, candidate, PrecisionConfig(), "adam")
+    one = 2 * 1.0 + 0.25  # a 2-rank ring's latency, and half a slice waiting for a peer's turn
+    for stage, layers in ((first, 1), (last, 3)):
+        assert stage.wake_s == pytest.approx(0.25)
+        assert stage.forward_comm_s == pytest.approx(stage.forward_collectives * one)
+        assert stage.backward_comm_s == pytest.approx(stage.backward_collectives * one)
+        assert stage.forward_collectives >= 2 * layers
+    assert last.forward_collectives == first.forward_collectives + 2 * 2 + 3 - (
+        0.0 if sequence_parallel else 1.0)  # 2 more layers, the loss's 3, the head's gather
+    # t = 1: no collectives, no waits
+    single = stage_costs(model, hw, COSTS, dataclasses.replace(candidate, tensor_parallel=1),
+                         PrecisionConfig(), "adam")
+    assert all(x.forward_collectives == x.backward_collectives == x.wake_s == 0 for x in single)
+
+
 def test_measured_allreduce_times_replace_the_ring_formula_inside_a_node():
     measured = dataclasses.replace(toy_hardware(devices_per_node=4, nodes=1), allreduce_times=(
         (2, 100, 1.0), (2, 10_000, 3.0), (4, 100, 2.0)))

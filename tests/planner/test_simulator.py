@@ -178,3 +178,61 @@ def test_a_pipeline_on_fewer_processors_than_stages():
             alone = simulate(compiled_schedule(schedule, p, m, 3), durations)
             assert shared.time_per_batch >= alone.time_per_batch * (1 - 1e-9)
             assert shared.time_per_batch >= sharing.bound(durations, m) * (1 - 1e-9)
+
+
+def tensor_parallel_stage(wake: float, forward=3.0, backward=2.0, comm=1.0, calls=2) -> StageCost:
+    """A stage whose forward holds `calls` tensor-parallel all-reduces taking `comm` seconds in
+    all, `wake` of each of them waiting for a peer's turn."""
+    return StageCost(forward, backward, 0.0, 0.0, 0.0, 0.0, 0.0, forward_comm_s=comm,
+                     forward_collectives=calls, wake_s=wake)
+
+
+def test_a_peers_turn_is_waited_for_only_while_other_ranks_have_work():
+    flush = compiled_schedule("flush", 1, 2, 3)
+    # one tensor-parallel pair with the node to itself: nobody takes a peer's turn, so each
+    # forward skips its two 0.25 s waits: 2 x (3 - 0.5 + 2) per batch
+    alone = CoreSharing(ranks=((2,),), slots=2, tensor_parallel=2)
+    assert simulate(flush, [tensor_parallel_stage(0.25)], sharing=alone).time_per_batch == \
+        pytest.approx(2 * 4.5)
+    # two pairs on two processors (data-parallel replicas): the other pair always has work;
+    # compute runs at half speed, every wait is paid: 2 x (2 x 2 + 1 + 2 x 2) per batch
+    replicas = CoreSharing(ranks=((4,),), slots=2, tensor_parallel=2)
+    assert simulate(flush, [tensor_parallel_stage(0.25)], sharing=replicas).time_per_batch == \
+        pytest.approx(2 * 9.0)
+
+
+def test_a_pair_waiting_for_its_lagging_peer_holds_a_processor():
+    """Two tensor-parallel pairs, one per stage, on two processors. While stage 1's pair waits
+    in an all-reduce its processors go to stage 0; during a wait for a peer's turn the lagging
+    peer computes, so stage 0 gets one processor, not two: the same waits counted as plain
+    collective time would let the pipeline run faster."""
+    sharing = CoreSharing(ranks=((2, 2),), slots=2, tensor_parallel=2)
+    schedule = compiled_schedule("2bw", 2, 4, 4)
+    light = StageCost(2.0, 2.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+    peer_turns = simulate(schedule, [light, tensor_parallel_stage(1.0, comm=2.0)],
+                          sharing=sharing)
+    plain = simulate(schedule, [light, tensor_parallel_stage(0.0, comm=2.0)], sharing=sharing)
+    assert peer_turns.time_per_batch > plain.time_per_batch * 1.02
+    assert peer_turns.breakdown["shared_cores"] > plain.breakdown["shared_cores"]
+    # one processor: a held wait takes all of it, and the other stage waits for the processor
+    one = CoreSharing(ranks=((2, 2),), slots=1, tensor_parallel=2)
+    durations = [light, tensor_parallel_stage(1.0, comm=2.0)]
+    assert simulate(schedule, durations, sharing=one).time_per_batch >= \
+        one.bound(durations, 4) * (1 - 1e-9)
+
+
+def test_a_pass_alternates_compute_and_its_collectives():
+    """Two pairs on two processors, one per stage, each forward 2 s of compute and 2 s in
+    all-reduces. With all its compute first and then all its collectives, a stage's compute
+    falls largely into the other stage's collectives; alternated in pieces, as the runtime runs
+    a layer, the stages' compute overlaps more and runs at half speed longer."""
+    sharing = CoreSharing(ranks=((2, 2),), slots=2, tensor_parallel=2)
+    schedule = compiled_schedule("2bw", 2, 4, 4)
+
+    def pair(calls):
+        return StageCost(4.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, forward_comm_s=2.0,
+                         forward_collectives=calls)
+    whole = simulate(schedule, [pair(1), pair(1)], sharing=sharing)
+    pieces = simulate(schedule, [pair(4), pair(4)], sharing=sharing)
+    assert pieces.time_per_batch > whole.time_per_batch * 1.02
+    assert pieces.breakdown["shared_cores"] > whole.breakdown["shared_cores"]
