@@ -230,8 +230,8 @@ def _replay_sharing_processors(replay: _Replay, sharing: CoreSharing) -> None:
             wake = calls * cost.wake_s
             pieces = max(1, round(calls))
             segments[s] = [list(segment) for _ in range(pieces) for segment in
-                           (("cpu", (work - comm) / pieces), ("wall", max(comm - wake, 0.0) / pieces),
-                            ("wake", wake / pieces))]
+                           (("cpu", (work - comm) / pieces),
+                            ("wall", max(comm - wake, 0.0) / pieces), ("wake", wake / pieces))]
             batch = k // m
         elif code in (2, 4):
             replay.send(s, code, k, t)
