@@ -1,3 +1,4 @@
+import dataclasses
 import random
 
 import pytest
@@ -183,8 +184,8 @@ def test_a_pipeline_on_fewer_processors_than_stages():
 def tensor_parallel_stage(wake: float, forward=3.0, backward=2.0, comm=1.0, calls=2) -> StageCost:
     """A stage whose forward holds `calls` tensor-parallel all-reduces taking `comm` seconds in
     all, `wake` of each of them waiting for a peer's turn."""
-    return StageCost(forward, backward, 0.0, 0.0, 0.0, 0.0, 0.0, forward_comm_s=comm,
-                     forward_collectives=calls, wake_s=wake)
+    return dataclasses.replace(stage(forward, backward), forward_comm_s=comm,
+                               forward_collectives=calls, wake_s=wake)
 
 
 def test_a_peers_turn_is_waited_for_only_while_other_ranks_have_work():
@@ -208,7 +209,7 @@ def test_a_pair_waiting_for_its_lagging_peer_holds_a_processor():
     collective time would let the pipeline run faster."""
     sharing = CoreSharing(ranks=((2, 2),), slots=2, tensor_parallel=2)
     schedule = compiled_schedule("2bw", 2, 4, 4)
-    light = StageCost(2.0, 2.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+    light = stage(2.0, 2.0)
     peer_turns = simulate(schedule, [light, tensor_parallel_stage(1.0, comm=2.0)],
                           sharing=sharing)
     plain = simulate(schedule, [light, tensor_parallel_stage(0.0, comm=2.0)], sharing=sharing)
@@ -230,8 +231,7 @@ def test_a_pass_alternates_compute_and_its_collectives():
     schedule = compiled_schedule("2bw", 2, 4, 4)
 
     def pair(calls):
-        return StageCost(4.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, forward_comm_s=2.0,
-                         forward_collectives=calls)
+        return tensor_parallel_stage(0.0, forward=4.0, backward=1.0, comm=2.0, calls=calls)
     whole = simulate(schedule, [pair(1), pair(1)], sharing=sharing)
     pieces = simulate(schedule, [pair(4), pair(4)], sharing=sharing)
     assert pieces.time_per_batch > whole.time_per_batch * 1.02
