@@ -56,8 +56,9 @@ from megatron_2bw.distributed.layout import ParallelLayout  # noqa: E402
 from megatron_2bw.planner.cost import RECOMPUTE_OPTIONS  # noqa: E402
 from megatron_2bw.planner.hardware import HardwareSpec, detect_hardware  # noqa: E402
 from megatron_2bw.planner.profile import (AnalyticProfile, MeasuredProfile,  # noqa: E402
-                                          measure_costs_per_copy, median_record,
-                                          profiling_processes)
+                                          measure_costs_per_copy, measure_turn_taking,
+                                          median_record, profiling_processes,
+                                          turn_taking_processors)
 from megatron_2bw.planner.search import (Plan, SearchSpace, apply_plan,  # noqa: E402
                                          measured_profile_for, rank_plans_for)
 from megatron_2bw.training import build_stage, run_segment  # noqa: E402
@@ -167,6 +168,9 @@ class Samples:
     # every copy's record (the prediction uses the median over copies, then over rounds)
     profile: dict[int, dict[tuple[int, int], list[list[dict]]]]
     processes: dict[int, int]  # per world size
+    # per number of processes profiling at once: the processors its world sizes' ranks take
+    # turns on, where they do (turn_taking_processors), measured into each round's records
+    turn_taking: dict[int, int] = field(default_factory=dict)
 
     def take(self, config: Config) -> None:
         for world, specs in self.hardware.items():
@@ -174,6 +178,12 @@ class Samples:
         for processes, by_size in self.profile.items():
             measured = measure_costs_per_copy(config.model, config.precision, list(by_size),
                                               processes)
+            if self.turn_taking.get(processes):
+                overheads = measure_turn_taking(config.model, config.precision, list(by_size),
+                                                self.turn_taking[processes])
+                for key, copies in measured.items():
+                    for copy in copies:
+                        copy["turn_taking_overhead"] = overheads[key]
             for key, copies in measured.items():
                 by_size[key].append(copies)
 
@@ -382,6 +392,8 @@ def main(argv=None) -> dict:
     for world in args.world_sizes:
         hardware, plans = predict(config, world, space, cache, progress)
         processes = samples.processes[world] = profiling_processes(hardware, world)
+        samples.turn_taking[processes] = max(samples.turn_taking.get(processes, 0),
+                                             turn_taking_processors(hardware, world))
         rows = []
         for plan in plans:
             row = Row(world, plan.candidate.describe(), 1000 * plan.time_per_batch_s, [],

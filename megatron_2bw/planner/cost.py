@@ -118,6 +118,9 @@ class StageCost:
     # ranks share cores (CoreSharing), though the rank itself is blocked or computing then
     comm_processor_s: float = 0.0
     batch_comm_processor_s: float = 0.0
+    # CPU ranks: how much more processor time this stage's compute needs while its rank takes
+    # turns with another on a processor (ComputeCosts.turn_taking_overhead)
+    turn_overhead: float = 0.0
 
     def processor_time(self, microbatches: int) -> float:
         """Seconds per batch this rank needs a processor for: its computation and its
@@ -460,7 +463,7 @@ def stage_costs(model: ModelConfig, hardware: HardwareSpec, costs: ComputeCosts,
             forward_collectives=forward_collectives, backward_collectives=backward_collectives,
             wake_s=net.wake_s(t) if t > 1 else 0.0,
             reduce_background_s=data_ar, comm_processor_s=comm_processor,
-            batch_comm_processor_s=data_processor))
+            batch_comm_processor_s=data_processor, turn_overhead=costs.turn_taking_overhead))
     return result
 
 

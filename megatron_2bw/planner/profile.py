@@ -48,6 +48,8 @@ training. A tensor-parallel size t is timed in this one process on one rank's sh
 (`ShardShapeGroup`: the shard's shapes, no collectives; cost.py adds those), so the narrower
 kernels' lower efficiency is measured, not assumed. Micro batch sizes not measured are
 interpolated linearly in b; a t not measured scales the t = 1 figures by the analytic ratio.
+Where a job's CPU ranks outnumber a node's cores it also measures what taking turns on a core
+costs a layer (`measure_turn_taking`).
 """
 from __future__ import annotations
 
@@ -82,6 +84,11 @@ class ComputeCosts:
     head_backward_s: float
     layer_activation_bytes: float  # stashed by a layer without recomputation
     selective_layer_activation_bytes: float  # with the attention core recomputed
+    # CPU ranks: how much more processor time a layer's forward and backward take while two
+    # ranks take turns on each processor than with a processor each (each turn starts on caches
+    # the other rank filled); measured where a job puts more ranks on a node than it has
+    # processors (measure_turn_taking), else 0
+    turn_taking_overhead: float = 0.0
 
     def activation_bytes_per_layer(self, granularity: str | None) -> float:
         """What a layer not wrapped in full recomputation stashes (memory.estimate_stage_memory)."""
@@ -547,10 +554,13 @@ class MeasuredProfile:
 
     def costs(self, tensor_parallel: int, micro_batch_size: int) -> ComputeCosts:
         b, t = micro_batch_size, tensor_parallel
-        keys = [f.name for f in dataclasses.fields(ComputeCosts)]
+        records = self.records[t if t in self.records else 1]
+        # a figure with a default that some record lacks (not measured there) takes the default
+        keys = [f.name for f in dataclasses.fields(ComputeCosts)
+                if f.default is dataclasses.MISSING or all(f.name in r for r in records.values())]
         if t in self.records:
-            return ComputeCosts(**{k: self._interpolate(self.records[t], k, b) for k in keys})
-        measured = {k: self._interpolate(self.records[1], k, b) for k in keys}
+            return ComputeCosts(**{k: self._interpolate(records, k, b) for k in keys})
+        measured = {k: self._interpolate(records, k, b) for k in keys}
         full = dataclasses.asdict(self.analytic.costs(1, b))
         shard = dataclasses.asdict(self.analytic.costs(t, b))
         return ComputeCosts(**{k: v * shard[k] / full[k] if full[k] else v
@@ -574,19 +584,50 @@ def profiling_processes(hardware: HardwareSpec, world_size: int) -> int:
     return max(1, min(world_size, hardware.devices_per_node, hardware.compute_slots))
 
 
-def _measure_in_child(connection, model, precision, sizes, device) -> None:
+def turn_taking_processors(hardware: HardwareSpec, world_size: int) -> int:
+    """The processors of a node a `world_size`-rank job's ranks take turns on (measure_turn_taking
+    runs on them); 0 when every rank has one of its own."""
+    return hardware.compute_slots if hardware.shares_processors(world_size) else 0
+
+
+def _measure_in_child(connection, cores, measure) -> None:
     try:
         if hasattr(os, "sched_setaffinity"):  # a rank bound to its core forks copies for all
-            os.sched_setaffinity(0, range(os.cpu_count() or 1))  # (the kernel keeps the cpuset)
+            os.sched_setaffinity(0, cores)  # (the kernel keeps the cpuset)
         torch.set_num_threads(1)
         settle_host_allocator()  # as the training ranks do
-        connection.send(measure_costs(model, precision, sizes, device))
+        connection.send(measure())
     except BaseException:  # noqa: BLE001 - reported to the parent
         import traceback
         connection.send(traceback.format_exc())
     finally:
         connection.close()
         os._exit(0)  # a forked copy: skip the parent's exit handlers
+
+
+def _in_copies(measure, cores_per_copy: list, timeout_s: float, what: str) -> list:
+    """measure() in one forked copy of this process per entry of `cores_per_copy` (the cores
+    that copy may run on), all at the same time; their results in that order."""
+    import multiprocessing
+    context = multiprocessing.get_context("fork")
+    pipes = [context.Pipe(duplex=False) for _ in cores_per_copy]
+    children = [context.Process(target=_measure_in_child, args=(sending, cores, measure))
+                for (_, sending), cores in zip(pipes, cores_per_copy)]
+    for child in children:
+        child.start()
+    results = []
+    for (receiving, sending), child in zip(pipes, children):
+        sending.close()
+        result = receiving.recv() if receiving.poll(timeout_s) else \
+            f"no result within {timeout_s:.0f} s"
+        child.join(timeout=10)
+        if isinstance(result, str):
+            for other in children:
+                if other.is_alive():
+                    other.kill()
+            raise RuntimeError(f"{what} in {len(cores_per_copy)} processes failed: {result}")
+        results.append(result)
+    return results
 
 
 def measure_costs_at_once(model: ModelConfig, precision: PrecisionConfig,
@@ -610,39 +651,87 @@ def measure_costs_per_copy(model: ModelConfig, precision: PrecisionConfig,
         settle_host_allocator()  # as the training ranks do
         return {key: [record] for key, record in measure_costs(model, precision, sizes,
                                                               device).items()}
-    import multiprocessing
-    context = multiprocessing.get_context("fork")
-    pipes = [context.Pipe(duplex=False) for _ in range(processes)]
-    children = [context.Process(target=_measure_in_child,
-                                args=(sending, model, precision, sizes, device))
-                for _, sending in pipes]
-    for child in children:
-        child.start()
-    results = []
-    for (receiving, sending), child in zip(pipes, children):
-        sending.close()
-        result = receiving.recv() if receiving.poll(timeout_s) else \
-            f"no result within {timeout_s:.0f} s"
-        child.join(timeout=10)
-        if isinstance(result, str):
-            for other in children:
-                if other.is_alive():
-                    other.kill()
-            raise RuntimeError(f"profiling in {processes} processes failed: {result}")
-        results.append(result)
+    every_core = list(range(os.cpu_count() or 1))
+    results = _in_copies(lambda: measure_costs(model, precision, sizes, device),
+                         [every_core] * processes, timeout_s, "profiling")
     return {key: [result[key] for result in results] for key in sizes}
+
+
+def _layer_processor_seconds(model: ModelConfig, precision: PrecisionConfig,
+                             sizes: list[tuple[int, int]], start, seconds: float
+                             ) -> dict[tuple[int, int], float]:
+    """Per (t, b): the processor seconds of a layer's forward and backward (this thread's, so
+    turns taken by other processes do not count), the mean over `seconds` of runs of that size
+    alone (a rank runs its own stage's layers over and over, not other shapes; the mean, as only
+    the runs a turn interrupts pay), each size begun when every copy has passed `start` (a
+    barrier) so that all overlap."""
+    import time
+    device, dtype = torch.device("cpu"), getattr(torch, precision.working_dtype_name)
+    modules = {t: {"body": _piece(model, t, 1, False, False, dtype, device),
+                   "embedding": _piece(model, t, 0, True, False, dtype, device),
+                   "head": _piece(model, t, 0, False, True, dtype, device)}
+               for t in sorted({t for t, _ in sizes})}
+    means = {}
+    for t, b in sizes:
+        backward, forward = _size_pieces(model, modules[t], b, device)[0]["layer_backward_s"]
+        forward()
+        backward()  # warm-up
+        runs = 0
+        start.wait()
+        began, end = time.thread_time(), time.perf_counter() + seconds
+        while time.perf_counter() < end or not runs:
+            forward()
+            backward()
+            runs += 1
+        means[(t, b)] = (time.thread_time() - began) / runs
+    return means
+
+
+def measure_turn_taking(model: ModelConfig, precision: PrecisionConfig,
+                        sizes: list[tuple[int, int]], processors: int, rounds: int = 3,
+                        seconds: float = 0.6, timeout_s: float = 600.0
+                        ) -> dict[tuple[int, int], float]:
+    """Per (t, b): ComputeCosts.turn_taking_overhead, the median over `rounds` of (a layer's
+    processor seconds per forward and backward with two copies of this process bound to each of
+    `processors` cores) / (with one copy per core) - 1, the two alternating; CPU only. Linux
+    hands a core to each of its runnable processes in turns of a few milliseconds, and each turn
+    begins on caches the other process filled: on this VM 9-16% more processor time for the
+    planner validation's GPT layer, 3-25% for other shapes, so it is measured on the model."""
+    import multiprocessing
+    from megatron_2bw.distributed.launch import usable_cores
+    cores = [[core] for core in usable_cores()[:processors]]
+    if len(cores) < processors:
+        raise ValueError(f"measure_turn_taking: {processors} processors asked for, "
+                         f"{len(cores)} usable here")
+    context = multiprocessing.get_context("fork")
+
+    def timed(copies: list[list[int]], what: str) -> list[dict]:
+        start = context.Barrier(len(copies))  # passed once per size
+        return _in_copies(lambda: _layer_processor_seconds(model, precision, sizes, start,
+                                                           seconds), copies, timeout_s, what)
+    overheads: dict[tuple[int, int], list[float]] = {key: [] for key in sizes}
+    for _ in range(rounds):
+        alone = timed(cores, "timing a layer alone on each core")
+        turns = timed(cores * 2, "timing a layer two per core")
+        for key in sizes:
+            overheads[key].append(statistics.mean(r[key] for r in turns)
+                                  / statistics.mean(r[key] for r in alone) - 1.0)
+    return {key: max(statistics.median(values), 0.0) for key, values in overheads.items()}
 
 
 def measured_profile(model: ModelConfig, precision: PrecisionConfig, hardware: HardwareSpec,
                      micro_batch_sizes: list[int], cache_dir: str | os.PathLike | None = None,
                      device: torch.device | None = None, progress: bool = False,
                      tensor_parallel_sizes: list[int] = (1,),
-                     rounds: int = PROFILE_ROUNDS, processes: int = 1) -> MeasuredProfile:
+                     rounds: int = PROFILE_ROUNDS, processes: int = 1,
+                     turn_taking_processors: int = 0) -> MeasuredProfile:
     """Measure what the JSON cache does not hold yet (per tensor-parallel and micro batch size)
     and return the profile. Every missing size is measured once per round, the rounds one after
     the other, and each figure is the median over the rounds: on a shared CPU a piece's time
     drifts by 20-40% within seconds, and a process's first measurements run slow. With
-    `processes` > 1 (`profiling_processes`) each round runs that many copies at once.
+    `processes` > 1 (`profiling_processes`) each round runs that many copies at once. With
+    `turn_taking_processors` (a job putting more ranks on a node than it has processors, which
+    CPU ranks then take turns on) each size also gets its turn_taking_overhead on that many.
     --sequence-parallel changes what a t > 1 shard is fed: it is part of the cached profile's
     identity when such a t is measured (t = 1 alone is the model without it, cached as that).
     Likewise the fp32 softmax flags change nothing in fp32: such a profile is the model's without
@@ -675,6 +764,13 @@ def measured_profile(model: ModelConfig, precision: PrecisionConfig, hardware: H
                     runs[key].append(record)
                 bar.update()
         records.update({key: median_record(measured) for key, measured in runs.items()})
+    untaken = [key for key in wanted if turn_taking_processors
+               and "turn_taking_overhead" not in records[key]]
+    if untaken:
+        for key, overhead in measure_turn_taking(model, precision, untaken,
+                                                 turn_taking_processors).items():
+            records[key] = {**records[key], "turn_taking_overhead": overhead}
+    if missing or untaken:
         path.parent.mkdir(parents=True, exist_ok=True)
         by_t: dict[str, dict] = {}
         for (t, b), record in sorted(records.items()):

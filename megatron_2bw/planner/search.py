@@ -30,7 +30,8 @@ from megatron_2bw.planner.cost import (RECOMPUTE_OPTIONS, Candidate, CoreSharing
 from megatron_2bw.planner.hardware import HardwareSpec
 from megatron_2bw.planner.memory import StageMemory, estimate_stage_memory, memory_limit_bytes
 from megatron_2bw.planner.profile import (AnalyticProfile, ComputeCosts, MeasuredProfile, Profile,
-                                          measured_profile, profiling_processes)
+                                          measured_profile, profiling_processes,
+                                          turn_taking_processors)
 from megatron_2bw.planner.simulator import Compiled, compiled_schedule, simulate
 
 SIMULATED_BATCHES = 3
@@ -180,7 +181,8 @@ def measured_profile_for(config: Config, world_size: int, hardware: HardwareSpec
         config.training.global_batch_size, space)})
     return measured_profile(config.model, config.precision, hardware, micro_batch_sizes, cache_dir,
                             progress=progress, tensor_parallel_sizes=tensor_sizes,
-                            processes=profiling_processes(hardware, world_size))
+                            processes=profiling_processes(hardware, world_size),
+                            turn_taking_processors=turn_taking_processors(hardware, world_size))
 
 
 def measured_search(config: Config, world_size: int, hardware: HardwareSpec, space: SearchSpace,

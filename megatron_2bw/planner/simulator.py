@@ -15,7 +15,9 @@ moment share their node's processors equally and a rank blocked in a collective 
 and its tensor-parallel collectives, as the runtime does, and each collective's wait for a peer's
 turn (StageCost.wake_s) happens only while other ranks of the node have work (a peer loses its
 turn only to a rank with work); during that wait the group's lagging peer computes, so the group
-holds one processor.
+holds one processor. Ranks outnumbering the free processors also pay the stage's measured
+turn-taking overhead (StageCost.turn_overhead), and a stage's replicas on the node count in its
+load for the share of a pass they compute (_replica_duty), out of step with the replayed group.
 
 The time per batch is taken in steady state, between the ends of the first and the next-to-last
 batch's reduce: the first batch absorbs the pipeline fill, and under 2BW a batch also runs the
@@ -195,6 +197,29 @@ _DONE = 1e-12  # seconds: a segment this close to its end has ended
 _WAITS = ("until", "idle", "held")  # segments that end at a time
 
 
+def _turn_rate(free: float, load: float, turn_overhead: float) -> float:
+    """The speed of each of `load` ranks computing on `free` processors: full speed while each
+    has one, else an equal share slowed by taking turns."""
+    return 1.0 if load <= free else free / (load * (1.0 + turn_overhead))
+
+
+def _replica_duty(cost: StageCost, ranks: int, sharing: CoreSharing) -> float:
+    """The share of a pass the other tensor-parallel groups of a stage (its replicas) compute:
+    they drift out of step with the replayed group, each computing while the others wait in
+    their collectives. A fixed point of: the replicas compute at the node's speed for all that
+    compute, and wait as long as the collectives take."""
+    work = cost.forward_s - cost.forward_comm_s + cost.backward_s - cost.backward_comm_s
+    comm = cost.forward_comm_s + cost.backward_comm_s
+    if comm <= 0.0 or work <= 0.0:
+        return 1.0
+    t = sharing.tensor_parallel
+    duty = 1.0
+    for _ in range(50):
+        rate = _turn_rate(sharing.slots, t + (ranks - t) * duty, cost.turn_overhead)
+        duty = (work / rate) / (work / rate + comm)
+    return duty
+
+
 def _replay_sharing_processors(replay: _Replay, sharing: CoreSharing) -> None:
     """Ranks share their node's processors: one clock; an action is a list of segments, ("cpu",
     seconds of work at full speed), ("wall", seconds) or ("until", time) spent blocked without a
@@ -209,6 +234,9 @@ def _replay_sharing_processors(replay: _Replay, sharing: CoreSharing) -> None:
     # per node, its stages; per stage, whether other groups of it (replicas) share a node with it
     node_stages = [[s for s in range(p) if node[s]] for node in sharing.ranks]
     replicas = [any(node[s] > sharing.tensor_parallel for node in sharing.ranks) for s in range(p)]
+    duty = [_replica_duty(durations[s], max(node[s] for node in sharing.ranks), sharing)
+            for s in range(p)]
+    in_pass = [False] * p
     segments: list[list[list]] = [[] for _ in range(p)]
     batch_of = [0] * p  # the batch of each stage's current action
     reached: list[float | None] = [None] * p  # when a blocked stage reached its action
@@ -221,7 +249,9 @@ def _replay_sharing_processors(replay: _Replay, sharing: CoreSharing) -> None:
         if code in (1, 7) and replay.background[s] is not None:
             segments[s] = [["until", replay.finish_background(s, t)]]  # then the action begins
             reached[s] = None
+            in_pass[s] = False
             return True
+        in_pass[s] = code in (0, 1)
         if code in (0, 1):
             replay.microbatch(s, code)
             work, comm, calls = ((cost.forward_s, cost.forward_comm_s, cost.forward_collectives)
@@ -302,11 +332,17 @@ def _replay_sharing_processors(replay: _Replay, sharing: CoreSharing) -> None:
         if not computing and not waits:
             return  # finished, or deadlocked (simulate reports it)
         holding = [s for s in range(p) if segments[s] and segments[s][0][0] == "held"]
-        load = [sum(node[s] for s in computing) for node in sharing.ranks]
+        # in a pass a stage's replicas compute for their duty's share of the time, whether the
+        # replayed group computes or waits; elsewhere (reduce, step) all its ranks compute alike
+        t_ranks = sharing.tensor_parallel
+        load = [sum(min(node[s], t_ranks) if in_pass[s] else node[s] for s in computing)
+                + sum(max(node[s] - t_ranks, 0) * duty[s] for s in range(p)
+                      if in_pass[s] and segments[s] and segments[s][0][0] != "idle")
+                for node in sharing.ranks]
         free = [max(sharing.slots - sum(node[s] for s in holding) / sharing.tensor_parallel, 0.0)
                 for node in sharing.ranks]
-        rate = {s: min(1.0, min(free[n] / load[n] for n, node in enumerate(sharing.ranks)
-                                if node[s])) for s in computing}
+        rate = {s: min(_turn_rate(free[n], load[n], durations[s].turn_overhead)
+                       for n, node in enumerate(sharing.ranks) if node[s]) for s in computing}
         finish = {s: now + segments[s][0][1] / rate[s] if rate[s] else float("inf")
                   for s in computing}  # no rate: lagging peers hold every processor
         next_time = min([*finish.values(), *waits])

@@ -119,3 +119,26 @@ def test_after_settling_the_measured_best_is_a_contender():
     assert [r.rank_measured for r in (rival, first, outside)] == [1, 2, 3]
     v = bench.verdict([first, rival, outside])
     assert v["measured_best"] == "b" and abs(v["first_choice_gap"] - (120 / 118 - 1)) < 1e-12
+
+
+def test_each_round_samples_turn_taking_where_a_world_size_takes_turns(monkeypatch):
+    """Every round's profile copies get that round's turn_taking_overhead when some world size's
+    ranks take turns on the processors the profile runs on, and only then."""
+    monkeypatch.setattr(bench, "on_ranks", lambda world, fn: ["hardware"])
+    monkeypatch.setattr(bench, "measure_costs_per_copy",
+                        lambda model, precision, sizes, processes:
+                        {key: [{"layer_forward_s": 1.0} for _ in range(processes)]
+                         for key in sizes})
+    asked = []
+    monkeypatch.setattr(bench, "measure_turn_taking",
+                        lambda model, precision, sizes, processors:
+                        asked.append(processors) or {key: 0.25 for key in sizes})
+    config = bench.model_config(bench.parse_args(TINY))
+    samples = bench.Samples({4: []}, {2: {(1, 2): []}, 1: {(1, 4): []}}, {4: 2, 1: 1},
+                            turn_taking={2: 2})
+    samples.take(config)
+    samples.take(config)
+    assert asked == [2, 2]  # once per round, on the 2 processors the 4 ranks share
+    assert samples.profile[2][(1, 2)] == [[{"layer_forward_s": 1.0,
+                                            "turn_taking_overhead": 0.25}] * 2] * 2
+    assert samples.profile[1][(1, 4)] == [[{"layer_forward_s": 1.0}]] * 2

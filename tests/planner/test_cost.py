@@ -75,6 +75,14 @@ def costs_of(recompute=None, schedule="flush", tensor=1):
     return stage_costs(MODEL, hw, COSTS, candidate, PrecisionConfig(), "adam")
 
 
+def test_every_stage_takes_the_profiles_turn_taking_overhead():
+    hw = toy_hardware(devices_per_node=8, nodes=1)
+    costs = dataclasses.replace(COSTS, turn_taking_overhead=0.15)
+    candidate = Candidate(1, 2, 1, 1, None, "2bw", layer_split=(1, 3))
+    assert [stage.turn_overhead for stage in stage_costs(
+        MODEL, hw, costs, candidate, PrecisionConfig(), "adam")] == [0.15, 0.15]
+
+
 def test_stage_durations_add_up_the_pieces():
     first, last = costs_of()
     assert (first.forward_s, first.backward_s) == pytest.approx((1.0 + 0.1, 2.0 + 0.2))

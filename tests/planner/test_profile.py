@@ -13,8 +13,9 @@ from megatron_2bw.planner.memory import (MASK_BYTES, layer_activation_bytes, lay
 from megatron_2bw.planner.profile import (AnalyticProfile, MeasuredProfile,
                                           attention_flops_per_token, linear_flops_per_token,
                                           measure_costs, measure_costs_at_once,
-                                          measure_costs_per_copy, measured_profile,
-                                          profiling_processes, saved_activation_bytes)
+                                          measure_costs_per_copy, measure_turn_taking,
+                                          measured_profile, profiling_processes,
+                                          saved_activation_bytes, turn_taking_processors)
 from megatron_2bw.training import model_flops_per_sample
 from tests.planner.test_memory import LLAMA_SWITCHES
 
@@ -584,3 +585,61 @@ def test_copies_forked_by_a_rank_bound_to_one_core_spread_over_the_node(monkeypa
     finally:
         os.sched_setaffinity(0, mine)
     assert measured[(1, 2)]["cores"] == float(len(mine))
+
+
+def test_turn_taking_is_measured_where_a_job_puts_more_ranks_than_processors_on_a_node():
+    assert turn_taking_processors(HARDWARE, 8) == 0  # a device per rank
+    cpu = dataclasses.replace(HARDWARE, devices_per_node=4, compute_slots_per_node=2)
+    assert turn_taking_processors(cpu, 4) == 2  # 4 ranks take turns on 2 cores
+    assert turn_taking_processors(cpu, 2) == 0  # a core each
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="CPU affinity is Linux's")
+def test_turn_taking_compares_two_copies_per_core_with_one(monkeypatch):
+    """Each copy is bound to a single core and reports its processor seconds: one copy per core,
+    then two, and the overhead is the ratio less 1 (here a fake copy's figure is the number of
+    copies running at once, so two per core read as 100% more)."""
+    def copies_at_once(model, precision, sizes, start, seconds):
+        start.wait()
+        pinned = len(os.sched_getaffinity(0)) == 1
+        return {key: float(start.parties) * (1.0 if pinned else 100.0) for key in sizes}
+
+    monkeypatch.setattr(profile_module, "_layer_processor_seconds", copies_at_once)
+    overheads = measure_turn_taking(MODEL, PrecisionConfig(), [(1, 2), (2, 4)], processors=1,
+                                    rounds=2)
+    assert overheads == {(1, 2): pytest.approx(1.0), (2, 4): pytest.approx(1.0)}
+    with pytest.raises(ValueError, match="1000 processors asked for"):
+        measure_turn_taking(MODEL, PrecisionConfig(), [(1, 2)], processors=1000)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="CPU affinity is Linux's")
+def test_turn_taking_times_the_real_layer():
+    overheads = measure_turn_taking(MODEL, PrecisionConfig(), [(1, 2), (2, 2)], processors=1,
+                                    rounds=1, seconds=0.05)
+    assert set(overheads) == {(1, 2), (2, 2)}
+    assert all(0.0 <= value < 10.0 for value in overheads.values())
+
+
+def test_a_profile_measures_turn_taking_once_and_caches_it(tmp_path, monkeypatch):
+    names = ("layer_forward_s", "layer_backward_s", "attention_core_forward_s",
+             "embedding_forward_s", "embedding_backward_s", "head_forward_s", "head_backward_s",
+             "layer_activation_bytes", "selective_layer_activation_bytes")
+    pieces, turns = [], []
+    monkeypatch.setattr(profile_module, "measure_costs",
+                        lambda model, precision, sizes, device=None, repeats=7:
+                        pieces.append(sizes) or {key: dict.fromkeys(names, 1.0) for key in sizes})
+    monkeypatch.setattr(profile_module, "measure_turn_taking",
+                        lambda model, precision, sizes, processors:
+                        turns.append((sizes, processors)) or
+                        {(t, b): 0.1 * b for t, b in sizes})
+    cpu = dataclasses.replace(HARDWARE, devices_per_node=4, compute_slots_per_node=2)
+    alone = measured_profile(MODEL, PrecisionConfig(), cpu, [1, 2], tmp_path, rounds=1)
+    assert alone.costs(1, 2).turn_taking_overhead == 0.0 and not turns  # nothing measured: none
+    taking = measured_profile(MODEL, PrecisionConfig(), cpu, [1, 2], tmp_path, rounds=1,
+                              turn_taking_processors=2)
+    assert len(pieces) == 1  # the pieces came from the cache; only the turns were measured
+    assert turns == [([(1, 1), (1, 2)], 2)]
+    assert taking.costs(1, 2).turn_taking_overhead == pytest.approx(0.2)
+    again = measured_profile(MODEL, PrecisionConfig(), cpu, [1, 2], tmp_path, rounds=1,
+                             turn_taking_processors=2)
+    assert len(turns) == 1 and again.costs(1, 1).turn_taking_overhead == pytest.approx(0.1)

@@ -1,4 +1,5 @@
 import dataclasses
+import math
 import random
 
 import pytest
@@ -146,15 +147,25 @@ def test_with_a_processor_per_rank_both_replays_agree():
 
 def test_ranks_sharing_a_processor_take_turns_except_while_blocked():
     # two replicas of one stage on one processor: each computes at half speed, but both wait in
-    # their collectives (1 s of each forward, the whole 4 s data-parallel all-reduce) at full time
+    # the 4 s data-parallel all-reduce at full time
     two_on_one = CoreSharing(ranks=((2,),), slots=1)
-    durations = [StageCost(2.0, 2.0, 0.0, 0.0, 1.0, 0.0, 1.0, forward_comm_s=1.0,
-                           reduce_background_s=4.0)]
+    durations = [StageCost(2.0, 2.0, 0.0, 0.0, 1.0, 0.0, 1.0, reduce_background_s=4.0)]
     result = simulate(compiled_schedule("flush", 1, 2, 3), durations, sharing=two_on_one)
-    # per microbatch (1 + 2) x 2 + 1 s; per batch 2 x 7 + reduce (1 x 2 + 4) + step 1 x 2
-    assert result.time_per_batch == pytest.approx(2 * 7.0 + 6.0 + 2.0)
-    assert result.breakdown["shared_cores"] == pytest.approx(2 * 3.0 + 1.0 + 1.0)
-    assert two_on_one.bound(durations, 2) == pytest.approx(2 * (2 * 3.0 + 1.0 + 1.0) / 1)
+    # per microbatch (2 + 2) x 2 s; per batch 2 x 8 + reduce (1 x 2 + 4) + step 1 x 2
+    assert result.time_per_batch == pytest.approx(2 * 8.0 + 6.0 + 2.0)
+    assert result.breakdown["shared_cores"] == pytest.approx(2 * 4.0 + 1.0 + 1.0)
+    assert two_on_one.bound(durations, 2) == pytest.approx(2 * (2 * 4.0 + 1.0 + 1.0) / 1)
+
+
+def test_taking_turns_costs_the_measured_overhead():
+    # the same two replicas whose compute needs 25% more processor time while they take turns;
+    # with a processor each they do not take turns and pay nothing
+    durations = [dataclasses.replace(stage(2.0, 2.0), turn_overhead=0.25)]
+    flush = compiled_schedule("flush", 1, 2, 3)
+    turns = simulate(flush, durations, sharing=CoreSharing(ranks=((2,),), slots=1))
+    assert turns.time_per_batch == pytest.approx(2 * (2 + 2) * 2 * 1.25)
+    own = simulate(flush, durations, sharing=CoreSharing(ranks=((2,),), slots=2))
+    assert own.time_per_batch == pytest.approx(2 * (2 + 2))
 
 
 def test_a_pipeline_on_fewer_processors_than_stages():
@@ -195,11 +206,15 @@ def test_a_peers_turn_is_waited_for_only_while_other_ranks_have_work():
     alone = CoreSharing(ranks=((2,),), slots=2, tensor_parallel=2)
     assert simulate(flush, [tensor_parallel_stage(0.25)], sharing=alone).time_per_batch == \
         pytest.approx(2 * 4.5)
-    # two pairs on two processors (data-parallel replicas): the other pair always has work;
-    # compute runs at half speed, every wait is paid: 2 x (2 x 2 + 1 + 2 x 2) per batch
+    # two pairs on two processors (data-parallel replicas): the other pair always has work, so
+    # every wait is paid (2 x 0.5 s per forward); the pairs drift out of step, the other one
+    # computing for a share `duty` of the time: the fixed point of duty = (4 / rate) /
+    # (4 / rate + 1) with rate = 2 / (2 + 2 duty) (4 s of compute and 1 s of collectives per
+    # microbatch), 4 duty^2 + duty - 4 = 0
     replicas = CoreSharing(ranks=((4,),), slots=2, tensor_parallel=2)
+    duty = (math.sqrt(65) - 1) / 8
     assert simulate(flush, [tensor_parallel_stage(0.25)], sharing=replicas).time_per_batch == \
-        pytest.approx(2 * 9.0)
+        pytest.approx(2 * (4 * (1 + duty) + 2 * 0.5))
 
 
 def test_a_pair_waiting_for_its_lagging_peer_holds_a_processor():
