@@ -598,11 +598,12 @@ def test_turn_taking_is_measured_where_a_job_puts_more_ranks_than_processors_on_
 def test_turn_taking_compares_two_copies_per_core_with_one(monkeypatch):
     """Each copy is bound to a single core and reports its processor seconds: one copy per core,
     then two, and the overhead is the ratio less 1 (here a fake copy's figure is the number of
-    copies running at once, so two per core read as 100% more)."""
+    copies running at once, so two per core read as 100% more; an unbound copy would report its
+    square, 300% more)."""
     def copies_at_once(model, precision, sizes, start, seconds):
         start.wait()
-        pinned = len(os.sched_getaffinity(0)) == 1
-        return {key: float(start.parties) * (1.0 if pinned else 100.0) for key in sizes}
+        bound = len(os.sched_getaffinity(0)) == 1
+        return {key: float(start.parties) ** (1 if bound else 2) for key in sizes}
 
     monkeypatch.setattr(profile_module, "_layer_processor_seconds", copies_at_once)
     overheads = measure_turn_taking(MODEL, PrecisionConfig(), [(1, 2), (2, 4)], processors=1,
