@@ -57,6 +57,7 @@ import dataclasses
 import json
 import os
 import statistics
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -65,7 +66,7 @@ import torch
 
 from megatron_2bw.config import ModelConfig, PrecisionConfig
 from megatron_2bw.distributed.comm import ShardShapeGroup
-from megatron_2bw.distributed.launch import settle_host_allocator
+from megatron_2bw.distributed.launch import settle_host_allocator, usable_cores
 from megatron_2bw.planner.hardware import HardwareSpec, timed_call
 from megatron_2bw.planner.memory import (MASK_BYTES, dtype_bytes, grad_buffer_bytes,
                                          layer_activation_bytes, stage_parameter_tensors,
@@ -364,6 +365,15 @@ def saved_activation_bytes(layer, hidden: torch.Tensor, mask=None,
     return float(sum({**outside, **inside}.values())), float(sum({**outside, **core_inputs}.values()))
 
 
+def _modules_by_t(model: ModelConfig, sizes: list[tuple[int, int]], dtype, device) -> dict:
+    """Per tensor-parallel size of `sizes`: one rank's shard of a layer, the embedding and the
+    head (what _size_pieces times)."""
+    return {t: {"body": _piece(model, t, 1, False, False, dtype, device),
+                "embedding": _piece(model, t, 0, True, False, dtype, device),
+                "head": _piece(model, t, 0, False, True, dtype, device)}
+            for t in sorted({t for t, _ in sizes})}
+
+
 def _forward_backward(run_forward) -> tuple[tuple, tuple]:
     """(fn, setup) of the forward, and of the backward of a fresh untimed forward; run_forward()
     returns (output, gradient for it)."""
@@ -422,10 +432,7 @@ def measure_costs(model: ModelConfig, precision: PrecisionConfig, sizes: list[tu
     b = 4 over b = 2 had a standard deviation of 0.37 between passes here; interleaved, 0.05.)"""
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, precision.working_dtype_name)
-    modules = {t: {"body": _piece(model, t, 1, False, False, dtype, device),
-                   "embedding": _piece(model, t, 0, True, False, dtype, device),
-                   "head": _piece(model, t, 0, False, True, dtype, device)}
-               for t in sorted({t for t, _ in sizes})}
+    modules = _modules_by_t(model, sizes, dtype, device)
     pieces = {(t, b): _size_pieces(model, modules[t], b, device) for t, b in sizes}
     names = list(next(iter(pieces.values()))[0])
     samples = {key: {name: [] for name in names} for key in pieces}
@@ -592,8 +599,8 @@ def turn_taking_processors(hardware: HardwareSpec, world_size: int) -> int:
 
 def _measure_in_child(connection, cores, measure) -> None:
     try:
-        if hasattr(os, "sched_setaffinity"):  # a rank bound to its core forks copies for all
-            os.sched_setaffinity(0, cores)  # (the kernel keeps the cpuset)
+        if hasattr(os, "sched_setaffinity"):  # a copy's own cores, not its parent's (a rank
+            os.sched_setaffinity(0, cores)  # bound to one core); the kernel keeps the cpuset
         torch.set_num_threads(1)
         settle_host_allocator()  # as the training ranks do
         connection.send(measure())
@@ -665,12 +672,8 @@ def _layer_processor_seconds(model: ModelConfig, precision: PrecisionConfig,
     alone (a rank runs its own stage's layers over and over, not other shapes; the mean, as only
     the runs a turn interrupts pay), each size begun when every copy has passed `start` (a
     barrier) so that all overlap."""
-    import time
     device, dtype = torch.device("cpu"), getattr(torch, precision.working_dtype_name)
-    modules = {t: {"body": _piece(model, t, 1, False, False, dtype, device),
-                   "embedding": _piece(model, t, 0, True, False, dtype, device),
-                   "head": _piece(model, t, 0, False, True, dtype, device)}
-               for t in sorted({t for t, _ in sizes})}
+    modules = _modules_by_t(model, sizes, dtype, device)
     means = {}
     for t, b in sizes:
         backward, forward = _size_pieces(model, modules[t], b, device)[0]["layer_backward_s"]
@@ -698,7 +701,6 @@ def measure_turn_taking(model: ModelConfig, precision: PrecisionConfig,
     begins on caches the other process filled: on this VM 9-16% more processor time for the
     planner validation's GPT layer, 3-25% for other shapes, so it is measured on the model."""
     import multiprocessing
-    from megatron_2bw.distributed.launch import usable_cores
     cores = [[core] for core in usable_cores()[:processors]]
     if len(cores) < processors:
         raise ValueError(f"measure_turn_taking: {processors} processors asked for, "
@@ -764,8 +766,8 @@ def measured_profile(model: ModelConfig, precision: PrecisionConfig, hardware: H
                     runs[key].append(record)
                 bar.update()
         records.update({key: median_record(measured) for key, measured in runs.items()})
-    untaken = [key for key in wanted if turn_taking_processors
-               and "turn_taking_overhead" not in records[key]]
+    untaken = [key for key in wanted if "turn_taking_overhead" not in records[key]] \
+        if turn_taking_processors else []
     if untaken:
         for key, overhead in measure_turn_taking(model, precision, untaken,
                                                  turn_taking_processors).items():

@@ -236,6 +236,11 @@ def _replay_sharing_processors(replay: _Replay, sharing: CoreSharing) -> None:
     replicas = [any(node[s] > sharing.tensor_parallel for node in sharing.ranks) for s in range(p)]
     duty = [_replica_duty(durations[s], max(node[s] for node in sharing.ranks), sharing)
             for s in range(p)]
+    t_ranks = sharing.tensor_parallel
+    # per node and stage: the ranks of the replayed group, and the replicas' load during a pass
+    group_ranks = [[min(n, t_ranks) for n in node] for node in sharing.ranks]
+    replica_load = [[max(n - t_ranks, 0) * duty[s] for s, n in enumerate(node)]
+                    for node in sharing.ranks]
     in_pass = [False] * p
     segments: list[list[list]] = [[] for _ in range(p)]
     batch_of = [0] * p  # the batch of each stage's current action
@@ -334,11 +339,10 @@ def _replay_sharing_processors(replay: _Replay, sharing: CoreSharing) -> None:
         holding = [s for s in range(p) if segments[s] and segments[s][0][0] == "held"]
         # in a pass a stage's replicas compute for their duty's share of the time, whether the
         # replayed group computes or waits; elsewhere (reduce, step) all its ranks compute alike
-        t_ranks = sharing.tensor_parallel
-        load = [sum(min(node[s], t_ranks) if in_pass[s] else node[s] for s in computing)
-                + sum(max(node[s] - t_ranks, 0) * duty[s] for s in range(p)
+        load = [sum(group[s] if in_pass[s] else node[s] for s in computing)
+                + sum(extra[s] for s in range(p)
                       if in_pass[s] and segments[s] and segments[s][0][0] != "idle")
-                for node in sharing.ranks]
+                for node, group, extra in zip(sharing.ranks, group_ranks, replica_load)]
         free = [max(sharing.slots - sum(node[s] for s in holding) / sharing.tensor_parallel, 0.0)
                 for node in sharing.ranks]
         rate = {s: min(_turn_rate(free[n], load[n], durations[s].turn_overhead)

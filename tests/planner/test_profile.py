@@ -1,6 +1,7 @@
 import dataclasses
 import json
 import os
+import threading
 
 import pytest
 import torch
@@ -619,6 +620,10 @@ def test_turn_taking_times_the_real_layer():
                                     rounds=1, seconds=0.05)
     assert set(overheads) == {(1, 2), (2, 2)}
     assert all(0.0 <= value < 10.0 for value in overheads.values())
+    # what each copy reports: its own processor seconds per forward and backward of the layer
+    alone = profile_module._layer_processor_seconds(MODEL, PrecisionConfig(), [(1, 2)],
+                                                    threading.Barrier(1), 0.05)
+    assert 0.0 < alone[(1, 2)] < 1.0
 
 
 def test_a_profile_measures_turn_taking_once_and_caches_it(tmp_path, monkeypatch):
