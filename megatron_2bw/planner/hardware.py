@@ -427,14 +427,19 @@ def probe_links(group=None, repeats: int = 5, large_bytes: int = 8 << 20) -> Lin
 ALLREDUCE_PROBE_BYTES = (4, 16 << 10, 128 << 10, 1 << 20, 8 << 20)
 
 
-def probe_allreduce_times(group=None, sizes=ALLREDUCE_PROBE_BYTES, repeats: int = 20
+def probe_allreduce_times(group=None, sizes=ALLREDUCE_PROBE_BYTES, repeats: int = 100
                           ) -> tuple[tuple[tuple[int, int, float], ...], ...]:
     """Mean seconds of back-to-back all-reduces per (group size, bytes), for every group size g
     >= 2 dividing the ranks of a node, with the node's consecutive g-rank groups all busy at once
     (as tensor-parallel groups are); and, on CPU ranks, the processor seconds a rank spent per
     all-reduce meanwhile (all its threads; an empty table on devices). Collective: every rank
     calls it; all get the same tables. Single-node jobs only (empty tables otherwise: the link
-    model applies)."""
+    model applies).
+
+    Each timed run makes `repeats` calls (a quarter of that above 1 MB) because the times have a
+    long tail: gloo on this VM finishes most 128 KB all-reduces of 2 ranks in 0.2 ms and about
+    one in five in 4 ms, a mean of 0.8 ms that runs of 20 calls read anywhere from 0.34 to 1.65
+    ms (which put t=2 at micro batch 2 23% under its measured time in session 29)."""
     group = group or dist.group.WORLD
     device = _device_for(group)
     size = dist.get_world_size(group)
@@ -661,6 +666,8 @@ def detect_hardware(group=None, name: str | None = None, repeats: int = 5) -> Ha
     so efficiency is 1. Link figures come from `probe_links`; without a second rank on a node the
     device's copy bandwidth stands in for the intra-node link, and a single-node job reports the
     intra-node figures (times the ranks of a node) for the inter-node link it does not have.
+    `repeats` sets the timed runs of the link probe and, times 20, the calls of each all-reduce
+    run (100 by default; tests pass fewer).
     """
     group = group or dist.group.WORLD
     device = _device_for(group)
@@ -688,7 +695,7 @@ def detect_hardware(group=None, name: str | None = None, repeats: int = 5) -> Ha
     size = dist.get_world_size(group)
     # a ring all-reduce pays 2(n-1) hop latencies; measured over a group within one node only
     hop_latency = probe.small_allreduce_s / (2 * (size - 1)) if size > 1 and hosts == 1 else None
-    allreduce_times, allreduce_processor = probe_allreduce_times(group)
+    allreduce_times, allreduce_processor = probe_allreduce_times(group, repeats=20 * repeats)
     return HardwareSpec(
         name=name or f"{socket.gethostname()}-{label}-{hosts}x{ranks_here}".replace(" ", "_"),
         devices_per_node=ranks_here, nodes=hosts, memory_per_device_bytes=memory,
