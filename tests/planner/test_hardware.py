@@ -1,10 +1,11 @@
 import os
 
 import pytest
+import torch.distributed as dist
 
 from megatron_2bw.distributed.launch import bind_cores
 from megatron_2bw.planner.hardware import (AFTER_COMPUTE_SEGMENTS_S, ALLREDUCE_PROBE_BYTES,
-                                           HardwareSpec, detect_hardware, load_hardware,
+                                           HardwareSpec, busy_wait, detect_hardware, load_hardware,
                                            parse_quantity, probe_allreduce_after_compute,
                                            probe_allreduce_times, probe_p2p_processor_time,
                                            probe_scheduler_slice, shipped_hardware)
@@ -192,17 +193,14 @@ TAIL_EVERY, FAST_S, SLOW_S = 50, 1e-4, 10e-3
 
 def _allreduce_with_a_long_tail(rank, world_size):
     """The probe's time for all-reduces that take FAST_S except every TAIL_EVERY-th, SLOW_S (gloo's
-    128 KB all-reduces here: 0.2 ms, and 4 ms about one in five)."""
-    import torch.distributed as dist
-
-    from megatron_2bw.planner import hardware
+    128 KB all-reduces here: 0.2 ms, and 1-7 ms about one in six)."""
     real, calls = dist.all_reduce, [0]
 
     def with_a_tail(tensor, *args, **kwargs):
         if tensor.numel() != (128 << 10) // 4:
             return real(tensor, *args, **kwargs)  # the probe's own exchange of its results
         calls[0] += 1
-        hardware.busy_wait(SLOW_S if calls[0] % TAIL_EVERY == 0 else FAST_S)
+        busy_wait(SLOW_S if calls[0] % TAIL_EVERY == 0 else FAST_S)
 
     dist.all_reduce = with_a_tail
     try:
