@@ -133,6 +133,10 @@ def test_the_test_set_is_evaluated_at_the_end_and_skip_train_evaluates_a_checkpo
     assert set(at_end) == {"validation", "test"} and at_end["validation"] != at_end["test"]
     assert re.search(r"iteration\s+2/\s*2 \|", trained)
     evaluated, skipped = run("--load", str(tmp_path), "--skip-train")
-    assert skipped == at_end, evaluated
+    # another process may round the same weights' loss differently in the last digits (once in
+    # the full suite: 4.144422 against 4.144412); one more iteration moves it by 5e-4 here
+    assert set(skipped) == set(at_end), evaluated
+    assert {k: float(v) for k, v in skipped.items()} == \
+        pytest.approx({k: float(v) for k, v in at_end.items()}, rel=1e-5), evaluated
     assert "skipping training (--skip-train)" in evaluated
     assert not re.search(r"^ iteration ", evaluated, re.M)
