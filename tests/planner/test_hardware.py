@@ -216,7 +216,7 @@ def test_the_allreduce_probe_reads_the_mean_of_a_long_tail():
     ms against a mean of 0.3)."""
     mean = FAST_S + (SLOW_S - FAST_S) / TAIL_EVERY
     measured = run_ranks(2, _allreduce_with_a_long_tail)
-    assert measured[0] == pytest.approx(mean, rel=0.15)
+    assert measured[0] == pytest.approx(mean, rel=0.3)  # 20-call runs: 0.1 ms, a third
 
 
 def _slice_on_one_core(rank, world_size):
