@@ -188,7 +188,7 @@ def test_allreduce_times_for_every_group_size_of_a_node():
     assert all(0 < p <= cores * t for (_, _, t), (_, _, p) in zip(times, processor))
 
 
-TAIL_EVERY, FAST_S, SLOW_S = 50, 1e-4, 10e-3
+TAIL_BYTES, TAIL_EVERY, FAST_S, SLOW_S = 128 << 10, 50, 1e-4, 10e-3
 
 
 def _allreduce_with_a_long_tail(rank, world_size):
@@ -197,14 +197,14 @@ def _allreduce_with_a_long_tail(rank, world_size):
     real, calls = dist.all_reduce, [0]
 
     def with_a_tail(tensor, *args, **kwargs):
-        if tensor.numel() != (128 << 10) // 4:
+        if tensor.numel() != TAIL_BYTES // 4:
             return real(tensor, *args, **kwargs)  # the probe's own exchange of its results
         calls[0] += 1
         busy_wait(SLOW_S if calls[0] % TAIL_EVERY == 0 else FAST_S)
 
     dist.all_reduce = with_a_tail
     try:
-        times, _ = probe_allreduce_times(sizes=(128 << 10,))
+        times, _ = probe_allreduce_times(sizes=(TAIL_BYTES,))
     finally:
         dist.all_reduce = real
     return times[0][2]
