@@ -122,11 +122,13 @@ class StageCost:
     # turns with another on a processor (ComputeCosts.turn_taking_overhead)
     turn_overhead: float = 0.0
 
-    def processor_time(self, microbatches: int) -> float:
-        """Seconds per batch this rank needs a processor for: its computation and its
-        collectives' processor work, not its waits."""
-        return (microbatches * (self.forward_s - self.forward_comm_s + self.backward_s
-                                - self.backward_comm_s + self.comm_processor_s)
+    def processor_time(self, microbatches: int, taking_turns: bool = False) -> float:
+        """Seconds per batch this rank needs a processor for: its computation (slowed by
+        turn_overhead where it takes turns) and its collectives' processor work, not its
+        waits."""
+        compute = self.forward_s - self.forward_comm_s + self.backward_s - self.backward_comm_s
+        slowdown = 1.0 + self.turn_overhead if taking_turns else 1.0
+        return (microbatches * (compute * slowdown + self.comm_processor_s)
                 + self.reduce_s + self.step_s - self.step_comm_s + self.batch_comm_processor_s)
 
 
@@ -481,16 +483,25 @@ class CoreSharing:
     each stage on each node, and a node's processors. The replay (simulator.py) shares a node's
     processors equally among its ranks computing at that moment; a rank blocked in a transfer or
     a collective needs none, except that a tensor-parallel group waiting for a peer's turn holds
-    one processor (the lagging peer computes)."""
+    one processor (the lagging peer computes). On a node with more ranks than processors every
+    rank's compute pays its turn-taking overhead, even while the others wait: each turn finds
+    its caches cold. (Measured with 4 ranks on 2 cores under 2BW, Flush and pure data
+    parallelism, each rank's processor seconds in training came to its pieces times 1 +
+    turn_overhead: docs/planner_validation.md, session 30.)"""
     ranks: tuple[tuple[int, ...], ...]  # [node][stage]
     slots: int
     tensor_parallel: int = 1  # ranks per tensor-parallel group (inside one node)
 
+    def crowded(self, node: int) -> bool:
+        """Whether `node` runs more ranks than it has processors."""
+        return sum(self.ranks[node]) > self.slots
+
     def bound(self, stages: list[StageCost], microbatches: int) -> float:
         """The least time per batch: each node's processors must get through the processor time
         of all its ranks."""
-        return max(sum(n * st.processor_time(microbatches) for n, st in zip(node, stages))
-                   for node in self.ranks) / self.slots
+        return max(sum(n * st.processor_time(microbatches, self.crowded(i))
+                       for n, st in zip(node, stages))
+                   for i, node in enumerate(self.ranks)) / self.slots
 
 
 def core_sharing(hardware: HardwareSpec, candidate: Candidate) -> CoreSharing | None:

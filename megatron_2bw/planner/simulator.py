@@ -198,12 +198,14 @@ _WAITS = ("until", "idle", "held")  # segments that end at a time
 
 
 def _turn_rate(free: float, load: float, turn_overhead: float) -> float:
-    """The speed of each of `load` ranks computing on `free` processors: full speed while each
-    has one, else an equal share slowed by taking turns."""
-    return 1.0 if load <= free else free / (load * (1.0 + turn_overhead))
+    """The speed of each of `load` ranks computing on `free` processors of a node whose ranks
+    take turns (turn_overhead; 0 where each rank has a processor): full speed while each has one,
+    else an equal share, slowed by the overhead throughout."""
+    return (1.0 if load <= free else free / load) / (1.0 + turn_overhead)
 
 
-def _replica_duty(cost: StageCost, ranks: int, sharing: CoreSharing) -> float:
+def _replica_duty(cost: StageCost, ranks: int, sharing: CoreSharing, turn_overhead: float
+                  ) -> float:
     """The share of a pass the other tensor-parallel groups of a stage (its replicas) compute:
     they drift out of step with the replayed group, each computing while the others wait in
     their collectives. A fixed point of: the replicas compute at the node's speed for all that
@@ -215,7 +217,7 @@ def _replica_duty(cost: StageCost, ranks: int, sharing: CoreSharing) -> float:
     t = sharing.tensor_parallel
     duty = 1.0
     for _ in range(50):
-        rate = _turn_rate(sharing.slots, t + (ranks - t) * duty, cost.turn_overhead)
+        rate = _turn_rate(sharing.slots, t + (ranks - t) * duty, turn_overhead)
         duty = (work / rate) / (work / rate + comm)
     return duty
 
@@ -234,7 +236,11 @@ def _replay_sharing_processors(replay: _Replay, sharing: CoreSharing) -> None:
     # per node, its stages; per stage, whether other groups of it (replicas) share a node with it
     node_stages = [[s for s in range(p) if node[s]] for node in sharing.ranks]
     replicas = [any(node[s] > sharing.tensor_parallel for node in sharing.ranks) for s in range(p)]
-    duty = [_replica_duty(durations[s], max(node[s] for node in sharing.ranks), sharing)
+    # per node and stage: the overhead its ranks' compute pays for taking turns
+    overhead = [[durations[s].turn_overhead if sharing.crowded(n) else 0.0 for s in range(p)]
+                for n in range(len(sharing.ranks))]
+    duty = [_replica_duty(durations[s], max(node[s] for node in sharing.ranks), sharing,
+                          max(by_stage[s] for by_stage in overhead))
             for s in range(p)]
     t_ranks = sharing.tensor_parallel
     # per node and stage: the ranks of the replayed group, and the replicas' load during a pass
@@ -345,7 +351,7 @@ def _replay_sharing_processors(replay: _Replay, sharing: CoreSharing) -> None:
                 for node, group, extra in zip(sharing.ranks, group_ranks, replica_load)]
         free = [max(sharing.slots - sum(node[s] for s in holding) / sharing.tensor_parallel, 0.0)
                 for node in sharing.ranks]
-        rate = {s: min(_turn_rate(free[n], load[n], durations[s].turn_overhead)
+        rate = {s: min(_turn_rate(free[n], load[n], overhead[n][s])
                        for n, node in enumerate(sharing.ranks) if node[s]) for s in computing}
         finish = {s: now + segments[s][0][1] / rate[s] if rate[s] else float("inf")
                   for s in computing}  # no rate: lagging peers hold every processor

@@ -267,12 +267,18 @@ def test_ranks_sharing_cores_take_turns():
     stages = [StageCost(1.0, 2.0, 0.0, 0.0, 0.0, 0.0, 1.0),
               StageCost(2.0, 3.0, 0.0, 0.0, 0.0, 0.0, 1.0, backward_comm_s=1.0)]
     assert [st.processor_time(2) for st in stages] == [7.0, 9.0]
+    # taking turns slows the compute by its overhead, not the collectives' waits: 2 x 4 x 1.5 + 1
+    taking_turns = dataclasses.replace(stages[1], turn_overhead=0.5)
+    assert taking_turns.processor_time(2) == 9.0
+    assert taking_turns.processor_time(2, taking_turns=True) == 2 * 4 * 1.5 + 1
     four_ranks = dataclasses.replace(toy_hardware(devices_per_node=4, nodes=1),
                                      compute_slots_per_node=2)
     # p = 2, d = 2 on one node of 2 cores: ranks 0, 1 run stage 0, ranks 2, 3 stage 1
     sharing = core_sharing(four_ranks, Candidate(1, 2, 2, 1, None, "2bw"))
     assert sharing.ranks == ((2, 2),) and sharing.slots == 2
     assert sharing.bound(stages, 2) == pytest.approx((2 * 7 + 2 * 9) / 2)
+    assert sharing.crowded(0)
+    assert sharing.bound([stages[0], taking_turns], 2) == pytest.approx((2 * 7 + 2 * 13) / 2)
     # as many cores as ranks (or GPUs: one per device): no turns to take
     assert core_sharing(toy_hardware(devices_per_node=4, nodes=1),
                         Candidate(1, 2, 2, 1, None, "2bw")) is None

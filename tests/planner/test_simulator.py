@@ -168,6 +168,21 @@ def test_taking_turns_costs_the_measured_overhead():
     assert own.time_per_batch == pytest.approx(2 * (2 + 2))
 
 
+def test_on_a_crowded_node_a_rank_computing_alone_still_pays_the_overhead():
+    # three Flush stages on two processors: in the fill and the drain fewer stages compute than
+    # there are processors, yet their caches went cold in the others' turns, so every piece of
+    # compute is 1.25 times as long and so is the batch; the node's bound counts the overhead too
+    schedule = compiled_schedule("flush", 3, 3, 3)
+    two = CoreSharing(ranks=((1, 1, 1),), slots=2)
+    plain = [stage(), stage(forward=2.0, backward=3.0), stage()]
+    slowed = [dataclasses.replace(cost, turn_overhead=0.25) for cost in plain]
+    plain_time = simulate(schedule, plain, sharing=two).time_per_batch
+    assert plain_time > two.bound(plain, 3) * 1.1  # the bubbles, not the bound, set the pace
+    slowed_time = simulate(schedule, slowed, sharing=two).time_per_batch
+    assert slowed_time == pytest.approx(1.25 * plain_time)
+    assert two.bound(slowed, 3) == pytest.approx(1.25 * 3 * (3.0 + 5.0 + 3.0) / 2)
+
+
 def test_a_pipeline_on_fewer_processors_than_stages():
     # 2BW, two equal stages on one processor: they alternate, never both idle; the node's
     # processor runs both stages' work, 2 x m x (F + B) per batch
