@@ -429,8 +429,14 @@ def stage_costs(model: ModelConfig, hardware: HardwareSpec, costs: ComputeCosts,
         P = stage_parameters(model, t, layers, first, last)
         buckets = max(1, math.ceil(P / parallel.ddp_bucket_size))
         data_ar = net.allreduce_time("data", g * P, s, buckets)
-        # processor seconds of the gradients' reduction (measured groups only: none at d = 1)
+        # processor seconds of the batch's collectives (measured groups only: none of one rank):
+        # the gradients' reduction; the loss sums' (last stage); the tied embedding's (first and
+        # last stage); the norm's sum over the model group (first over the shards, if sharded)
         data_processor = buckets * hardware.allreduce_processor_s(d, g * P / buckets)
+        data_processor += (hardware.allreduce_processor_s(d, 16) if last else 0.0) \
+            + (hardware.allreduce_processor_s(2, tied_bytes) if tied and (first or last) else 0.0) \
+            + hardware.allreduce_processor_s(t * p, 4) \
+            + (hardware.allreduce_processor_s(d, 4) if shards > 1 else 0.0)
         # the buffer into the master gradients: a copy and a zeroing pass, or where the two trade
         # storage the zeroing alone; the grad norm
         move = (g if swaps_gradients else 2 * g + 4) if separate_master_grads else 0

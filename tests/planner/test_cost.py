@@ -391,12 +391,40 @@ def test_collectives_processor_work_counts_in_the_node_budget_of_ranks_sharing_c
     before = stage_costs(model, hardware, costs, candidate, PrecisionConfig(), "adam")[0]
     after = stage_costs(model, measured, costs, candidate, PrecisionConfig(), "adam")[0]
     # per microbatch: 2 layers x 4 (f and g, forward and backward), the embedding's 1, the
-    # loss's 3 and the head's backward 1; per batch: the one bucket of gradients
+    # loss's 3 and the head's backward 1; per batch: the one bucket of gradients, the loss
+    # sums over the replicas and the norm over the model group
     assert after.comm_processor_s == pytest.approx((2 * 4 + 1 + 3 + 1) * 5e-4)
-    assert after.batch_comm_processor_s == pytest.approx(5e-4)
+    assert after.batch_comm_processor_s == pytest.approx(3 * 5e-4)
     m = 3
     assert after.processor_time(m) == pytest.approx(before.processor_time(m) + m * 13 * 5e-4
-                                                    + 5e-4)
+                                                    + 3 * 5e-4)
     assert (before.comm_processor_s, before.batch_comm_processor_s) == (0.0, 0.0)
     assert (after.forward_s, after.backward_s, after.reduce_s) == \
         (before.forward_s, before.backward_s, before.reduce_s)  # the rank's own timeline
+
+
+def test_every_collective_of_the_batch_counts_its_processor_work():
+    """Each batch a stage's ranks also sum the tied embedding's gradients (first and last stage,
+    a group of two), the loss sums over the replicas (last stage) and the norm over the model
+    group, besides the gradients' reduction: on ranks sharing cores each costs its measured
+    processor seconds (here 0.5 ms in a group of two, 0.7 ms in one of four)."""
+    model = dataclasses.replace(SMALL_MODEL, num_layers=4)
+    hardware = dataclasses.replace(toy_hardware(devices_per_node=4, nodes=1),
+                                   compute_slots_per_node=2, allreduce_processor_times=(
+                                       (2, 4, 5e-4), (2, 1 << 30, 5e-4),
+                                       (4, 4, 7e-4), (4, 1 << 30, 7e-4)))
+
+    def batch_processor(t, p, d, untied=False):
+        tied = dataclasses.replace(model, untie_embeddings_and_output_weights=untied)
+        return [st.batch_comm_processor_s for st in stage_costs(
+            tied, hardware, SMALL_COSTS, Candidate(t, p, d, 1, None, "2bw"), PrecisionConfig(),
+            "adam")]
+
+    ar2, ar4 = 5e-4, 7e-4
+    # p = 2, d = 2: first stage gradients + tied + norm; last stage also the loss sums
+    assert batch_processor(1, 2, 2) == pytest.approx([3 * ar2, 4 * ar2])
+    assert batch_processor(1, 2, 2, untied=True) == pytest.approx([2 * ar2, 3 * ar2])
+    # p = 4, d = 1: no replicas; the norm over four ranks everywhere, the tied sum at the ends
+    assert batch_processor(1, 4, 1) == pytest.approx([ar4 + ar2, ar4, ar4, ar4 + ar2])
+    # d = 4: the gradients and the loss sums over four ranks, no model group to sum over
+    assert batch_processor(1, 1, 4) == pytest.approx([2 * ar4])
