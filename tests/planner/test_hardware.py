@@ -219,6 +219,33 @@ def test_the_allreduce_probe_reads_the_mean_of_a_long_tail():
     assert measured[0] == pytest.approx(mean, rel=0.3)  # 20-call runs: 0.1 ms, a third
 
 
+def _after_compute_with_a_long_tail(rank, world_size):
+    """The after-compute probe's extras for 4-byte all-reduces that take FAST_S except every
+    TAIL_EVERY-th, SLOW_S, whatever came before them: the same mean after compute as back to back."""
+    real, calls = dist.all_reduce, [0]
+
+    def with_a_tail(tensor, *args, **kwargs):
+        if tensor.numel() != 1:
+            return real(tensor, *args, **kwargs)  # the probe's own exchange of its results
+        calls[0] += 1
+        busy_wait(SLOW_S if calls[0] % TAIL_EVERY == 0 else FAST_S)
+
+    dist.all_reduce = with_a_tail
+    try:
+        return probe_allreduce_after_compute()
+    finally:
+        dist.all_reduce = real
+
+
+def test_the_after_compute_probe_is_long_enough_for_a_long_tail():
+    """Rare slow calls must not land in one segment's calls and not another's, or the table
+    reads their share as an extra after that much compute (with 20 calls a round, the slow calls
+    here fall into the 1 ms and 5 ms segments only: 0.5 ms extra for them, none for the rest)."""
+    table = run_ranks(2, _after_compute_with_a_long_tail)[0]
+    assert [s for s, _ in table] == list(AFTER_COMPUTE_SEGMENTS_S)
+    assert all(extra < 0.15e-3 for _, extra in table), table
+
+
 def _slice_on_one_core(rank, world_size):
     os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # both ranks take turns on one core
     return probe_scheduler_slice(seconds=0.3)
