@@ -432,8 +432,8 @@ def stage_costs(model: ModelConfig, hardware: HardwareSpec, costs: ComputeCosts,
         # processor seconds of the batch's collectives (measured groups only: none of one rank):
         # the gradients' reduction; the loss sums' (last stage); the tied embedding's (first and
         # last stage); the norm's sum over the model group (first over the shards, if sharded)
-        data_processor = buckets * hardware.allreduce_processor_s(d, g * P / buckets)
-        data_processor += (hardware.allreduce_processor_s(d, 16) if last else 0.0) \
+        batch_processor = buckets * hardware.allreduce_processor_s(d, g * P / buckets)
+        batch_processor += (hardware.allreduce_processor_s(d, 16) if last else 0.0) \
             + (hardware.allreduce_processor_s(2, tied_bytes) if tied and (first or last) else 0.0) \
             + hardware.allreduce_processor_s(t * p, 4) \
             + (hardware.allreduce_processor_s(d, 4) if shards > 1 else 0.0)
@@ -456,7 +456,7 @@ def stage_costs(model: ModelConfig, hardware: HardwareSpec, costs: ComputeCosts,
         step = (OPTIMIZER_STEP_BYTES[optimizer] + 8) * P / shards + version
         if shards > 1:  # each replica updates its shard, then the working weights are gathered
             step_comm = net.allreduce_time("data", e * P, s) / 2
-            data_processor += hardware.allreduce_processor_s(d, e * P) / 2
+            batch_processor += hardware.allreduce_processor_s(d, e * P) / 2
         else:
             step_comm = 0.0
         result.append(StageCost(
@@ -471,7 +471,7 @@ def stage_costs(model: ModelConfig, hardware: HardwareSpec, costs: ComputeCosts,
             forward_collectives=forward_collectives, backward_collectives=backward_collectives,
             wake_s=net.wake_s(t) if t > 1 else 0.0,
             reduce_background_s=data_ar, comm_processor_s=comm_processor,
-            batch_comm_processor_s=data_processor, turn_overhead=costs.turn_taking_overhead))
+            batch_comm_processor_s=batch_processor, turn_overhead=costs.turn_taking_overhead))
     return result
 
 

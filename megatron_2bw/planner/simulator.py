@@ -239,11 +239,11 @@ def _replay_sharing_processors(replay: _Replay, sharing: CoreSharing) -> None:
     # per node: whether its ranks take turns, and so pay their compute's turn-taking overhead
     crowded = [sharing.crowded(n) for n in range(len(sharing.ranks))]
 
-    def overhead(s: int, nodes: list[int]) -> float:
-        return durations[s].turn_overhead if any(crowded[n] for n in nodes) else 0.0
+    def overhead(s: int, n: int) -> float:
+        return durations[s].turn_overhead if crowded[n] else 0.0
 
     duty = [_replica_duty(durations[s], max(node[s] for node in sharing.ranks), sharing,
-                          overhead(s, [n for n, node in enumerate(sharing.ranks) if node[s]]))
+                          max(overhead(s, n) for n, node in enumerate(sharing.ranks) if node[s]))
             for s in range(p)]
     t_ranks = sharing.tensor_parallel
     # per node and stage: the ranks of the replayed group, and the replicas' load during a pass
@@ -354,7 +354,7 @@ def _replay_sharing_processors(replay: _Replay, sharing: CoreSharing) -> None:
                 for node, group, extra in zip(sharing.ranks, group_ranks, replica_load)]
         free = [max(sharing.slots - sum(node[s] for s in holding) / sharing.tensor_parallel, 0.0)
                 for node in sharing.ranks]
-        rate = {s: min(_turn_rate(free[n], load[n], overhead(s, [n]))
+        rate = {s: min(_turn_rate(free[n], load[n], overhead(s, n))
                        for n, node in enumerate(sharing.ranks) if node[s]) for s in computing}
         finish = {s: now + segments[s][0][1] / rate[s] if rate[s] else float("inf")
                   for s in computing}  # no rate: lagging peers hold every processor

@@ -1,3 +1,4 @@
+import contextlib
 import os
 
 import pytest
@@ -191,22 +192,29 @@ def test_allreduce_times_for_every_group_size_of_a_node():
 TAIL_BYTES, TAIL_EVERY, FAST_S, SLOW_S = 128 << 10, 50, 1e-4, 10e-3
 
 
-def _allreduce_with_a_long_tail(rank, world_size):
-    """The probe's time for all-reduces that take FAST_S except every TAIL_EVERY-th, SLOW_S (gloo's
-    128 KB all-reduces here: 0.2 ms, and 1-7 ms about one in six)."""
+@contextlib.contextmanager
+def _allreduces_with_a_long_tail(numel):
+    """All-reduces of `numel` elements take FAST_S except every TAIL_EVERY-th, SLOW_S (gloo's
+    128 KB all-reduces here: 0.2 ms, and 1-7 ms about one in six); others run as they are."""
     real, calls = dist.all_reduce, [0]
 
     def with_a_tail(tensor, *args, **kwargs):
-        if tensor.numel() != TAIL_BYTES // 4:
+        if tensor.numel() != numel:
             return real(tensor, *args, **kwargs)  # the probe's own exchange of its results
         calls[0] += 1
         busy_wait(SLOW_S if calls[0] % TAIL_EVERY == 0 else FAST_S)
 
     dist.all_reduce = with_a_tail
     try:
-        times, _ = probe_allreduce_times(sizes=(TAIL_BYTES,))
+        yield
     finally:
         dist.all_reduce = real
+
+
+def _allreduce_with_a_long_tail(rank, world_size):
+    """The probe's time for 128 KB all-reduces with a long tail."""
+    with _allreduces_with_a_long_tail(TAIL_BYTES // 4):
+        times, _ = probe_allreduce_times(sizes=(TAIL_BYTES,))
     return times[0][2]
 
 
@@ -220,21 +228,10 @@ def test_the_allreduce_probe_reads_the_mean_of_a_long_tail():
 
 
 def _after_compute_with_a_long_tail(rank, world_size):
-    """The after-compute probe's extras for 4-byte all-reduces that take FAST_S except every
-    TAIL_EVERY-th, SLOW_S, whatever came before them: the same mean after compute as back to back."""
-    real, calls = dist.all_reduce, [0]
-
-    def with_a_tail(tensor, *args, **kwargs):
-        if tensor.numel() != 1:
-            return real(tensor, *args, **kwargs)  # the probe's own exchange of its results
-        calls[0] += 1
-        busy_wait(SLOW_S if calls[0] % TAIL_EVERY == 0 else FAST_S)
-
-    dist.all_reduce = with_a_tail
-    try:
+    """The after-compute probe's extras for 4-byte all-reduces with a long tail whatever came
+    before them: the same mean after compute as back to back."""
+    with _allreduces_with_a_long_tail(1):
         return probe_allreduce_after_compute()
-    finally:
-        dist.all_reduce = real
 
 
 def test_the_after_compute_probe_is_long_enough_for_a_long_tail():
