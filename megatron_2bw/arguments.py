@@ -123,9 +123,18 @@ def build_parser(description: str = "", extra_args_provider=None) -> argparse.Ar
           help="GPT: split every sequence over this many ranks of each data-parallel replica "
                "(default 1); attention gathers the keys and values of the whole sequence")
     _flag(g, "--pipeline-schedule", "parallel", "schedule",
-          choices=["2bw", "flush", "gpipe", "pipedream"])
+          choices=["2bw", "flush", "gpipe", "pipedream", "zb-h1", "interleaved"],
+          help="2bw (default when p > 1), flush (1F1B), gpipe, pipedream (weight stashing, an "
+               "update per batch), zb-h1 (1F1B with the backward split into input and weight "
+               "gradients, the drain filled with weight gradients) or interleaved (Megatron-LM's "
+               "virtual stages; needs one of the virtual-pipeline flags)")
     _bool_flag(g, "--vertical-sync", "parallel", "vertical_sync", "pipedream: every stage runs "
                "a batch on the weight version the first stage used (a uniform delay of p - 1)")
+    _flag(g, "--virtual-pipeline-model-parallel-size", "parallel", "virtual_pipeline_parallel",
+          type=int, help="interleaved: model chunks per pipeline rank (v)")
+    _flag(g, "--num-layers-per-virtual-pipeline-stage", "parallel",
+          "num_layers_per_virtual_pipeline_stage", type=int,
+          help="interleaved: layers per model chunk (v = num-layers / p / this)")
     _flag(g, "--pipeline-layer-split", "parallel", "layer_split", type=str,
           help="layers per stage, e.g. 5,7,7,5")
     _flag(g, "--distributed-backend", "parallel", "distributed_backend", choices=["nccl", "gloo"])
@@ -623,6 +632,41 @@ def _require(condition: bool, message: str):
         raise ConfigError(message)
 
 
+def _validate_virtual_stages(config: Config) -> None:
+    """--pipeline-schedule interleaved and Megatron-LM's virtual-stage flags; sets v."""
+    par, layers = config.parallel, config.model.num_layers
+    v, per_chunk, p = (par.virtual_pipeline_parallel, par.num_layers_per_virtual_pipeline_stage,
+                       par.pipeline_parallel)
+    if par.pipeline_schedule != "interleaved":
+        _require(v is None and per_chunk is None,
+                 f"--virtual-pipeline-model-parallel-size and --num-layers-per-virtual-pipeline-"
+                 f"stage apply to --pipeline-schedule interleaved only (got "
+                 f"{par.pipeline_schedule})")
+        return
+    _require(v is not None or per_chunk is not None,
+             "--pipeline-schedule interleaved needs --virtual-pipeline-model-parallel-size V or "
+             "--num-layers-per-virtual-pipeline-stage N")
+    _require(p > 1, "--pipeline-schedule interleaved needs --pipeline-model-parallel-size > 1")
+    _require(par.layer_split is None, "--pipeline-layer-split does not apply to --pipeline-"
+                                      "schedule interleaved (its chunks split the layers evenly)")
+    if per_chunk is not None:
+        _require(per_chunk > 0 and layers % (p * per_chunk) == 0,
+                 f"--num-layers-per-virtual-pipeline-stage {per_chunk} x --pipeline-model-"
+                 f"parallel-size {p} must divide --num-layers {layers}")
+        derived = layers // (p * per_chunk)
+        _require(v is None or v == derived,
+                 f"--virtual-pipeline-model-parallel-size {v} contradicts --num-layers-per-"
+                 f"virtual-pipeline-stage {per_chunk} ({layers} layers / p {p} / {per_chunk} = "
+                 f"{derived} chunks)")
+        v = derived
+    _require(v >= 2, f"--pipeline-schedule interleaved needs at least 2 model chunks per rank, "
+                     f"got {v}")
+    _require(layers % (p * v) == 0,
+             f"--num-layers {layers} must be divisible by --pipeline-model-parallel-size {p} x "
+             f"--virtual-pipeline-model-parallel-size {v} (equal chunks)")
+    par.virtual_pipeline_parallel = v
+
+
 def validate(config: Config, require_data: bool = True) -> None:
     """Checks that need no knowledge of the world size."""
     m, par, tr, opt = config.model, config.parallel, config.training, config.optimizer
@@ -675,6 +719,7 @@ def validate(config: Config, require_data: bool = True) -> None:
                  and min(par.layer_split) >= 1,
                  f"--pipeline-layer-split {','.join(map(str, par.layer_split))} must give {p} "
                  f"positive layer counts summing to --num-layers {m.num_layers}")
+    _validate_virtual_stages(config)
     _require(not (config.precision.fp16 and config.precision.bf16), "--fp16 and --bf16 exclude each other")
     _require(opt.lr >= 0 and opt.min_lr >= 0, "--lr and --min-lr must be >= 0")
     _validate_schedule_units(tr, opt)
@@ -740,7 +785,14 @@ def validate_for_world(config: Config, world_size: int) -> int:
                  + (f"first global batch ({first})" if growing else f"--global-batch-size {first}"))
         tr.train_iters = batch_schedule(tr).iterations_for_samples(tr.train_samples)
     schedule = config.parallel.pipeline_schedule
-    if schedule in ("2bw", "flush") and p > 1:
+    if schedule == "interleaved":
+        _validate_virtual_stages(config)
+        _require(m % p == 0, f"--pipeline-schedule interleaved needs the microbatches per batch "
+                             f"to be a multiple of --pipeline-model-parallel-size (each chunk "
+                             f"takes them in groups of p): m = global/(micro*d) = {m}, p = {p}; "
+                             f"make {_smallest_batch_flag(tr)} a multiple of "
+                             f"{p * tr.micro_batch_size * d}")
+    if schedule in ("2bw", "flush", "zb-h1") and p > 1:
         _require(m >= p, f"--pipeline-schedule {schedule} needs at least as many microbatches per "
                          f"batch as stages (1F1B keeps p in flight): m = global/(micro*d) = {m} < "
                          f"p = {p}; raise {_smallest_batch_flag(tr)} to >= "

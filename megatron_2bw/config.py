@@ -117,8 +117,11 @@ class ParallelConfig:
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
     context_parallel: int = 1  # cp ranks split each sequence (GPT); part of the data-parallel ranks
-    schedule: str | None = None  # "2bw" | "flush" | "gpipe" | "pipedream"; None: 2bw when p > 1
+    schedule: str | None = None  # see pipeline/schedules.SCHEDULES; None picks 2bw when p > 1
     vertical_sync: bool = False  # pipedream: every stage reads the first stage's version
+    # interleaved: model chunks per rank (v), or the layers of each chunk (v = layers / p / this)
+    virtual_pipeline_parallel: int | None = None
+    num_layers_per_virtual_pipeline_stage: int | None = None
     layer_split: list[int] | None = None  # layers per stage
     distributed_backend: str | None = None  # None: nccl with CUDA, gloo otherwise
     timeout_minutes: float = 10.0
@@ -134,7 +137,15 @@ class ParallelConfig:
         if self.schedule is not None:
             return "pipedream-vs" if self.schedule == "pipedream" and self.vertical_sync \
                 else self.schedule
+        if self.virtual_pipeline_parallel or self.num_layers_per_virtual_pipeline_stage:
+            return "interleaved"  # as Megatron-LM: the virtual-stage flags select it
         return "2bw" if self.pipeline_parallel > 1 else "flush"
+
+    @property
+    def model_chunks(self) -> int:
+        """Model chunks per rank: v under interleaved (validated), else 1."""
+        return (self.virtual_pipeline_parallel or 1) if self.pipeline_schedule == "interleaved" \
+            else 1
 
 
 @dataclass

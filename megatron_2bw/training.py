@@ -78,11 +78,14 @@ def build_stage(config: Config, layout: ParallelLayout, device: torch.device, ti
                 on_step=None) -> Stage:
     par, stage = config.parallel, layout.stage
     seed_everything(config.training.seed, layout.coords.tp, stage)
-    ranges = layer_ranges(config.model.num_layers, par.pipeline_parallel, par.layer_split)
-    model = build_stage_model(config.model, layout.group("tensor"), par.tensor_parallel,
-                              ranges[stage], layout.is_first_stage, layout.is_last_stage,
-                              config.training.seed, config.recompute,
-                              layout.group("context")).to(device)
+    if par.model_chunks > 1:
+        model = build_model_chunks(config, layout).to(device)
+    else:
+        ranges = layer_ranges(config.model.num_layers, par.pipeline_parallel, par.layer_split)
+        model = build_stage_model(config.model, layout.group("tensor"), par.tensor_parallel,
+                                  ranges[stage], layout.is_first_stage, layout.is_last_stage,
+                                  config.training.seed, config.recompute,
+                                  layout.group("context")).to(device)
     rule = VersionRule(par.pipeline_schedule, par.pipeline_parallel, stage)
     versions = WeightVersions(model, working_dtype(config), grad_dtype(config), rule=rule)
     optimizer = build_optimizer(config, versions.master, versions.names, layout)
@@ -104,6 +107,10 @@ def build_stage(config: Config, layout: ParallelLayout, device: torch.device, ti
     if par.pipeline_parallel > 1:
         prev_rank = layout.stage_rank(stage - 1) if stage > 0 else None
         next_rank = layout.stage_rank(stage + 1) if not layout.is_last_stage else None
+        if par.model_chunks > 1:  # the virtual pipeline wraps from the last rank to the first
+            p = par.pipeline_parallel
+            prev_rank, next_rank = layout.stage_rank((stage - 1) % p), layout.stage_rank(
+                (stage + 1) % p)
         m = config.model
         shape = (train.micro_batch_size,
                  m.seq_length // (m.sequence_ranks(par.tensor_parallel) * layout.context),
@@ -115,6 +122,20 @@ def build_stage(config: Config, layout: ParallelLayout, device: torch.device, ti
                              microbatches, timers, memory, on_step)
     return Stage(config, layout, device, model, versions, optimizer, scaler, updater, executor,
                  memory, timers, microbatches)
+
+
+def build_model_chunks(config: Config, layout: ParallelLayout):
+    """Interleaved: the rank's v chunks, chunk c holding virtual stage c * p + stage's layers."""
+    from megatron_2bw.models.chunks import ModelChunks
+    par = config.parallel
+    p, v = par.pipeline_parallel, par.model_chunks
+    ranges = layer_ranges(config.model.num_layers, p * v)
+    return ModelChunks([
+        build_stage_model(config.model, layout.group("tensor"), par.tensor_parallel,
+                          ranges[c * p + layout.stage], c == 0 and layout.is_first_stage,
+                          c == v - 1 and layout.is_last_stage, config.training.seed,
+                          config.recompute, layout.group("context"))
+        for c in range(v)])
 
 
 def build_optimizer(config: Config, master_params, names: list[str], layout: ParallelLayout):
@@ -179,9 +200,9 @@ def run_segment(stage: Stage, first_batch: int, batches: int, feed: MicrobatchFe
     par = stage.config.parallel
     m = stage.executor.m = microbatches_of(stage, first_batch)
     actions = stage_actions(par.pipeline_schedule, par.pipeline_parallel, m, batches,
-                            stage.layout.stage, first_batch)
+                            stage.layout.stage, first_batch, par.model_chunks)
     stage.executor.run(actions, feed, stage_receives(par.pipeline_parallel, m, batches,
-                                                     stage.layout.stage))
+                                                     stage.layout.stage, par.model_chunks))
 
 
 def segment_ends(config: Config, start: int) -> list[int]:

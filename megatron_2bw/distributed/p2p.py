@@ -27,6 +27,9 @@ import torch
 import torch.distributed as dist
 
 KINDS = ("act", "grad")
+# under the interleaved schedule two ranks exchange both kinds (p = 2: both neighbours are the
+# same rank), and a receive posted ahead must match a send of its own kind
+TAGS = {"act": 0, "grad": 1}
 
 
 class P2PTimeout(RuntimeError):
@@ -64,7 +67,8 @@ class PipelineP2P:
         if self.post_ahead and self._expected[kind] > 0:
             self._expected[kind] -= 1
             buffer = self._buffer()
-            self._ahead[kind] = (dist.irecv(buffer, self._source(kind), self.group), buffer)
+            self._ahead[kind] = (dist.irecv(buffer, self._source(kind), self.group,
+                                            tag=TAGS[kind]), buffer)
 
     def _buffer(self) -> torch.Tensor:
         return torch.empty(self.shape, dtype=self.dtype, device=self.device)
@@ -74,8 +78,8 @@ class PipelineP2P:
         from the previous stage, "grad" from the next one); return the received tensors."""
         if sends:
             self._retire_sends(keep=1)
-        ops = [dist.P2POp(dist.isend, tensor.contiguous(), self._destination(kind), self.group)
-               for kind, tensor in sends]
+        ops = [dist.P2POp(dist.isend, tensor.contiguous(), self._destination(kind), self.group,
+                          TAGS[kind]) for kind, tensor in sends]
         posted: list[tuple] = []  # per receive: (its work, None if posted below; buffer)
         for kind in recvs:
             if kind in self._ahead:
@@ -84,11 +88,11 @@ class PipelineP2P:
             self._expected[kind] = max(0, self._expected[kind] - 1)
             buffer = self._buffer()
             posted.append((None, buffer))
-            ops.append(dist.P2POp(dist.irecv, buffer, self._source(kind), self.group))
+            ops.append(dist.P2POp(dist.irecv, buffer, self._source(kind), self.group, TAGS[kind]))
         works = []
         if ops:
             works = dist.batch_isend_irecv(ops) if len(ops) > 1 else [ops[0].op(
-                ops[0].tensor, ops[0].peer, ops[0].group)]
+                ops[0].tensor, ops[0].peer, ops[0].group, ops[0].tag)]
         if sends:
             self._sends.append(list(zip(works[:len(sends)], [t for _, t in sends])))
         posted_now = iter(works[len(sends):])

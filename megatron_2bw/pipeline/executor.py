@@ -12,6 +12,7 @@ import torch
 
 from megatron_2bw.distributed.p2p import PipelineP2P
 from megatron_2bw.pipeline import schedules as S
+from megatron_2bw.pipeline.split_backward import backward_input, backward_weight
 from megatron_2bw.pipeline.update import GradientUpdater, StepResult
 from megatron_2bw.pipeline.weights import WeightVersions
 
@@ -25,6 +26,8 @@ class StageExecutor:
                  p2p: PipelineP2P | None, stage: int, stages: int, microbatches: int,
                  timers=None, memory=None, on_step: Callable[[StepResult], None] | None = None):
         self.module, self.versions, self.updater, self.p2p = module, versions, updater, p2p
+        # interleaved: the rank's model chunks (virtual stages chunk * p + stage), else the module
+        self.chunks = list(getattr(module, "chunks", [module]))
         self.stage, self.stages, self.m = stage, stages, microbatches
         self.first, self.last = stage == 0, stage == stages - 1
         self.timers, self.memory, self.on_step = timers, memory, on_step
@@ -35,6 +38,8 @@ class StageExecutor:
         self._grads_out: dict[int, torch.Tensor] = {}
         self._tokens: dict = {}  # last stage: microbatch -> tokens its loss covers (per-token loss)
         self._comm: list[S.Action] = []
+        self._batches: dict[int, dict] = {}  # chunks: microbatch k until its last chunk's forward
+        self._pending_weights: dict = {}  # split backward: (chunk, k) -> what its W needs
 
     def _timer(self, name):
         return self.timers(name) if self.timers is not None else _NoTimer()
@@ -73,10 +78,16 @@ class StageExecutor:
 
     def _run_one(self, a: S.Action, next_microbatch) -> None:
         if a.kind == S.FORWARD:
-            self._forward(a, next_microbatch(a.microbatch))
+            self._forward(a, self._microbatch(a, next_microbatch))
         elif a.kind == S.BACKWARD:
             self.updater.finish_data_reductions()  # a fixed point in every rank's schedule
             self._backward(a)
+        elif a.kind == S.BACKWARD_INPUT:
+            self.updater.finish_data_reductions()
+            self._backward_input(a)
+        elif a.kind == S.BACKWARD_WEIGHT:
+            self.updater.finish_data_reductions()
+            self._backward_weight(a)
         elif a.kind == S.REDUCE_GRADS:
             self.updater.reduce(a.batch, self.m)
         elif a.kind == S.STEP:
@@ -93,8 +104,8 @@ class StageExecutor:
             return
         batch, self._comm = self._comm, []
         self.history.extend(batch)
-        sends = [("act", self._outputs[a.microbatch].detach()) if a.kind == S.SEND_ACT
-                 else ("grad", self._grads_out.pop(a.microbatch))
+        sends = [("act", self._outputs[_key(a)].detach()) if a.kind == S.SEND_ACT
+                 else ("grad", self._grads_out.pop(_key(a)))
                  for a in batch if a.kind in (S.SEND_ACT, S.SEND_GRAD)]
         recv_actions = [a for a in batch if a.kind in (S.RECV_ACT, S.RECV_GRAD)]
         timer = self._timer("p2p-wait")
@@ -110,47 +121,96 @@ class StageExecutor:
             timer.stop()
         for a, tensor in zip(recv_actions, received):
             if a.kind == S.RECV_ACT:
-                self._inputs[a.microbatch] = tensor.requires_grad_()
+                self._inputs[_key(a)] = tensor.requires_grad_()
             else:
-                self._grads_in[a.microbatch] = tensor
+                self._grads_in[_key(a)] = tensor
 
     # -- compute ---------------------------------------------------------------------------
+    def _is_first(self, a: S.Action) -> bool:
+        """Whether a's chunk is the first virtual stage (it embeds; it has no input gradient)."""
+        return self.first and a.chunk == 0
+
+    def _is_last(self, a: S.Action) -> bool:
+        return self.last and a.chunk == len(self.chunks) - 1
+
+    def _microbatch(self, a: S.Action, next_microbatch) -> dict:
+        """Microbatch k's data: every chunk reads it; chunk 0's forward of k comes first."""
+        if len(self.chunks) == 1:
+            return next_microbatch(a.microbatch)
+        if a.chunk == 0:
+            self._batches[a.microbatch] = next_microbatch(a.microbatch)
+        if a.chunk == len(self.chunks) - 1:
+            return self._batches.pop(a.microbatch)
+        return self._batches[a.microbatch]
+
     def _forward(self, a: S.Action, batch: dict) -> None:
         timer = self._timer("forward")
         timer.start()
         self.versions.install(a.version)
-        inputs = self._inputs.get(a.microbatch)
-        with self._track(a.microbatch, inputs, batch):
-            out = self.module(inputs, batch)
+        key = _key(a)
+        inputs = self._inputs.get(key)
+        with self._track(key, inputs, batch):
+            out = self.chunks[a.chunk](inputs, batch)
         tokens = 1
         if self.updater.per_token_loss:  # every stage reads the microbatch, so counts alike
             tokens = self.module.loss_tokens(batch)
-            self.updater.record_tokens(a.microbatch // self.m, tokens)
-        if self.last:
+            if a.chunk == 0:  # once per microbatch
+                self.updater.record_tokens(a.microbatch // self.m, tokens)
+        if self._is_last(a):
             loss, metrics = out
-            self._outputs[a.microbatch] = loss
-            self._tokens[a.microbatch] = tokens
+            self._outputs[key] = loss
+            self._tokens[key] = tokens
             self.updater.record_metrics(a.microbatch // self.m, metrics, tokens)
         else:
-            self._outputs[a.microbatch] = out
+            self._outputs[key] = out
         timer.stop()
+
+    def _output_and_gradient(self, a: S.Action) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """What a backward differentiates: the chunk's output and the gradient that came for it
+        (the last stage: the loss, scaled and weighted, and None)."""
+        key, k = _key(a), a.microbatch
+        output = self._outputs.pop(key)
+        if self._is_last(a):
+            weight = self.updater.loss_weight(self._tokens.pop(key), self.m)
+            return output * (self.updater.loss_scale_for(k // self.m) * weight), None
+        return output, self._grads_in.pop(key)
 
     def _backward(self, a: S.Action) -> None:
         timer = self._timer("backward")
         timer.start()
-        k = a.microbatch
+        key = _key(a)
         self.versions.install(a.version)  # recomputation reads the module's weights
-        output = self._outputs.pop(k)
-        if self.last:
-            weight = self.updater.loss_weight(self._tokens.pop(k), self.m)
-            (output * (self.updater.loss_scale_for(k // self.m) * weight)).backward()
-        else:
-            torch.autograd.backward(output, grad_tensors=self._grads_in.pop(k))
-        inputs = self._inputs.pop(k, None)
-        if not self.first:
-            self._grads_out[k] = inputs.grad
+        output, grad = self._output_and_gradient(a)
+        torch.autograd.backward(output, grad_tensors=grad)
+        inputs = self._inputs.pop(key, None)
+        if not self._is_first(a):
+            self._grads_out[key] = inputs.grad
         if self.memory is not None:
-            self.memory.release(k)
+            self.memory.release(key)
+        timer.stop()
+
+    def _backward_input(self, a: S.Action) -> None:
+        """B: the input gradient only (sent on at once); the weights' part waits for W."""
+        timer = self._timer("backward")
+        timer.start()
+        key = _key(a)
+        self.versions.install(a.version)
+        output, grad = self._output_and_gradient(a)
+        inputs = self._inputs.pop(key, None)
+        weights = list(self.chunks[a.chunk].parameters())
+        grad_in, self._pending_weights[key] = backward_input(output, grad, inputs, weights)
+        if not self._is_first(a):
+            self._grads_out[key] = grad_in
+        timer.stop()
+
+    def _backward_weight(self, a: S.Action) -> None:
+        timer = self._timer("backward")
+        timer.start()
+        key = _key(a)
+        self.versions.install(a.version)  # recomputation reads the module's weights
+        backward_weight(self._pending_weights.pop(key))
+        if self.memory is not None:
+            self.memory.release(key)
         timer.stop()
 
     def _track(self, microbatch: int, inputs: torch.Tensor | None, batch: dict):
@@ -174,27 +234,33 @@ class StageExecutor:
         totals: dict[str, float] = {}
         weight = 0.0
         if self.p2p is not None:
-            self.p2p.expect({"act": 0 if self.first else microbatches})
-        for a in S.forward_only_actions(self.stages, microbatches, self.stage):
+            self.p2p.expect(S.stage_receives(self.stages, microbatches, 1, self.stage,
+                                             len(self.chunks)) | {"grad": 0})
+        for a in S.forward_only_actions(self.stages, microbatches, self.stage, len(self.chunks)):
             if a.kind == S.RECV_ACT:
-                self._inputs[a.microbatch] = self.p2p.exchange([], ["act"])[0]
+                self._inputs[_key(a)] = self.p2p.exchange([], ["act"])[0]
             elif a.kind == S.SEND_ACT:
-                self.p2p.exchange([("act", self._outputs.pop(a.microbatch))], [])
+                self.p2p.exchange([("act", self._outputs.pop(_key(a)))], [])
             else:
-                batch = next_microbatch(a.microbatch)
-                out = self.module(self._inputs.pop(a.microbatch, None), batch)
-                if self.last:
+                batch = self._microbatch(a, next_microbatch)
+                out = self.chunks[a.chunk](self._inputs.pop(_key(a), None), batch)
+                if self._is_last(a):
                     tokens = float(self.module.loss_tokens(batch)) \
                         if self.updater.per_token_loss else 1.0
                     weight += tokens
                     for key, value in out[1].items():
                         totals[key] = totals.get(key, 0.0) + float(value) * tokens
                 else:
-                    self._outputs[a.microbatch] = out
+                    self._outputs[_key(a)] = out
         if self.p2p is not None:
             self.p2p.wait_sends()
         self.module.train()
         return totals, weight
+
+
+def _key(a: S.Action) -> tuple[int, int]:
+    """What the executor keys a microbatch's tensors by: its chunk and index."""
+    return a.chunk, a.microbatch
 
 
 class _NoTimer:

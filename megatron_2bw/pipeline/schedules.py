@@ -26,6 +26,10 @@ Schedules (p stages, m microbatches per batch, batches numbered from 0):
 - "pipedream-vs" PipeDream with vertical sync (--pipeline-schedule pipedream --vertical-sync):
           every stage uses the version the first stage uses, max(0, b - (p-1)): a uniform delay of
           p - 1 updates, so global step decisions complete in the background as under 2BW.
+- "zb-h1" zero bubble (pipeline/zero_bubble.py): 1F1B with each backward split into B (input
+          gradient) and W (weight gradient); W passes fill the drain. Vanilla, drained per batch.
+- "interleaved" Megatron-LM's interleaved 1F1B (pipeline/interleaved.py): each rank holds `chunks`
+          model chunks (virtual stages c*p + r); actions carry their chunk. Vanilla, drained.
 A training run is cut into segments (at evaluation and checkpoint points); each segment is one call
 with `first_batch` and `batches`, ends drained, and leaves every step of its batches done. The
 weight-version rule depends only on batch indices, so segmenting never changes the arithmetic.
@@ -36,11 +40,14 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 FORWARD, BACKWARD = "forward", "backward"
+# the split backward (zero-bubble schedules): input gradient first, weight gradient later
+BACKWARD_INPUT, BACKWARD_WEIGHT = "backward_input", "backward_weight"
 SEND_ACT, RECV_ACT, SEND_GRAD, RECV_GRAD = "send_act", "recv_act", "send_grad", "recv_grad"
 REDUCE_GRADS, STEP, RELEASE_VERSION = "reduce_grads", "step", "release_version"
-COMPUTE_KINDS = (FORWARD, BACKWARD)
+COMPUTE_KINDS = (FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT)
+LETTERS = {FORWARD: "F", BACKWARD: "B", BACKWARD_INPUT: "B", BACKWARD_WEIGHT: "W"}
 COMM_KINDS = (SEND_ACT, RECV_ACT, SEND_GRAD, RECV_GRAD)
-SCHEDULES = ("2bw", "flush", "gpipe", "pipedream", "pipedream-vs")
+SCHEDULES = ("2bw", "flush", "gpipe", "pipedream", "pipedream-vs", "zb-h1", "interleaved")
 # one 1F1B sequence over every batch of a segment, steps deferred until their version is needed
 NEVER_DRAINED = ("2bw", "pipedream", "pipedream-vs")
 
@@ -51,12 +58,14 @@ class Action:
     microbatch: int | None = None  # global index k = batch * m + j
     version: int | None = None  # used (forward/backward), created (step) or freed (release)
     batch: int | None = None  # for reduce_grads and step
+    chunk: int = 0  # the rank's model chunk (interleaved: virtual stage chunk * p + rank)
 
     def __str__(self) -> str:
+        chunk = f"/c{self.chunk}" if self.chunk else ""
         if self.kind in COMPUTE_KINDS:
-            return f"{self.kind[0].upper()}{self.microbatch}@v{self.version}"
+            return f"{LETTERS[self.kind]}{self.microbatch}{chunk}@v{self.version}"
         if self.kind in COMM_KINDS:
-            return f"{self.kind}({self.microbatch})"
+            return f"{self.kind}({self.microbatch}{chunk})"
         if self.kind == RELEASE_VERSION:
             return f"release(v{self.version})"
         return f"{self.kind}(b{self.batch}->v{self.version})" if self.kind == STEP else \
@@ -114,27 +123,44 @@ class VersionRule:
         return self.schedule != "pipedream" or self.stages == 1
 
 
-def max_in_flight(schedule: str, stages: int, microbatches: int, stage: int) -> int:
-    """Microbatches whose activations a stage holds at once."""
+def max_in_flight(schedule: str, stages: int, microbatches: int, stage: int,
+                  chunks: int = 1) -> int:
+    """Microbatches whose activations a stage holds at once (interleaved: microbatch-chunks, each
+    holding 1/chunks of the stage's layers; zb-h1: from forward to weight gradient)."""
+    if schedule == "interleaved":
+        return min(interleaved.warmup_forwards(stages, microbatches, stage, chunks) + 1, microbatches * chunks)
+    if schedule == "zb-h1":
+        return min(stages, microbatches)
     return microbatches if schedule == "gpipe" else min(stages - stage, microbatches) \
         if schedule == "flush" else stages - stage
 
 
-def _check_args(schedule: str, stages: int, microbatches: int, batches: int, stage: int):
+def _check_args(schedule: str, stages: int, microbatches: int, batches: int, stage: int,
+                chunks: int = 1):
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {schedule!r}; expected one of {SCHEDULES}")
     if stages < 1 or microbatches < 1 or batches < 0 or not 0 <= stage < stages:
         raise ValueError(f"bad schedule shape: stages={stages} microbatches={microbatches} "
                          f"batches={batches} stage={stage}")
-    if schedule in ("2bw", "flush") and microbatches < stages:
+    if schedule in ("2bw", "flush", "zb-h1") and microbatches < stages:
         raise ValueError(f"{schedule} needs microbatches per batch >= stages (1F1B keeps up to p "
                          f"microbatches in flight): got m={microbatches} < p={stages}")
+    if chunks < 1 or (chunks > 1 and schedule != "interleaved"):
+        raise ValueError(f"{schedule} runs one model chunk per stage, got chunks={chunks}")
+    if schedule == "interleaved" and microbatches % stages:
+        raise ValueError(f"interleaved needs microbatches per batch a multiple of stages (the "
+                         f"chunks take microbatches in groups of p): got m={microbatches}, "
+                         f"p={stages}")
 
 
 def stage_actions(schedule: str, stages: int, microbatches: int, batches: int, stage: int,
-                  first_batch: int = 0) -> Iterator[Action]:
+                  first_batch: int = 0, chunks: int = 1) -> Iterator[Action]:
     """The ordered actions of one stage for batches first_batch .. first_batch+batches-1 (lazy)."""
-    _check_args(schedule, stages, microbatches, batches, stage)
+    _check_args(schedule, stages, microbatches, batches, stage, chunks)
+    if schedule in FLUSHED_GENERATORS:
+        yield from FLUSHED_GENERATORS[schedule](stages, microbatches, batches, stage, first_batch,
+                                                chunks)
+        return
     first, last = stage == 0, stage == stages - 1
     m = microbatches
     end_batch = first_batch + batches
@@ -212,31 +238,66 @@ def stage_actions(schedule: str, stages: int, microbatches: int, batches: int, s
                     yield from backward(k)
 
 
-def stage_receives(stages: int, microbatches: int, batches: int, stage: int) -> dict[str, int]:
+def stage_receives(stages: int, microbatches: int, batches: int, stage: int,
+                   chunks: int = 1) -> dict[str, int]:
     """How many activations ("act") and gradients ("grad") the stage receives over `batches`
-    batches, in every schedule: one of each per microbatch, except at the pipeline's ends."""
+    batches, in every schedule: one of each per microbatch and chunk, except at the ends of the
+    (virtual) pipeline."""
     count = microbatches * batches
-    return {"act": count if stage > 0 else 0, "grad": count if stage < stages - 1 else 0}
+    return {"act": count * (chunks if stage > 0 else chunks - 1),
+            "grad": count * (chunks if stage < stages - 1 else chunks - 1)}
 
 
 def build_schedule(schedule: str, stages: int, microbatches: int, batches: int,
-                   first_batch: int = 0) -> list[list[Action]]:
-    return [list(stage_actions(schedule, stages, microbatches, batches, s, first_batch))
+                   first_batch: int = 0, chunks: int = 1) -> list[list[Action]]:
+    return [list(stage_actions(schedule, stages, microbatches, batches, s, first_batch, chunks))
             for s in range(stages)]
 
 
-def forward_only_actions(stages: int, microbatches: int, stage: int) -> Iterator[Action]:
-    """Evaluation: forwards of `microbatches` microbatches with the newest weights (version None)."""
-    for k in range(microbatches):
-        if stage > 0:
-            yield Action(RECV_ACT, k)
-        yield Action(FORWARD, k)
-        if stage < stages - 1:
-            yield Action(SEND_ACT, k)
+def forward_only_actions(stages: int, microbatches: int, stage: int,
+                         chunks: int = 1) -> Iterator[Action]:
+    """Evaluation: forwards of `microbatches` microbatches with the newest weights (version None);
+    with chunks, in the interleaved order (microbatches in groups of p through each chunk)."""
+    if chunks > 1:
+        order = interleaved.forward_order(stages, microbatches, chunks)
+    else:
+        order = [(0, k) for k in range(microbatches)]
+    for c, k in order:
+        if stage > 0 or c > 0:
+            yield Action(RECV_ACT, k, chunk=c)
+        yield Action(FORWARD, k, chunk=c)
+        if stage < stages - 1 or c < chunks - 1:
+            yield Action(SEND_ACT, k, chunk=c)
+
+
+def transfer_actions(kind: str, stages: int, stage: int, chunks: int, k: int, chunk: int,
+                     version: int) -> tuple[list[Action], Action, list[Action]]:
+    """A compute action with the receive before it and the send after it where the virtual
+    pipeline (chunk c of stage r is virtual stage c * p + r) has a neighbour on that side."""
+    first = stage == 0 and chunk == 0
+    last = stage == stages - 1 and chunk == chunks - 1
+    compute = Action(kind, k, version, chunk=chunk)
+    if kind == FORWARD:
+        return ([] if first else [Action(RECV_ACT, k, chunk=chunk)], compute,
+                [] if last else [Action(SEND_ACT, k, chunk=chunk)])
+    if kind == BACKWARD_WEIGHT:
+        return [], compute, []
+    return ([] if last else [Action(RECV_GRAD, k, chunk=chunk)], compute,
+            [] if first else [Action(SEND_GRAD, k, chunk=chunk)])
+
+
+def end_of_flushed_batch(batch: int) -> list[Action]:
+    """Vanilla schedules: reduce, release and step once the batch's last backward is done."""
+    return [Action(REDUCE_GRADS, batch=batch), Action(RELEASE_VERSION, version=batch),
+            Action(STEP, version=batch + 1, batch=batch)]
 
 
 # ---------------------------------------------------------------------------------------------
 # Timeline: event-driven replay of all stages' lists with given durations (also a deadlock check)
+
+# a backward split into B and W takes about what the whole backward takes (F 1, B + W 2)
+DEFAULT_DURATIONS = {FORWARD: 1.0, BACKWARD: 2.0, BACKWARD_INPUT: 1.0, BACKWARD_WEIGHT: 1.0}
+
 
 @dataclass(frozen=True)
 class TimedAction:
@@ -246,19 +307,22 @@ class TimedAction:
     end: float
 
 
-def _peer(stage: int, kind: str) -> tuple[int, str]:
-    """The stage and kind of the send a receive waits for."""
-    return (stage - 1, SEND_ACT) if kind == RECV_ACT else (stage + 1, SEND_GRAD)
+def _peer(stage: int, kind: str, chunk: int = 0, stages: int = 0) -> tuple[int, str, int]:
+    """The stage, kind and chunk of the send a receive waits for (chunks: the virtual pipeline
+    wraps from the last stage's chunk c to the first stage's chunk c + 1)."""
+    if kind == RECV_ACT:
+        return (stage - 1) % max(stages, 1), SEND_ACT, chunk - (stage == 0)
+    return (stage + 1) % max(stages, 1), SEND_GRAD, chunk + (stage == stages - 1)
 
 
 def timeline(actions: list[list[Action]], duration: Callable[[int, Action], float] | None = None,
              transfer: Callable[[int, int, Action], float] | None = None) -> list[list[TimedAction]]:
     """Replay every stage's list in order. Sends never block; a receive starts once the matching
     send ended plus `transfer(src, dst, action)`. Raises ScheduleError naming each stuck stage."""
-    duration = duration or (lambda stage, a: {FORWARD: 1.0, BACKWARD: 2.0}.get(a.kind, 0.0))
+    duration = duration or (lambda stage, a: DEFAULT_DURATIONS.get(a.kind, 0.0))
     transfer = transfer or (lambda src, dst, a: 0.0)
     n = len(actions)
-    sent: dict[tuple[int, str, int], float] = {}  # (stage, kind, microbatch) -> end time
+    sent: dict[tuple[int, str, int, int], float] = {}  # (stage, kind, microbatch, chunk) -> end
     clock = [0.0] * n
     position = [0] * n
     result: list[list[TimedAction]] = [[] for _ in range(n)]
@@ -270,14 +334,14 @@ def timeline(actions: list[list[Action]], duration: Callable[[int, Action], floa
                 a = actions[s][position[s]]
                 start = clock[s]
                 if a.kind in (RECV_ACT, RECV_GRAD):
-                    src, send_kind = _peer(s, a.kind)
-                    key = (src, send_kind, a.microbatch)
+                    src, send_kind, chunk = _peer(s, a.kind, a.chunk, n)
+                    key = (src, send_kind, a.microbatch, chunk)
                     if key not in sent:
                         break
                     start = max(start, sent.pop(key) + transfer(src, s, a))
                 end = start + duration(s, a)
                 if a.kind in (SEND_ACT, SEND_GRAD):
-                    sent[(s, a.kind, a.microbatch)] = end
+                    sent[(s, a.kind, a.microbatch, a.chunk)] = end
                 result[s].append(TimedAction(s, a, start, end))
                 clock[s] = end
                 position[s] += 1
@@ -288,8 +352,8 @@ def timeline(actions: list[list[Action]], duration: Callable[[int, Action], floa
                           for s in stuck)
         raise ScheduleError(f"deadlock: {waits} wait for sends that never come")
     if sent:
-        (s, kind, k), _ = next(iter(sent.items()))
-        raise ScheduleError(f"stage {s}: {kind}({k}) is never received")
+        (s, kind, k, chunk), _ = next(iter(sent.items()))
+        raise ScheduleError(f"stage {s}: {Action(kind, k, chunk=chunk)} is never received")
     return result
 
 
@@ -315,51 +379,65 @@ def validate(actions: list[list[Action]], schedule: str, microbatches: int,
     stages = len(actions)
     m = microbatches
     batches = range(first_batch, first_batch + (len(_microbatches(actions)) + m - 1) // m)
+    chunks = 1 + max((a.chunk for row in actions for a in row), default=0)
     for s, stage_list in enumerate(actions):
-        first, last = s == 0, s == stages - 1
-        limit = max_in_flight(schedule, stages, m, s)
+        limit = max_in_flight(schedule, stages, m, s, chunks)
         version_limit = live_versions(schedule, stages, s)
+        # sets of (chunk, microbatch); `freed`: activations dropped (backward, or W after B)
         forwarded, backwarded, received_act, received_grad = set(), set(), set(), set()
+        weighted, freed = set(), set()
         alive = set(range(version_for_batch(schedule, first_batch, s, stages), first_batch + 1))
-        forward_version: dict[int, int] = {}
+        forward_version: dict[tuple[int, int], int] = {}
         reduced: set[int] = set()
         stepped: set[int] = set()
         for i, a in enumerate(stage_list):
             k = a.microbatch
+            first = s == 0 and a.chunk == 0  # of the virtual pipeline
+            last = s == stages - 1 and a.chunk == chunks - 1
+            key = (a.chunk, k)
             if a.kind == FORWARD:
-                if k in forwarded:
+                if key in forwarded:
                     _fail(s, i, a, "microbatch forwarded twice")
-                if not first and k not in received_act:
+                if not first and key not in received_act:
                     _fail(s, i, a, "forward before its activation was received from the previous stage")
-                forwarded.add(k)
-                if len(forwarded) - len(backwarded) > limit:
+                forwarded.add(key)
+                if len(forwarded) - len(freed) > limit:
                     _fail(s, i, a, f"more than {limit} microbatches in flight on stage {s}")
-            elif a.kind == BACKWARD:
-                if k not in forwarded or k in backwarded:
+            elif a.kind in (BACKWARD, BACKWARD_INPUT):
+                if key not in forwarded or key in backwarded:
                     _fail(s, i, a, "backward without a preceding forward, or twice")
-                if not last and k not in received_grad:
+                if not last and key not in received_grad:
                     _fail(s, i, a, "backward before its gradient was received from the next stage")
                 unreduced = [b for b in range(first_batch, k // m) if b not in reduced]
                 if unreduced:
                     _fail(s, i, a, f"gradient buffer: backward of batch {k // m} writes the buffer "
                                    f"before batch {unreduced[0]}'s gradients were reduced")
-                backwarded.add(k)
+                backwarded.add(key)
+                if a.kind == BACKWARD:
+                    freed.add(key)
+            elif a.kind == BACKWARD_WEIGHT:
+                if key not in backwarded or key in weighted or key in freed:
+                    _fail(s, i, a, "weight gradient without a preceding input gradient (B), or "
+                                   "twice")
+                weighted.add(key)
+                freed.add(key)
             elif a.kind == RECV_ACT:
                 if first:
                     _fail(s, i, a, "the first stage has no previous stage to receive from")
-                received_act.add(k)
+                received_act.add(key)
             elif a.kind == RECV_GRAD:
                 if last:
                     _fail(s, i, a, "the last stage has no next stage to receive from")
-                received_grad.add(k)
-            elif a.kind == SEND_ACT and (last or k not in forwarded):
+                received_grad.add(key)
+            elif a.kind == SEND_ACT and (last or key not in forwarded):
                 _fail(s, i, a, "send of an activation that was not computed (or from the last stage)")
-            elif a.kind == SEND_GRAD and (first or k not in backwarded):
+            elif a.kind == SEND_GRAD and (first or key not in backwarded):
                 _fail(s, i, a, "send of a gradient that was not computed (or from the first stage)")
             elif a.kind == REDUCE_GRADS:
                 batch_ks = range(a.batch * m, (a.batch + 1) * m)
-                if not all(x in backwarded for x in batch_ks):
-                    _fail(s, i, a, "gradients reduced before every backward of the batch")
+                if not all((c, x) in freed for c in range(chunks) for x in batch_ks):
+                    _fail(s, i, a, "gradients reduced before every backward (and weight gradient) "
+                                   "of the batch")
                 unstepped = [b for b in range(first_batch, a.batch) if b not in stepped]
                 if unstepped:
                     _fail(s, i, a, f"gradient buffer: batch {a.batch}'s reduction reuses the "
@@ -382,27 +460,48 @@ def validate(actions: list[list[Action]], schedule: str, microbatches: int,
                 if a.version != expected:
                     _fail(s, i, a, f"{schedule} must use version {expected} for microbatch {k} "
                                    f"on stage {s}")
-                if a.kind == BACKWARD and forward_version.get(k) != a.version:
+                if a.kind != FORWARD and forward_version.get(key) != a.version:
                     _fail(s, i, a, f"weight stashing: the backward of microbatch {k} names version "
-                                   f"{a.version}, its forward version {forward_version.get(k)}")
-                forward_version.setdefault(k, a.version)
+                                   f"{a.version}, its forward version {forward_version.get(key)}")
+                forward_version.setdefault(key, a.version)
                 if a.version not in alive:
                     _fail(s, i, a, f"version {a.version} is not alive (not created yet or released)")
             if len(alive) > version_limit:
                 _fail(s, i, a, f"{schedule} holds {len(alive)} weight versions on stage {s} (at "
                                f"most {version_limit})")
-        missing = forwarded - backwarded
+        missing = forwarded - freed
         if missing:
-            raise ScheduleError(f"stage {s}: microbatches {sorted(missing)} never run backward")
+            raise ScheduleError(f"stage {s}: (chunk, microbatch) {sorted(missing)} never run "
+                                f"backward (or their weight gradient)")
         for b in batches:
             if b not in reduced or b not in stepped:
                 raise ScheduleError(f"stage {s}: batch {b} is never "
                                     f"{'reduced' if b not in reduced else 'stepped'}")
+    _check_transfer_order(actions)
     timeline(actions)  # raises on deadlock or an unmatched send
 
 
 def _microbatches(actions: list[list[Action]]) -> set[int]:
     return {a.microbatch for stage_list in actions for a in stage_list if a.kind == FORWARD}
+
+def _check_transfer_order(actions: list[list[Action]]) -> None:
+    """Transfers carry no microbatch number: between two stages, the receives of each kind must
+    come in the order of the sends they match."""
+    stages = len(actions)
+    sent: dict[tuple[int, int, str], list] = {}
+    received: dict[tuple[int, int, str], list] = {}
+    for s, stage_list in enumerate(actions):
+        for a in stage_list:
+            if a.kind in (SEND_ACT, SEND_GRAD):
+                dst = (s + 1 if a.kind == SEND_ACT else s - 1) % stages
+                sent.setdefault((s, dst, a.kind), []).append((a.microbatch, a.chunk))
+            elif a.kind in (RECV_ACT, RECV_GRAD):
+                src, kind, chunk = _peer(s, a.kind, a.chunk, stages)
+                received.setdefault((src, s, kind), []).append((a.microbatch, chunk))
+    for (src, dst, kind), order in received.items():
+        if sent.get((src, dst, kind), []) != order:
+            raise ScheduleError(f"stage {dst} receives its {kind} transfers from stage {src} in "
+                                f"another order than stage {src} sends them")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -413,8 +512,11 @@ def render(actions: list[list[Action]], width: int = 200) -> str:
     timed = timeline(actions)
     end = max((t.end for row in timed for t in row), default=0.0)
     columns = min(int(end), width)
+    chunked = any(t.action.chunk for row in timed for t in row)
+
     def label(a: Action) -> str:
-        return f"{a.kind[0].upper()}{a.microbatch}v{a.version}"
+        chunk = f".{a.chunk}" if chunked else ""
+        return f"{LETTERS[a.kind]}{a.microbatch}{chunk}v{a.version}"
     cell = max([5, *(len(label(t.action)) + 1 for row in timed for t in row
                      if t.action.kind in COMPUTE_KINDS)])  # a space after every label
     lines = []
@@ -426,6 +528,15 @@ def render(actions: list[list[Action]], width: int = 200) -> str:
             for c in range(int(t.start), min(int(t.end), columns)):
                 grid[c] = label(t.action).ljust(cell) if c == int(t.start) else "-" * cell
         lines.append(f"stage {s} |" + "".join(grid))
+    split = any(t.action.kind == BACKWARD_WEIGHT for row in timed for t in row)
     lines.append("F<k>v<w>: forward of microbatch k with weight version w; B: backward "
-                 "(2 slots); '.' idle")
+                 + ("input gradient, W: weight gradient (1 slot each); " if split else "(2 slots); ")
+                 + ("<k>.<c>: chunk c; " if chunked else "") + "'.' idle")
     return "\n".join(lines)
+
+
+# the vanilla schedules that live in their own modules (they build on the helpers above)
+from megatron_2bw.pipeline import interleaved, zero_bubble  # noqa: E402
+
+FLUSHED_GENERATORS = {"zb-h1": zero_bubble.zb_h1_actions,
+                      "interleaved": interleaved.interleaved_actions}
