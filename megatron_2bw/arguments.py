@@ -137,6 +137,11 @@ def build_parser(description: str = "", extra_args_provider=None) -> argparse.Ar
           help="interleaved: layers per model chunk (v = num-layers / p / this)")
     _flag(g, "--pipeline-layer-split", "parallel", "layer_split", type=str,
           help="layers per stage, e.g. 5,7,7,5")
+    _flag(g, "--pipeline-repartition-interval", "parallel", "repartition_interval", type=int,
+          help="every N iterations measure each layer's time, plan a new layer split and "
+               "recompute plan, and move layers between stages if it pays (docs/repartition.md)")
+    _flag(g, "--pipeline-repartition-min-gain", "parallel", "repartition_min_gain", type=float,
+          help="the predicted speed-up a repartition needs (a fraction, default 0.05)")
     _flag(g, "--distributed-backend", "parallel", "distributed_backend", choices=["nccl", "gloo"])
     _flag(g, "--distributed-timeout-minutes", "parallel", "timeout_minutes", type=float)
     _bool_flag(g, "--auto-parallel", "parallel", "auto_parallel", "choose t, p, micro batch, "
@@ -176,6 +181,8 @@ def build_parser(description: str = "", extra_args_provider=None) -> argparse.Ar
     _flag(g, "--recompute-granularity", "recompute", "granularity", choices=["full", "selective"])
     _flag(g, "--recompute-method", "recompute", "method", choices=["uniform", "block"])
     _flag(g, "--recompute-num-layers", "recompute", "num_layers", type=int)
+    _flag(g, "--recompute-num-layers-per-stage", "recompute", "num_layers_per_stage", type=str,
+          help="how many of each stage's layers recompute in full (its first ones), e.g. 3,2,1,0")
     g.add_argument("--recompute-activations", action="store_true",
                    help="shorthand for --recompute-granularity selective")
     g.add_argument("--checkpoint-activations", action="store_true",
@@ -416,6 +423,13 @@ def config_from_args(args: argparse.Namespace, model_type: str = "gpt",
         except ValueError:
             raise ConfigError(f"--pipeline-layer-split expects comma-separated integers, "
                               f"got {config.parallel.layer_split!r}") from None
+    if isinstance(config.recompute.num_layers_per_stage, str):
+        try:
+            config.recompute.num_layers_per_stage = [
+                int(x) for x in config.recompute.num_layers_per_stage.split(",")]
+        except ValueError:
+            raise ConfigError(f"--recompute-num-layers-per-stage expects comma-separated "
+                              f"integers, got {config.recompute.num_layers_per_stage!r}") from None
     if getattr(args, "bert_no_binary_head", False):
         config.model.bert_binary_head = False
     if getattr(args, "recompute_activations", False):
@@ -548,6 +562,33 @@ def _validate_run_loop(tr, log) -> None:
         _require(0 <= log.profile_step_start < log.profile_step_end,
                  f"--profile-step-start {log.profile_step_start} must be >= 0 and below "
                  f"--profile-step-end {log.profile_step_end}")
+
+
+def _validate_stage_plans(config: Config) -> None:
+    """--pipeline-layer-split's stages against --recompute-num-layers-per-stage and the
+    repartitioning flags."""
+    from megatron_2bw.pipeline.partition import layer_ranges
+    par, recompute = config.parallel, config.recompute
+    _require(par.repartition_interval is None or par.repartition_interval >= 1,
+             f"--pipeline-repartition-interval must be a positive integer, got "
+             f"{par.repartition_interval}")
+    _require(par.repartition_min_gain >= 0, f"--pipeline-repartition-min-gain must be >= 0, got "
+                                            f"{par.repartition_min_gain}")
+    plan = recompute.num_layers_per_stage
+    if plan is None:
+        return
+    text, p = ",".join(map(str, plan)), par.pipeline_parallel
+    _require(len(plan) == p, f"--recompute-num-layers-per-stage {text} gives {len(plan)} stages, "
+                             f"--pipeline-model-parallel-size is {p}")
+    _require(recompute.granularity in (None, "full") and recompute.method in (None, "block"),
+             f"--recompute-num-layers-per-stage recomputes whole layers (full, block); it "
+             f"excludes --recompute-granularity {recompute.granularity} --recompute-method "
+             f"{recompute.method}")
+    layers = [len(r) for r in layer_ranges(config.model.num_layers, p, par.layer_split)]
+    bad = [s for s, (k, n) in enumerate(zip(plan, layers)) if not 0 <= k <= n]
+    _require(not bad, f"--recompute-num-layers-per-stage {text}: stage {bad[0] if bad else 0} "
+                      f"holds {layers[bad[0]] if bad else 0} layers (split "
+                      f"{','.join(map(str, layers))}); give 0..that many")
 
 
 def _architecture_switches(args: argparse.Namespace, model) -> None:
@@ -729,8 +770,10 @@ def validate(config: Config, require_data: bool = True) -> None:
     _validate_pipedream(config)
     _require(opt.clip_grad >= 0, f"--clip-grad must be >= 0 (0 disables), got {opt.clip_grad}")
     if config.recompute.granularity == "full":
-        _require(config.recompute.method is not None,
+        _require(config.recompute.method is not None or
+                 config.recompute.num_layers_per_stage is not None,
                  "--recompute-granularity full needs --recompute-method uniform|block")
+    _validate_stage_plans(config)
     _require(not m.untie_embeddings_and_output_weights or m.model_type == "gpt",
              "--untie-embeddings-and-output-weights applies to GPT only (BERT's masked-LM head "
              "stays tied)")

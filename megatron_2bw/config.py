@@ -131,6 +131,11 @@ class ParallelConfig:
     use_distributed_optimizer: bool = False
     ddp_bucket_size: int = 40_000_000  # elements per data-parallel all-reduce bucket
     bind_cores_to_rank: bool = False  # each local rank on its own share of the node's cores
+    # online repartitioning (pipeline/repartition.py): every N iterations the stages' measured
+    # per-layer times choose a new layer split and recompute plan; moved if the predicted gain
+    # reaches min_gain (a fraction)
+    repartition_interval: int | None = None
+    repartition_min_gain: float = 0.05
 
     @property
     def pipeline_schedule(self) -> str:
@@ -169,6 +174,9 @@ class RecomputeConfig:
     granularity: str | None = None  # None | "full" | "selective"
     method: str | None = None  # "uniform" | "block" (full only)
     num_layers: int = 1
+    # per pipeline stage: how many of the stage's first layers recompute in full (vPipe-style
+    # plans; pipeline/partition.stage_recompute gives each stage its own setting)
+    num_layers_per_stage: list[int] | None = None
 
 
 @dataclass

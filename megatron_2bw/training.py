@@ -36,7 +36,7 @@ from megatron_2bw.optim.lr_schedule import apply_schedule
 from megatron_2bw.optim.optimizer import build_torch_optimizer
 from megatron_2bw.planner.memory import estimate_stage_memory
 from megatron_2bw.pipeline.executor import StageExecutor
-from megatron_2bw.pipeline.partition import layer_ranges
+from megatron_2bw.pipeline.partition import layer_ranges, stage_recompute
 from megatron_2bw.pipeline.schedules import VersionRule, stage_actions, stage_receives
 from megatron_2bw.pipeline.update import GradientUpdater, StepResult
 from megatron_2bw.pipeline.weights import WeightVersions
@@ -84,7 +84,7 @@ def build_stage(config: Config, layout: ParallelLayout, device: torch.device, ti
         ranges = layer_ranges(config.model.num_layers, par.pipeline_parallel, par.layer_split)
         model = build_stage_model(config.model, layout.group("tensor"), par.tensor_parallel,
                                   ranges[stage], layout.is_first_stage, layout.is_last_stage,
-                                  config.training.seed, config.recompute,
+                                  config.training.seed, stage_recompute(config.recompute, stage),
                                   layout.group("context")).to(device)
     rule = VersionRule(par.pipeline_schedule, par.pipeline_parallel, stage)
     versions = WeightVersions(model, working_dtype(config), grad_dtype(config), rule=rule)
@@ -239,6 +239,9 @@ def model_flops_per_sample(config: Config) -> float:
     per_token_layer = linear_flops_per_token(m) + attention_flops_per_token(m)
     per_token = m.num_layers * per_token_layer + 2 * m.hidden_size * m.vocab_size
     factor = 4 if config.recompute.granularity == "full" else 3
+    plan = config.recompute.num_layers_per_stage
+    if plan is not None:  # the recomputed share of the layers repeats its forward
+        factor = 3 + sum(plan) / m.num_layers
     return factor * m.seq_length * per_token
 
 

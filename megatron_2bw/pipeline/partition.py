@@ -1,5 +1,7 @@
-"""Which layers each pipeline stage holds."""
+"""Which layers each pipeline stage holds, and which of them recompute."""
 from __future__ import annotations
+
+from megatron_2bw.config import RecomputeConfig
 
 
 def layer_ranges(num_layers: int, stages: int, split: list[int] | None = None) -> list[range]:
@@ -15,3 +17,15 @@ def layer_ranges(num_layers: int, stages: int, split: list[int] | None = None) -
                          f"summing to {num_layers}")
     starts = [sum(split[:s]) for s in range(stages)]
     return [range(start, start + n) for start, n in zip(starts, split)]
+
+
+def stage_recompute(recompute: RecomputeConfig, stage: int) -> RecomputeConfig:
+    """The recomputation one stage runs: under a per-stage plan (--recompute-num-layers-per-stage)
+    its first plan[stage] layers recompute in full, one by one (Megatron's "block" method with that
+    stage's count); otherwise the job-wide setting."""
+    plan = recompute.num_layers_per_stage
+    if plan is None:
+        return recompute
+    if plan[stage] == 0:
+        return RecomputeConfig()
+    return RecomputeConfig(granularity="full", method="block", num_layers=plan[stage])

@@ -37,7 +37,7 @@ import torch
 
 from megatron_2bw.config import ModelConfig, ParallelConfig, PrecisionConfig, RecomputeConfig
 from megatron_2bw.distributed.comm import ShardShapeGroup
-from megatron_2bw.pipeline.partition import layer_ranges
+from megatron_2bw.pipeline.partition import layer_ranges, stage_recompute
 from megatron_2bw.pipeline.schedules import max_in_flight
 from megatron_2bw.planner.hardware import HardwareSpec
 
@@ -323,7 +323,8 @@ def estimate_stage_memory(model: ModelConfig, parallel: ParallelConfig, precisio
                           activation_bytes_per_layer: float | None = None) -> StageMemory:
     """Peak bytes on one rank of `stage`. `activation_bytes_per_layer` (measured) is what a layer
     not wrapped in full recomputation stashes per microbatch (with "selective" if configured);
-    None uses the analytic `layer_activation_bytes`."""
+    None uses the analytic `layer_activation_bytes`. A per-stage recompute plan
+    (RecomputeConfig.num_layers_per_stage) counts this stage's own."""
     if optimizer not in OPTIMIZER_STATE_BYTES:
         raise ValueError(f"unknown optimizer {optimizer!r}; expected one of "
                          f"{list(OPTIMIZER_STATE_BYTES)}")
@@ -331,6 +332,7 @@ def estimate_stage_memory(model: ModelConfig, parallel: ParallelConfig, precisio
     if not 0 <= stage < p:
         raise ValueError(f"stage {stage} out of range for {p} pipeline stages")
     schedule = parallel.pipeline_schedule
+    recompute = stage_recompute(recompute, stage)
     layers = _stage_layers(model.num_layers, p, tuple(parallel.layer_split or ()))[stage]
     first, last = stage == 0, stage == p - 1
     P = stage_parameters(model, t, layers, first, last)
