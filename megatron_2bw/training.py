@@ -93,7 +93,7 @@ def build_stage(config: Config, layout: ParallelLayout, device: torch.device, ti
         versions, optimizer, scaler,
         lambda groups, b: apply_schedule(groups, b, config.optimizer, train), config.optimizer,
         layout.group("data"), layout.group("embedding"), layout.group("model"),
-        layout.group("tensor"), par.ddp_bucket_size, par.timeout_minutes, timers,
+        layout.group("tensor"), par.ddp_bucket_size, timers,
         check_for_nan=train.check_for_nan_in_loss_and_grad,
         log_params_norm=config.logging.log_params_norm,
         log_num_zeros_in_grad=config.logging.log_num_zeros_in_grad,
@@ -108,7 +108,7 @@ def build_stage(config: Config, layout: ParallelLayout, device: torch.device, ti
                  m.seq_length // (m.sequence_ranks(par.tensor_parallel) * layout.context),
                  m.hidden_size)
         p2p = PipelineP2P(prev_rank, next_rank, layout.group("pipeline"), shape,
-                          working_dtype(config), device, par.timeout_minutes)
+                          working_dtype(config), device)
     memory = MemoryTracker(device)
     executor = StageExecutor(model, versions, updater, p2p, stage, par.pipeline_parallel,
                              microbatches, timers, memory, on_step)
