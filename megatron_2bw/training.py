@@ -71,7 +71,7 @@ def working_dtype(config: Config) -> torch.dtype:
 
 def grad_dtype(config: Config) -> torch.dtype:
     dtype = working_dtype(config)
-    return torch.float32 if config.precision.accumulate_allreduce_grads_in_fp32 else dtype
+    return torch.float32 if config.precision.fp32_gradients else dtype
 
 
 def build_stage(config: Config, layout: ParallelLayout, device: torch.device, timers: Timers,
