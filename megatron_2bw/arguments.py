@@ -173,9 +173,9 @@ def build_parser(description: str = "", extra_args_provider=None) -> argparse.Ar
     _flag(g, "--hysteresis", "precision", "hysteresis", type=int)
     _bool_flag(g, "--accumulate-allreduce-grads-in-fp32", "precision",
                "accumulate_allreduce_grads_in_fp32", "fp32 gradient buffers")
-    g.add_argument("--grad-reduce-in-bf16", action="store_true",
-                   help="accepted with --bf16: gradients are accumulated and reduced in bf16 "
-                        "unless --accumulate-allreduce-grads-in-fp32 is given")
+    _bool_flag(g, "--grad-reduce-in-bf16", "precision", "grad_reduce_in_bf16",
+               "with --bf16: accumulate and reduce the gradients in bf16 (by default --bf16 "
+               "does both in fp32, as Megatron-LM)")
 
     g = parser.add_argument_group("activation recomputation")
     _flag(g, "--recompute-granularity", "recompute", "granularity", choices=["full", "selective"])
@@ -477,12 +477,10 @@ def _legacy_megatron_flags(args: argparse.Namespace, config: Config) -> None:
         config.training.check_for_nan_in_loss_and_grad = False
     if getattr(args, "no_manual_gc_eval", False):
         config.training.manual_gc_eval = False
-    if getattr(args, "grad_reduce_in_bf16", False):
+    if config.precision.grad_reduce_in_bf16:
         if not config.precision.bf16 or config.precision.accumulate_allreduce_grads_in_fp32:
-            raise ConfigError("--grad-reduce-in-bf16 reduces the gradients in bf16, which "
-                              "megatron_2bw does under --bf16 unless "
-                              "--accumulate-allreduce-grads-in-fp32 is given: it needs --bf16 "
-                              "without that flag")
+            raise ConfigError("--grad-reduce-in-bf16 reduces the gradients in bf16: it needs "
+                              "--bf16 and excludes --accumulate-allreduce-grads-in-fp32")
 
 
 def _validate_schedule_units(tr, opt) -> None:

@@ -163,6 +163,15 @@ class PrecisionConfig:
     loss_scale_window: int = 1000
     hysteresis: int = 2
     accumulate_allreduce_grads_in_fp32: bool = False
+    grad_reduce_in_bf16: bool = False  # --bf16 only: opt out of fp32 gradients (Megatron-LM's)
+
+    @property
+    def fp32_gradients(self) -> bool:
+        """Whether gradients are accumulated and reduced in fp32: with
+        --accumulate-allreduce-grads-in-fp32, and under --bf16 unless --grad-reduce-in-bf16
+        (Megatron-LM's defaults: bf16 gradients lose too much when summed over microbatches and
+        replicas; fp16's, loss-scaled, stay in fp16 unless asked)."""
+        return self.accumulate_allreduce_grads_in_fp32 or (self.bf16 and not self.grad_reduce_in_bf16)
 
     @property
     def working_dtype_name(self) -> str:

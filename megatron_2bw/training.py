@@ -71,7 +71,7 @@ def working_dtype(config: Config) -> torch.dtype:
 
 def grad_dtype(config: Config) -> torch.dtype:
     dtype = working_dtype(config)
-    return torch.float32 if config.precision.accumulate_allreduce_grads_in_fp32 else dtype
+    return torch.float32 if config.precision.fp32_gradients else dtype
 
 
 def build_stage(config: Config, layout: ParallelLayout, device: torch.device, timers: Timers,
@@ -97,7 +97,7 @@ def build_stage(config: Config, layout: ParallelLayout, device: torch.device, ti
         layout.group("data"), layout.group("embedding"),
         # the ranks that decide a step together (norm, overflow): the stage alone under PipeDream
         layout.group("model") if rule.global_step_decisions else layout.group("tensor"),
-        layout.group("tensor"), par.ddp_bucket_size, par.timeout_minutes, timers,
+        layout.group("tensor"), par.ddp_bucket_size, timers,
         check_for_nan=train.check_for_nan_in_loss_and_grad,
         log_params_norm=config.logging.log_params_norm,
         log_num_zeros_in_grad=config.logging.log_num_zeros_in_grad,
@@ -116,7 +116,7 @@ def build_stage(config: Config, layout: ParallelLayout, device: torch.device, ti
                  m.seq_length // (m.sequence_ranks(par.tensor_parallel) * layout.context),
                  m.hidden_size)
         p2p = PipelineP2P(prev_rank, next_rank, layout.group("pipeline"), shape,
-                          working_dtype(config), device, par.timeout_minutes)
+                          working_dtype(config), device)
     memory = MemoryTracker(device)
     executor = StageExecutor(model, versions, updater, p2p, stage, par.pipeline_parallel,
                              microbatches, timers, memory, on_step)

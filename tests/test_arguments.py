@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from megatron_2bw.arguments import ConfigError, parse_config, validate_for_world
 
@@ -186,9 +187,10 @@ def test_megatron_bert_example_script_carries_over():
     (["--fp8-format", "hybrid"], "--fp8-format hybrid: FP8 needs Transformer Engine"),
     (["--async-save"], "--async-save is not supported"),
     (["--tp-comm-overlap"], "--tp-comm-overlap is not supported"),
-    (["--grad-reduce-in-bf16"], "--grad-reduce-in-bf16 reduces the gradients in bf16"),
+    (["--grad-reduce-in-bf16"], "--grad-reduce-in-bf16 reduces the gradients in bf16: it needs "
+                                "--bf16"),
     (["--bf16", "--grad-reduce-in-bf16", "--accumulate-allreduce-grads-in-fp32"],
-     "--grad-reduce-in-bf16 reduces the gradients in bf16"),
+     "--grad-reduce-in-bf16 reduces the gradients in bf16: it needs --bf16 and excludes"),
     (["--check-for-nan-in-loss-and-grad", "--no-check-for-nan-in-loss-and-grad"],
      "give --check-for-nan-in-loss-and-grad or --no-check-for-nan-in-loss-and-grad, not both"),
     (["--decoupled-min-lr", "1e-5"], "--decoupled-min-lr needs --decoupled-lr"),
@@ -368,3 +370,17 @@ def test_pipedream_fp16_with_a_static_scale_or_vertical_sync_is_accepted():
         config, _ = parse_config([*TINY, *PIPEDREAM, "--untie-embeddings-and-output-weights",
                                   "--fp16", *extra])
         assert config.precision.fp16
+
+
+@pytest.mark.parametrize("flags, fp32_gradients", [
+    ([], True),  # fp32 training: fp32 everything
+    (["--bf16"], True),  # Megatron-LM's default for bf16
+    (["--bf16", "--grad-reduce-in-bf16"], False),
+    (["--bf16", "--accumulate-allreduce-grads-in-fp32"], True),
+    (["--fp16"], False),
+    (["--fp16", "--accumulate-allreduce-grads-in-fp32"], True),
+])
+def test_bf16_accumulates_and_reduces_gradients_in_fp32_unless_told(flags, fp32_gradients):
+    from megatron_2bw.training import grad_dtype
+    config, _ = parse_config([*TINY, *flags])
+    assert (grad_dtype(config) == torch.float32) == fp32_gradients

@@ -2,8 +2,11 @@
 
 Shapes are known ahead (micro batch x sequence x hidden, in the working precision), so there is no
 per-message handshake. Consecutive transfers are posted together (batch_isend_irecv); sends are never
-waited for on the spot, receives are waited for with the distributed timeout, so a stalled peer ends
-in an error naming the transfer instead of a hang.
+waited for on the spot. Every wait is a plain `work.wait()`: under NCCL that only makes the current
+stream wait for the transfer (the host runs on and queues the next kernels), where a wait with a
+timeout would block the host thread until the transfer is done. A stalled peer still ends the job:
+the process group's own timeout (--distributed-timeout-minutes; gloo's per-operation timeout, NCCL's
+watchdog) fails the transfer, and the executor names the rank, stage and action.
 
 A send's tensor must stay alive until the send completes, and gloo reports a send complete only
 once it has been waited for (`is_completed()` stays False after the data has left). So an exchange
@@ -21,8 +24,6 @@ communicator's stream, and the sends queued behind it would never start.
 """
 from __future__ import annotations
 
-from datetime import timedelta
-
 import torch
 import torch.distributed as dist
 
@@ -32,17 +33,11 @@ KINDS = ("act", "grad")
 TAGS = {"act": 0, "grad": 1}
 
 
-class P2PTimeout(RuntimeError):
-    pass
-
-
 class PipelineP2P:
     def __init__(self, prev_rank: int | None, next_rank: int | None, group, shape: tuple,
-                 dtype: torch.dtype, device: torch.device, timeout_minutes: float,
-                 post_ahead: bool | None = None):
+                 dtype: torch.dtype, device: torch.device, post_ahead: bool | None = None):
         self.prev_rank, self.next_rank, self.group = prev_rank, next_rank, group
         self.shape, self.dtype, self.device = shape, dtype, device
-        self.timeout = timedelta(minutes=timeout_minutes)
         self.post_ahead = (dist.get_backend(group) == "gloo") if post_ahead is None else post_ahead
         self._sends: list[list] = []  # per sending exchange, oldest first: (work, tensor) of its sends
         self._expected = dict.fromkeys(KINDS, 0)  # receives of the segment not yet posted
@@ -99,8 +94,7 @@ class PipelineP2P:
         buffers = []
         for (work, buffer), kind in zip(posted, recvs):
             work = next(posted_now) if work is None else work
-            if not work.wait(self.timeout):
-                raise P2PTimeout(f"receive of {kind} timed out")
+            work.wait()  # the group's timeout ends a stalled peer
             buffers.append(buffer)
             self._post_ahead(kind)
         return buffers
@@ -109,8 +103,7 @@ class PipelineP2P:
         """Wait for the sends of all but the last `keep` exchanges and drop their tensors."""
         while len(self._sends) > keep:
             for work, _ in self._sends.pop(0):
-                if not work.wait(self.timeout):
-                    raise P2PTimeout("a send was not received in time")
+                work.wait()
 
     def pending_sends(self) -> int:
         return sum(map(len, self._sends))

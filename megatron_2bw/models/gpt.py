@@ -66,7 +66,7 @@ class GPTModel(LanguageModelStage):
         loss_mask = batch.get("loss_mask")
         if loss_mask is None:
             labels = batch["tokens"][:, 1:]
-            return torch.tensor(float(labels.numel()), device=labels.device)
+            return torch.full((), float(labels.numel()), device=labels.device)  # no copy
         return loss_mask.sum(dtype=torch.float32)
 
     def lm_logits(self, hidden):

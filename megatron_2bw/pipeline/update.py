@@ -36,7 +36,6 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -87,7 +86,7 @@ class GradientUpdater:
 
     def __init__(self, versions: WeightVersions, optimizer, loss_scaler, schedule,
                  opt: OptimizerConfig, data_group, embedding_group, model_group, tensor_group,
-                 bucket_elements: int, timeout_minutes: float, timers=None,
+                 bucket_elements: int, timers=None,
                  check_for_nan: bool = False, log_params_norm: bool = False,
                  log_num_zeros_in_grad: bool = False, per_token_loss: bool = False):
         self.versions, self.optimizer, self.scaler = versions, optimizer, loss_scaler
@@ -98,7 +97,6 @@ class GradientUpdater:
         self.data_group, self.embedding_group = data_group, embedding_group
         self.model_group, self.tensor_group = model_group, tensor_group
         self.bucket_elements = bucket_elements
-        self.timeout = timedelta(minutes=timeout_minutes)
         self.timers = timers
         tp_rank = group_rank(tensor_group)
         # each parameter counted once in the global norm (and the weights' statistics): replicated
@@ -149,8 +147,11 @@ class GradientUpdater:
         return self.timers(name) if self.timers is not None else None
 
     def _wait(self, work):
+        # no host timeout: under NCCL that would block the host until the work is done, where a
+        # plain wait only orders the current stream after it; the process group's timeout still
+        # ends a stalled reduction
         if work is not None:
-            work.wait(self.timeout)
+            work.wait()
 
     @torch.no_grad()
     def reduce(self, batch: int, microbatches: int) -> None:

@@ -10,7 +10,7 @@ Weights and gradients (pipeline/weights.py, pipeline/update.py):
   gradient buffer is their .grad (4P).
 - otherwise (fp16/bf16, or fp32 2BW): fp32 master weights 4P, their gradient 4P, a working copy per
   live version (2P or 4P each; 2 versions for 2BW) and the gradient-accumulation buffer (working
-  precision, or 4P with accumulate_allreduce_grads_in_fp32).
+  precision, or 4P with fp32 gradients: PrecisionConfig.fp32_gradients).
 - optimizer state: Adam 8P, SGD with momentum 4P. use_distributed_optimizer divides the master
   weights, master gradients and optimizer state by d.
 
@@ -79,7 +79,7 @@ def dtype_bytes(precision: PrecisionConfig) -> int:
 
 
 def grad_buffer_bytes(precision: PrecisionConfig) -> int:
-    return 4 if precision.accumulate_allreduce_grads_in_fp32 else dtype_bytes(precision)
+    return 4 if precision.fp32_gradients else dtype_bytes(precision)
 
 
 # ---------------------------------------------------------------------------------------------

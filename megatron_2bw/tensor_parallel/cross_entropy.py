@@ -4,6 +4,11 @@ Each rank holds logits for vocabulary rows [start, end). Three all-reduces over 
 group (max, target logit, sum of exponentials) give the exact loss; padded vocabulary rows
 (ids >= vocab_size) are excluded from the softmax, so the loss equals F.cross_entropy over the true
 vocabulary.
+
+Memory and the host: one fp32 buffer of the logits' size does all the work (Megatron-LM's
+in-place recipe): the fp32 logits become the shifted logits, their exponentials, the softmax saved
+for the backward and finally the gradient. Which rows are padding follows from the shapes alone,
+so nothing waits for the device.
 """
 from __future__ import annotations
 
@@ -18,33 +23,32 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits, target, group, vocab_size):
         rows = logits.shape[-1]
         start = group_rank(group) * rows
-        logits = logits.float()
-        padded = torch.arange(start, start + rows, device=logits.device) >= vocab_size
-        if padded.any():
-            logits = logits.masked_fill(padded, float("-inf"))
-        logits_max = logits.max(dim=-1).values
+        # the one fp32 buffer (a copy: the caller's logits stay as they were)
+        work = logits.float() if logits.dtype != torch.float32 else logits.clone()
+        if start + rows > vocab_size:  # this rank holds padded rows
+            work[..., max(vocab_size - start, 0):].fill_(float("-inf"))
+        logits_max = work.max(dim=-1).values
         all_reduce(logits_max, group, op=dist.ReduceOp.MAX)
-        shifted = logits - logits_max.unsqueeze(-1)
+        work.sub_(logits_max.unsqueeze(-1))
 
         outside = (target < start) | (target >= start + rows)
         local_target = (target - start).masked_fill(outside, 0)
-        target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
+        target_logit = work.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
         target_logit = target_logit.masked_fill(outside, 0.0)
         all_reduce(target_logit, group)
 
-        exp = shifted.exp_()  # in place: one logits-sized buffer fewer (shifted is used up)
-        sum_exp = exp.sum(dim=-1)
+        sum_exp = work.exp_().sum(dim=-1)
         all_reduce(sum_exp, group)
         loss = sum_exp.log() - target_logit
 
-        softmax = exp.div_(sum_exp.unsqueeze(-1))
+        softmax = work.div_(sum_exp.unsqueeze(-1))
         ctx.save_for_backward(softmax, local_target, outside)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
         softmax, local_target, outside = ctx.saved_tensors
-        grad = softmax  # d loss / d logits = softmax - onehot(target)
+        grad = softmax  # d loss / d logits = softmax - onehot(target), in the same buffer
         onehot_update = (~outside).to(grad.dtype)
         grad.scatter_add_(-1, local_target.unsqueeze(-1), -onehot_update.unsqueeze(-1))
         grad.mul_(grad_loss.unsqueeze(-1))

@@ -15,7 +15,7 @@ RECEIVER_BUSY_S = 1.5  # the receiver "computes" this long before its first exch
 
 def _pair(rank: int, post_ahead: bool) -> PipelineP2P:
     return PipelineP2P(None if rank == 0 else 0, 1 if rank == 0 else None, dist.group.WORLD,
-                       SHAPE, torch.float32, torch.device("cpu"), 1.0, post_ahead)
+                       SHAPE, torch.float32, torch.device("cpu"), post_ahead)
 
 
 def _first_send_seconds(rank: int, world: int, post_ahead: bool):

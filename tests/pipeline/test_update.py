@@ -31,9 +31,9 @@ def record_order(rank: int, world: int, schedule: str, distributed_optimizer: bo
         def __init__(self, work):
             self.work = work
 
-        def wait(self, timeout=None):
+        def wait(self):
             events.append(IN)
-            return self.work.wait(timeout)
+            return self.work.wait()
 
     def all_reduce(tensor, group, **options):
         work = real_all_reduce(tensor, group, **options)
