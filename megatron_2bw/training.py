@@ -338,19 +338,52 @@ def print_writer(log: ProgressLog, message: str) -> None:
 
 # -- the whole run -------------------------------------------------------------------------------
 
-class ExitRequest:
-    """SIGTERM (with --exit-signal-handler) or the time limit: save and stop at the next drain."""
+# the terminal's Ctrl-C reaches every process of the job and torchrun forwards its own to the
+# workers: interrupts this close together are one Ctrl-C
+SAME_INTERRUPT_S = 2.0
 
-    def __init__(self, config: Config, start_time: float):
+
+class ExitRequest:
+    """SIGTERM (with --exit-signal-handler), Ctrl-C (SIGINT) or the time limit: save and stop at
+    the next drain. A second Ctrl-C aborts at once, without a checkpoint."""
+
+    def __init__(self, config: Config, start_time: float, announce: bool = False,
+                 clock=time.monotonic):
         self.signalled = False
         self.deadline = None
+        self.announce = announce  # this rank prints the one line an interrupt gets
+        self.next_drain: int | None = None  # the iteration of the next drain (set by the loop)
+        self.interrupted_at: float | None = None
+        self._clock = clock
         if config.training.exit_duration_in_mins:
             self.deadline = start_time + 60 * config.training.exit_duration_in_mins
         if config.training.exit_signal_handler:
             signal.signal(signal.SIGTERM, self._handler)
+        signal.signal(signal.SIGINT, self._interrupt)
 
     def _handler(self, signum, frame):
         self.signalled = True
+
+    def _say(self, text: str) -> None:
+        if self.announce:  # os.write: print() may be mid-write when the signal arrives
+            os.write(sys.stderr.fileno(), f"{text}\n".encode())
+
+    def _interrupt(self, signum, frame):
+        now = self._clock()
+        if self.interrupted_at is None:
+            self.interrupted_at, self.signalled = now, True
+            where = f"iteration {self.next_drain}" if self.next_drain else "the next drain"
+            self._say(f" interrupted (Ctrl-C): stopping at {where} (the next drain point), after "
+                      f"saving a checkpoint where --save is set; Ctrl-C again to abort at once")
+            # torchrun answers a second Ctrl-C of its own with SIGTERM to the workers
+            signal.signal(signal.SIGTERM, self._abort)
+        elif now - self.interrupted_at > SAME_INTERRUPT_S:
+            self._abort(signum, frame)
+
+    def _abort(self, signum, frame):
+        self._say(" interrupted again: aborting without a checkpoint")
+        sys.stdout.flush()
+        os._exit(INTERRUPTED_EXIT_CODE)
 
     def agreed(self, device) -> bool:
         """Collective: every rank learns whether any rank wants to stop."""
@@ -359,6 +392,9 @@ class ExitRequest:
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
+
+
+INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT, as a shell reports a process Ctrl-C ended
 
 
 class MemoryHousekeeping:
@@ -621,7 +657,7 @@ def pretrain(config: Config, typed: set = frozenset()) -> Stage:
     valid_iterator = valid_data(0) if valid_data is not None else None
     if resumed_rng is not None:  # only now: creating the data loaders drew from the torch RNG
         load_rng_state_dict(resumed_rng)
-    exit_request = ExitRequest(config, log.start_time)
+    exit_request = ExitRequest(config, log.start_time, announce=layout.rank == 0)
     profiler = IterationProfiler(config.logging, layout.rank, device.type)
     if train.skip_train:
         print_rank0(layout, f" skipping training (--skip-train): evaluating the weights of "
@@ -630,6 +666,7 @@ def pretrain(config: Config, typed: set = frozenset()) -> Stage:
             evaluate(stage, valid_iterator, log, stage.iteration)
     with housekeeping.during_training():
         for end in segment_ends(config, stage.iteration):
+            exit_request.next_drain = end
             feed = MicrobatchFeed(train_iterator, device,
                                   stage.iteration * microbatches_of(stage, stage.iteration))
             profiler.begin_segment(stage.iteration)  # outside the log's interval time
@@ -711,6 +748,11 @@ def run_and_report(main) -> None:
     actions, then end this process at once (non-zero) so the launcher stops the whole job."""
     try:
         main()
+    except KeyboardInterrupt:  # Ctrl-C before training began (or in a tool): one line, no trace
+        layout = _FAILURE_CONTEXT.get("layout")
+        if (layout.rank if layout else int(os.environ.get("RANK", "0"))) == 0:
+            print(f"{os.path.basename(sys.argv[0])}: interrupted", file=sys.stderr, flush=True)
+        exit_process(INTERRUPTED_EXIT_CODE)
     except ConfigError as error:
         name = os.path.basename(sys.argv[0])
         layout = _FAILURE_CONTEXT.get("layout")
