@@ -23,6 +23,7 @@ from megatron_2bw.arguments import explicit_fields, parse_config, validate_for_w
 from megatron_2bw.batch_schedule import batch_schedule
 from megatron_2bw.config import Config, ConfigError, TrainingConfig
 from megatron_2bw.distributed.comm import all_reduce
+from megatron_2bw.distributed.error_file import record_failure
 from megatron_2bw.distributed.launch import (exit_process, init_distributed, local_world_size,
                                               usable_cores)
 from megatron_2bw.distributed.layout import ParallelLayout
@@ -758,6 +759,7 @@ def run_and_report(main) -> None:
         layout = _FAILURE_CONTEXT.get("layout")
         if layout is None or layout.rank == 0:
             print(f"{name}: error: {error}", file=sys.stderr, flush=True)
+        record_failure(f"{name}: error: {error}")
         exit_process(2)
     except BaseException as error:  # noqa: BLE001 - every failure must end the job loudly
         if isinstance(error, SystemExit) and not error.code:  # --help, a requested exit
@@ -769,8 +771,9 @@ def run_and_report(main) -> None:
             where += f", stage {layout.stage}"
         history = stage.executor.describe_history() if stage else "(not started)"
         traceback.print_exc()
-        print(f"FAILED: {where}: {type(error).__name__}: {error}\n  last schedule actions: "
-              f"{history}", file=sys.stderr, flush=True)
+        failure = f"FAILED: {where}: {type(error).__name__}: {error}"
+        print(f"{failure}\n  last schedule actions: {history}", file=sys.stderr, flush=True)
+        record_failure(failure)
         exit_process(1)
     else:
         exit_process(0)

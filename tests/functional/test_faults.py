@@ -81,3 +81,39 @@ def test_kill_9_of_one_rank_ends_every_rank():
     assert job.returncode != 0
     assert "Signals.SIGKILL" in output or "exitcode  : -9" in output or "-9" in output, output
     assert not _left_behind(workers)
+
+
+def _root_cause(output: str) -> dict[str, str]:
+    """The fields of torchrun's "Root Cause (first observed failure)" block."""
+    block = output.split("Root Cause (first observed failure):")[1]
+    return {key.strip(): value.strip() for key, value in
+            (line.split(":", 1) for line in block.splitlines() if " : " in line)}
+
+
+def test_torchrun_summary_names_the_rank_and_the_one_line_error_last():
+    """A bad input under torchrun: the ranks' one line (exit code 2) is the root cause torchrun's
+    summary names, the last thing it prints; no "To enable traceback" placeholder."""
+    job = _launch(os.path.join(ROOT, "pretrain_gpt.py"), ["--train-iters", "2",
+                                                          "--save", "/proc/version/ckpt"])
+    output, _ = job.communicate(timeout=JOB_ENDS_WITHIN_S)
+    assert job.returncode != 0
+    cause = _root_cause(output)
+    assert cause["exitcode"].startswith("2 "), output
+    assert cause["traceback"].startswith("pretrain_gpt.py: error: --save /proc/version/ckpt"), output
+    assert "To enable traceback" not in output
+    last = [line for line in output.splitlines() if line.strip() and set(line.strip()) != {"="}]
+    assert last[-1].strip().startswith("traceback : pretrain_gpt.py: error: --save"), output
+
+
+def test_torchrun_summary_names_the_rank_of_a_runtime_failure():
+    job = _launch("tests/functional/stall_rank.py", ["--train-iters", "5"],
+                  {"STALL_RANK": "0", "STALL_ACTION": "F2@v0", "PYTHONPATH": ROOT})
+    try:
+        output, _ = job.communicate(timeout=JOB_ENDS_WITHIN_S)
+    finally:
+        os.killpg(job.pid, signal.SIGKILL) if job.poll() is None else None
+    cause = _root_cause(output)
+    assert cause["rank"].startswith("1 "), output
+    assert cause["traceback"].startswith("FAILED: rank 1 (tp=0/1, dp=0/1, pp=1/2), stage 1: "), \
+        output
+    assert "To enable traceback" not in output
