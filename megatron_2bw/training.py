@@ -47,6 +47,27 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 
 @dataclass
+class AppliedSteps:
+    """The learning-rate and weight-decay schedules advance on applied steps only, as Megatron-LM
+    steps its OptimizerParamScheduler only after a successful update: a step skipped for an fp16
+    overflow leaves them where they were. Checkpoints keep the count of skipped steps."""
+    skipped: int = 0
+
+    def schedule(self, config: Config):
+        """The updater's `schedule(param_groups, batch)`."""
+        return lambda groups, batch: apply_schedule(groups, batch - self.skipped, config.optimizer,
+                                                    config.training)
+
+    def counting(self, on_step):
+        """on_step, counting the skipped steps first (the next step's rate depends on them)."""
+        def counted(result: StepResult) -> None:
+            self.skipped += bool(result.skipped)
+            if on_step is not None:
+                on_step(result)
+        return counted
+
+
+@dataclass
 class Stage:
     """Everything one rank holds for its pipeline stage."""
     config: Config
@@ -64,6 +85,7 @@ class Stage:
     iteration: int = 0  # batches completed (and stepped)
     consumed_samples: int = 0
     step_results: list = field(default_factory=list)
+    applied_steps: AppliedSteps = field(default_factory=AppliedSteps)
 
 
 def working_dtype(config: Config) -> torch.dtype:
@@ -90,9 +112,9 @@ def build_stage(config: Config, layout: ParallelLayout, device: torch.device, ti
     optimizer = build_optimizer(config, versions.master, versions.names, layout)
     scaler = build_loss_scaler(config.precision)
     train = config.training
+    applied_steps = AppliedSteps()
     updater = GradientUpdater(
-        versions, optimizer, scaler,
-        lambda groups, b: apply_schedule(groups, b, config.optimizer, train), config.optimizer,
+        versions, optimizer, scaler, applied_steps.schedule(config), config.optimizer,
         layout.group("data"), layout.group("embedding"), layout.group("model"),
         layout.group("tensor"), par.ddp_bucket_size, par.timeout_minutes, timers,
         check_for_nan=train.check_for_nan_in_loss_and_grad,
@@ -112,9 +134,9 @@ def build_stage(config: Config, layout: ParallelLayout, device: torch.device, ti
                           working_dtype(config), device, par.timeout_minutes)
     memory = MemoryTracker(device)
     executor = StageExecutor(model, versions, updater, p2p, stage, par.pipeline_parallel,
-                             microbatches, timers, memory, on_step)
+                             microbatches, timers, memory, applied_steps.counting(on_step))
     return Stage(config, layout, device, model, versions, optimizer, scaler, updater, executor,
-                 memory, timers, microbatches)
+                 memory, timers, microbatches, applied_steps=applied_steps)
 
 
 def build_optimizer(config: Config, master_params, names: list[str], layout: ParallelLayout):

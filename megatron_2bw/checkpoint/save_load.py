@@ -217,6 +217,7 @@ def stage_state(stage, master: list[torch.Tensor]) -> dict:
         "versions": versions,
         "optimizer": optimizer_state_by_name(stage.optimizer, names_of),
         "loss_scaler": stage.scaler.state_dict(),
+        "skipped_steps": stage.applied_steps.skipped,  # the schedules' position (AppliedSteps)
     }
 
 
@@ -339,6 +340,7 @@ def load_checkpoint(stage, root: str, iteration: int | None = None) -> dict | No
             optimizer_state_by_index(stage.optimizer, state["optimizer"], names_of))
         if state["loss_scaler"]:  # converted or imported checkpoints may have none
             stage.scaler.load_state_dict(state["loss_scaler"])
+        stage.applied_steps.skipped = state.get("skipped_steps", 0)
     stage.iteration = state["iteration"]
     stage.consumed_samples = state["consumed_samples"]
     print_once(layout, f" loaded checkpoint {root} at iteration {stage.iteration}")
