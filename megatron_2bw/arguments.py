@@ -304,6 +304,12 @@ def build_parser(description: str = "", extra_args_provider=None) -> argparse.Ar
                "stop with an error when --load holds no checkpoint (default: start from scratch)")
     _bool_flag(g, "--use-checkpoint-args", "checkpoint", "use_checkpoint_args",
                "take the model flags left unset from the --load checkpoint's configuration")
+    _bool_flag(g, "--override-opt_param-scheduler", "checkpoint", "override_opt_param_scheduler",
+               "on resume, the learning-rate and weight-decay schedule of these flags wins over "
+               "the checkpoint's")
+    _bool_flag(g, "--use-checkpoint-opt_param-scheduler", "checkpoint",
+               "use_checkpoint_opt_param_scheduler",
+               "on resume, the checkpoint's learning-rate and weight-decay schedule wins")
 
     g = parser.add_argument_group("logging")
     _flag(g, "--tensorboard-dir", "logging", "tensorboard_dir", type=str)

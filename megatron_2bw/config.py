@@ -280,6 +280,9 @@ class CheckpointConfig:
     finetune: bool = False
     exit_on_missing_checkpoint: bool = False  # an empty --load is an error, not a fresh start
     use_checkpoint_args: bool = False  # the model flags left unset come from --load's checkpoint
+    # a resumed run whose lr/wd schedule differs from the checkpoint's: which one wins (Megatron-LM)
+    override_opt_param_scheduler: bool = False
+    use_checkpoint_opt_param_scheduler: bool = False
 
 
 @dataclass

@@ -23,6 +23,7 @@ from megatron_2bw.arguments import explicit_fields, parse_config, validate_for_w
 from megatron_2bw.batch_schedule import batch_schedule
 from megatron_2bw.config import Config, ConfigError, TrainingConfig
 from megatron_2bw.distributed.comm import all_reduce
+from megatron_2bw.distributed.error_file import record_failure
 from megatron_2bw.distributed.launch import (exit_process, init_distributed, local_world_size,
                                               usable_cores)
 from megatron_2bw.distributed.layout import ParallelLayout
@@ -46,6 +47,27 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 
 @dataclass
+class AppliedSteps:
+    """The learning-rate and weight-decay schedules advance on applied steps only, as Megatron-LM
+    steps its OptimizerParamScheduler only after a successful update: a step skipped for an fp16
+    overflow leaves them where they were. Checkpoints keep the count of skipped steps."""
+    skipped: int = 0
+
+    def schedule(self, config: Config):
+        """The updater's `schedule(param_groups, batch)`."""
+        return lambda groups, batch: apply_schedule(groups, batch - self.skipped, config.optimizer,
+                                                    config.training)
+
+    def counting(self, on_step):
+        """on_step, counting the skipped steps first (the next step's rate depends on them)."""
+        def counted(result: StepResult) -> None:
+            self.skipped += bool(result.skipped)
+            if on_step is not None:
+                on_step(result)
+        return counted
+
+
+@dataclass
 class Stage:
     """Everything one rank holds for its pipeline stage."""
     config: Config
@@ -63,6 +85,7 @@ class Stage:
     iteration: int = 0  # batches completed (and stepped)
     consumed_samples: int = 0
     step_results: list = field(default_factory=list)
+    applied_steps: AppliedSteps = field(default_factory=AppliedSteps)
 
 
 def working_dtype(config: Config) -> torch.dtype:
@@ -91,9 +114,9 @@ def build_stage(config: Config, layout: ParallelLayout, device: torch.device, ti
     optimizer = build_optimizer(config, versions.master, versions.names, layout)
     scaler = build_loss_scaler(config.precision)
     train = config.training
+    applied_steps = AppliedSteps()
     updater = GradientUpdater(
-        versions, optimizer, scaler,
-        lambda groups, b: apply_schedule(groups, b, config.optimizer, train), config.optimizer,
+        versions, optimizer, scaler, applied_steps.schedule(config), config.optimizer,
         layout.group("data"), layout.group("embedding"),
         # the ranks that decide a step together (norm, overflow): the stage alone under PipeDream
         layout.group("model") if rule.global_step_decisions else layout.group("tensor"),
@@ -119,9 +142,9 @@ def build_stage(config: Config, layout: ParallelLayout, device: torch.device, ti
                           working_dtype(config), device)
     memory = MemoryTracker(device)
     executor = StageExecutor(model, versions, updater, p2p, stage, par.pipeline_parallel,
-                             microbatches, timers, memory, on_step)
+                             microbatches, timers, memory, applied_steps.counting(on_step))
     return Stage(config, layout, device, model, versions, optimizer, scaler, updater, executor,
-                 memory, timers, microbatches)
+                 memory, timers, microbatches, applied_steps=applied_steps)
 
 
 def build_model_chunks(config: Config, layout: ParallelLayout):
@@ -363,19 +386,52 @@ def print_writer(log: ProgressLog, message: str) -> None:
 
 # -- the whole run -------------------------------------------------------------------------------
 
-class ExitRequest:
-    """SIGTERM (with --exit-signal-handler) or the time limit: save and stop at the next drain."""
+# the terminal's Ctrl-C reaches every process of the job and torchrun forwards its own to the
+# workers: interrupts this close together are one Ctrl-C
+SAME_INTERRUPT_S = 2.0
 
-    def __init__(self, config: Config, start_time: float):
+
+class ExitRequest:
+    """SIGTERM (with --exit-signal-handler), Ctrl-C (SIGINT) or the time limit: save and stop at
+    the next drain. A second Ctrl-C aborts at once, without a checkpoint."""
+
+    def __init__(self, config: Config, start_time: float, announce: bool = False,
+                 clock=time.monotonic):
         self.signalled = False
         self.deadline = None
+        self.announce = announce  # this rank prints the one line an interrupt gets
+        self.next_drain: int | None = None  # the iteration of the next drain (set by the loop)
+        self.interrupted_at: float | None = None
+        self._clock = clock
         if config.training.exit_duration_in_mins:
             self.deadline = start_time + 60 * config.training.exit_duration_in_mins
         if config.training.exit_signal_handler:
             signal.signal(signal.SIGTERM, self._handler)
+        signal.signal(signal.SIGINT, self._interrupt)
 
     def _handler(self, signum, frame):
         self.signalled = True
+
+    def _say(self, text: str) -> None:
+        if self.announce:  # os.write: print() may be mid-write when the signal arrives
+            os.write(sys.stderr.fileno(), f"{text}\n".encode())
+
+    def _interrupt(self, signum, frame):
+        now = self._clock()
+        if self.interrupted_at is None:
+            self.interrupted_at, self.signalled = now, True
+            where = f"iteration {self.next_drain}" if self.next_drain else "the next drain"
+            self._say(f" interrupted (Ctrl-C): stopping at {where} (the next drain point), after "
+                      f"saving a checkpoint where --save is set; Ctrl-C again to abort at once")
+            # torchrun answers a second Ctrl-C of its own with SIGTERM to the workers
+            signal.signal(signal.SIGTERM, self._abort)
+        elif now - self.interrupted_at > SAME_INTERRUPT_S:
+            self._abort(signum, frame)
+
+    def _abort(self, signum, frame):
+        self._say(" interrupted again: aborting without a checkpoint")
+        sys.stdout.flush()
+        os._exit(INTERRUPTED_EXIT_CODE)
 
     def agreed(self, device) -> bool:
         """Collective: every rank learns whether any rank wants to stop."""
@@ -384,6 +440,9 @@ class ExitRequest:
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
+
+
+INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT, as a shell reports a process Ctrl-C ended
 
 
 class MemoryHousekeeping:
@@ -646,7 +705,7 @@ def pretrain(config: Config, typed: set = frozenset()) -> Stage:
     valid_iterator = valid_data(0) if valid_data is not None else None
     if resumed_rng is not None:  # only now: creating the data loaders drew from the torch RNG
         load_rng_state_dict(resumed_rng)
-    exit_request = ExitRequest(config, log.start_time)
+    exit_request = ExitRequest(config, log.start_time, announce=layout.rank == 0)
     profiler = IterationProfiler(config.logging, layout.rank, device.type)
     if train.skip_train:
         print_rank0(layout, f" skipping training (--skip-train): evaluating the weights of "
@@ -655,6 +714,7 @@ def pretrain(config: Config, typed: set = frozenset()) -> Stage:
             evaluate(stage, valid_iterator, log, stage.iteration)
     with housekeeping.during_training():
         for end in segment_ends(config, stage.iteration):
+            exit_request.next_drain = end
             feed = MicrobatchFeed(train_iterator, device,
                                   stage.iteration * microbatches_of(stage, stage.iteration))
             profiler.begin_segment(stage.iteration)  # outside the log's interval time
@@ -736,11 +796,17 @@ def run_and_report(main) -> None:
     actions, then end this process at once (non-zero) so the launcher stops the whole job."""
     try:
         main()
+    except KeyboardInterrupt:  # Ctrl-C before training began (or in a tool): one line, no trace
+        layout = _FAILURE_CONTEXT.get("layout")
+        if (layout.rank if layout else int(os.environ.get("RANK", "0"))) == 0:
+            print(f"{os.path.basename(sys.argv[0])}: interrupted", file=sys.stderr, flush=True)
+        exit_process(INTERRUPTED_EXIT_CODE)
     except ConfigError as error:
         name = os.path.basename(sys.argv[0])
         layout = _FAILURE_CONTEXT.get("layout")
         if layout is None or layout.rank == 0:
             print(f"{name}: error: {error}", file=sys.stderr, flush=True)
+        record_failure(f"{name}: error: {error}")
         exit_process(2)
     except BaseException as error:  # noqa: BLE001 - every failure must end the job loudly
         if isinstance(error, SystemExit) and not error.code:  # --help, a requested exit
@@ -752,8 +818,9 @@ def run_and_report(main) -> None:
             where += f", stage {layout.stage}"
         history = stage.executor.describe_history() if stage else "(not started)"
         traceback.print_exc()
-        print(f"FAILED: {where}: {type(error).__name__}: {error}\n  last schedule actions: "
-              f"{history}", file=sys.stderr, flush=True)
+        failure = f"FAILED: {where}: {type(error).__name__}: {error}"
+        print(f"{failure}\n  last schedule actions: {history}", file=sys.stderr, flush=True)
+        record_failure(failure)
         exit_process(1)
     else:
         exit_process(0)

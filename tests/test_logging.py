@@ -1,12 +1,15 @@
 import json
+import os
 import time
 
 import pytest
 
+from megatron_2bw import logging as logging_module
 from megatron_2bw.config import LoggingConfig
 from megatron_2bw.distributed.forked import run_forked
 from megatron_2bw.logging import (TIMER_NAMES, Timers, TimersAcrossRanks, TrainingLogger,
                                   format_log_line, measured_bubble_fraction, wandb_mode)
+from tests.virtual_clock import VirtualClock
 
 METRICS = [{"lm loss": 9.5, "learning-rate": 1e-4, "tokens-per-sec": 1000.0},
            {"lm loss": 8.25, "learning-rate": 2e-4, "tokens-per-sec": 1100.0},
@@ -117,23 +120,30 @@ def test_non_writer_rank_writes_nothing(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_timers_respect_levels_accumulate_and_reset():
+def test_timers_respect_levels_accumulate_and_reset(monkeypatch):
+    clock = VirtualClock()
+    monkeypatch.setattr(logging_module, "time", clock.as_time_module())
     sync_calls = []
     timers = Timers(log_level=1, synchronize=lambda: sync_calls.append(1))
     timers("detail", level=2).start()  # above the level: a no-op
+    clock.advance(1.0)
     timers("detail", level=2).stop()
     for _ in range(2):
         timers("forward").start()
-        time.sleep(0.01)
+        clock.advance(0.01)
         timers("forward").stop()
+        clock.advance(5.0)  # between intervals: not counted
     timers("batch", level=0).start()
     summary = timers.summary()
     assert set(summary) == {"forward", "batch"}
-    assert 0.02 <= summary["forward"] < 0.5
+    assert summary["forward"] == pytest.approx(0.02)
     assert len(sync_calls) >= 5  # every clock read waits for the device
     assert timers.summary()["forward"] == 0.0  # reset by the first summary
-    time.sleep(0.01)
-    assert timers("batch", level=0).elapsed(reset=False) >= 0.01  # still running
+    clock.advance(0.25)
+    assert timers("batch", level=0).elapsed(reset=False) == pytest.approx(0.25)  # still running
+    clock.advance(0.25)
+    assert timers("batch", level=0).elapsed() == pytest.approx(0.5)
+    assert timers("batch", level=0).elapsed() == 0.0  # keeps running from the reset
     with pytest.raises(RuntimeError, match="already running"):
         timers("batch", level=0).start()
     with pytest.raises(RuntimeError, match="without being started"):
@@ -169,26 +179,31 @@ def test_timers_of_one_process_print_at_once_with_min_equal_to_max(capsys):
     assert capsys.readouterr().out == ""  # only the writer prints
 
 
-def _submit_without_waiting(rank, world, delay_s):
-    """Rank 1 submits `delay_s` late: rank 0's submit and print_ready must not wait for it."""
+def _submit_without_waiting(rank, world, go_ahead):
+    """Rank 1 submits only once rank 0 has submitted and looked at what is pending (or after a
+    minute): rank 0's submit and print_ready must not wait for it."""
     import torch.distributed as dist
     report = TimersAcrossRanks(dist.new_group(backend="gloo"), is_writer=rank == 0)
+    told = None
     if rank == 1:
-        time.sleep(delay_s)
-    started = time.perf_counter()
+        deadline = time.monotonic() + 60  # only a broken submit makes rank 1 wait this long
+        while not os.path.exists(go_ahead) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        told = os.path.exists(go_ahead)
     report.submit(1, 5, {"forward": 10.0 * (rank + 1), "optimizer": 1.0 + rank})
-    returned_after = time.perf_counter() - started
     pending_then = len(report._pending)
+    if rank == 0:
+        open(go_ahead, "w").close()
     report.submit(6, 10, {"forward": 5.0})
     report.finish()
-    return returned_after, pending_then
+    return told, pending_then
 
 
-def test_timers_across_ranks_are_exchanged_without_blocking_and_printed_in_order(capfd):
-    delay_s = 1.0
-    (returned_after, pending), _ = run_forked(2, _submit_without_waiting, delay_s, timeout=60)
-    assert returned_after < delay_s / 2  # the submit did not wait for the late rank
-    assert pending == 1  # nor did the print: the interval was still out
+def test_timers_across_ranks_are_exchanged_without_blocking_and_printed_in_order(capfd, tmp_path):
+    (_, pending), (told, _) = run_forked(2, _submit_without_waiting, str(tmp_path / "go"),
+                                         timeout=180)
+    assert told  # rank 0's submit returned before rank 1 had submitted
+    assert pending == 1  # nor did the print wait: the interval was still out
     out = capfd.readouterr().out
     blocks = out.split(" (min, max) time across ranks")[1:]
     assert [b.split("iterations ")[1].split(")")[0] for b in blocks] == ["1-5", "6-10"]

@@ -140,3 +140,31 @@ def test_the_test_set_is_evaluated_at_the_end_and_skip_train_evaluates_a_checkpo
         pytest.approx({k: float(v) for k, v in at_end.items()}, rel=1e-5), evaluated
     assert "skipping training (--skip-train)" in evaluated
     assert not re.search(r"^ iteration ", evaluated, re.M)
+
+
+def test_ctrl_c_twice_within_the_window_is_one_interrupt_and_later_aborts(monkeypatch, capfd):
+    """The terminal's Ctrl-C and torchrun's forwarded SIGINT arrive together: one interrupt (stop
+    at the next drain); a press after SAME_INTERRUPT_S aborts at once, and so does the SIGTERM
+    torchrun sends the workers on a second Ctrl-C of its own."""
+    import signal
+    installed, exits = {}, []
+    monkeypatch.setattr(training.signal, "signal",
+                        lambda sig, handler: installed.update({sig: handler}))
+    monkeypatch.setattr(training.os, "_exit", lambda code: exits.append(code))
+    clock = {"now": 100.0}
+    request = training.ExitRequest(Config(), 0.0, announce=True, clock=lambda: clock["now"])
+    request.next_drain = 40
+    assert installed[signal.SIGINT] == request._interrupt
+    assert signal.SIGTERM not in installed  # without --exit-signal-handler, SIGTERM is left alone
+    installed[signal.SIGINT](signal.SIGINT, None)
+    clock["now"] += training.SAME_INTERRUPT_S / 2
+    installed[signal.SIGINT](signal.SIGINT, None)  # the same Ctrl-C, forwarded
+    assert request.signalled and exits == []
+    err = capfd.readouterr().err
+    assert err.count("interrupted (Ctrl-C): stopping at iteration 40") == 1
+    clock["now"] += training.SAME_INTERRUPT_S
+    installed[signal.SIGINT](signal.SIGINT, None)
+    assert exits == [training.INTERRUPTED_EXIT_CODE]
+    installed[signal.SIGTERM](signal.SIGTERM, None)  # torchrun's escalation
+    assert exits == [training.INTERRUPTED_EXIT_CODE] * 2
+    assert capfd.readouterr().err.count("aborting without a checkpoint") == 2

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_2bw.config import Config, ConfigError
+from megatron_2bw.optim.lr_schedule import schedule_iterations, training_iterations
 from megatron_2bw.pipeline.partition import layer_ranges
 from megatron_2bw.tensor_parallel.random import rng_state_dict
 
@@ -147,7 +148,12 @@ def write_metadata(root: str, iteration: int, consumed_samples: int, config: Con
 def load_file(path: str) -> dict:
     if not os.path.exists(path):
         raise CheckpointError(f"{path} is missing: the checkpoint is incomplete")
-    return torch.load(path, map_location="cpu", weights_only=False)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as error:  # noqa: BLE001 - torch.load fails in many ways on a damaged file
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        raise CheckpointError(f"{path}: cannot be read ({type(error).__name__}: {reason}): the "
+                              f"file is damaged or truncated") from None
 
 
 # -- optimizer state by parameter name ----------------------------------------------------------------
@@ -216,6 +222,7 @@ def stage_state(stage, master: list[torch.Tensor]) -> dict:
         "versions": versions,
         "optimizer": optimizer_state_by_name(stage.optimizer, names_of),
         "loss_scaler": stage.scaler.state_dict(),
+        "skipped_steps": stage.applied_steps.skipped,  # the schedules' position (AppliedSteps)
     }
 
 
@@ -294,6 +301,61 @@ def check_architecture(saved: Config, current: Config, root: str) -> None:
                                   f"fit")
 
 
+# the learning-rate and weight-decay schedule a resumed run must agree on (Megatron-LM's
+# OptimizerParamScheduler checks the same), as (flag, field of OptimizerConfig)
+SCHEDULE_FLAGS = (("--lr", "lr"), ("--min-lr", "min_lr"), ("--lr-warmup-init", "lr_warmup_init"),
+                  ("--lr-decay-style", "lr_decay_style"), ("--decoupled-lr", "decoupled_lr"),
+                  ("--decoupled-min-lr", "decoupled_min_lr"), ("--weight-decay", "weight_decay"),
+                  ("--start-weight-decay", "start_weight_decay"),
+                  ("--end-weight-decay", "end_weight_decay"),
+                  ("--weight-decay-incr-style", "weight_decay_incr_style"))
+
+
+def _schedule(config: Config) -> dict[str, object]:
+    """{flag: value} of the schedule, the warm-up and decay lengths as the steps they span."""
+    opt, train = config.optimizer, config.training
+    warmup, decay = schedule_iterations(opt, train)
+    values = {flag: getattr(opt, name) for flag, name in SCHEDULE_FLAGS}
+    values["--lr-warmup-iters (or -samples, -fraction)"] = warmup
+    values["--lr-decay-iters (default --train-iters)"] = decay
+    if opt.start_weight_decay != opt.end_weight_decay:  # the increment spans the training
+        values["--train-iters (the weight-decay increment's span)"] = training_iterations(train)
+    return values
+
+
+def resolve_schedule(saved: Config, current: Config, root: str) -> None:
+    """A resumed run continues the checkpoint's schedule. Where this run's flags give another,
+    --override-opt_param-scheduler keeps the flags', --use-checkpoint-opt_param-scheduler takes
+    the checkpoint's (into `current`), and without either the run is refused, as in Megatron-LM."""
+    ckpt = current.checkpoint
+    if ckpt.override_opt_param_scheduler and ckpt.use_checkpoint_opt_param_scheduler:
+        raise CheckpointError("--override-opt_param-scheduler and "
+                              "--use-checkpoint-opt_param-scheduler contradict each other: "
+                              "pass one")
+    old, new = _schedule(saved), _schedule(current)
+    changed = [flag for flag in old if old[flag] != new[flag]]
+    if not changed or ckpt.override_opt_param_scheduler:
+        return
+    if ckpt.use_checkpoint_opt_param_scheduler:
+        opt, train = current.optimizer, saved.training
+        for _, name in SCHEDULE_FLAGS:
+            setattr(opt, name, getattr(saved.optimizer, name))
+        warmup, decay = schedule_iterations(saved.optimizer, train)
+        # the saved lengths in this run's units (iterations, or samples under --train-samples)
+        per_step = current.training.global_batch_size if current.training.train_samples else 1
+        opt.lr_warmup_fraction = None
+        opt.lr_warmup_iters, opt.lr_decay_iters = round(warmup), round(decay)
+        opt.lr_warmup_samples = round(warmup * per_step)
+        opt.lr_decay_samples = round(decay * per_step)
+        return
+    differences = "; ".join(f"{flag}: {old[flag]} in the checkpoint, {new[flag]} now"
+                            for flag in changed)
+    raise CheckpointError(f"checkpoint {root} was trained with another learning-rate/weight-decay "
+                          f"schedule ({differences}): pass --use-checkpoint-opt_param-scheduler "
+                          f"to continue the checkpoint's or --override-opt_param-scheduler to "
+                          f"use these flags'")
+
+
 def _check_parameters(state: dict, names: list[str], shapes: list, path: str) -> None:
     missing = [n for n in names if n not in state["model"]]
     unexpected = [n for n in state["model"] if n not in set(names)]
@@ -317,14 +379,25 @@ def load_checkpoint(stage, root: str, iteration: int | None = None) -> dict | No
     layout, ckpt = stage.layout, stage.config.checkpoint
     check_architecture(Config.from_dict(metadata["config"]), stage.config, root)
     check_layout(metadata, root, stage.config)  # its split check needs the same --num-layers
+    if not (ckpt.finetune or ckpt.no_load_optim):  # Megatron-LM: the scheduler with the optimizer
+        resolve_schedule(Config.from_dict(metadata["config"]), stage.config, root)
     c = layout.coords
     path = model_file(root, iteration, c.tp, c.pp)
-    state = load_file(path)
     v = stage.versions
-    _check_parameters(state, v.names, v.shapes, path)
+    rng = None
+    error = None
+    try:  # this rank's files, read and checked before any rank changes its stage
+        state = load_file(path)
+        _check_parameters(state, v.names, v.shapes, path)
+        if not (ckpt.finetune or ckpt.no_load_rng):
+            rng = _load_rng(root, iteration, c)
+    except Exception as caught:  # noqa: BLE001 - every rank must learn of it, or the rest hang
+        error = caught
+    _raise_if_any_rank_failed(error, layout)
     v.load_full_master([state["model"][name] for name in v.names])  # sharded: this rank's part
     if ckpt.finetune:  # weights only: training starts at iteration 0 with a fresh optimizer
         v.reset(0)
+        _barrier(layout)
         print_once(layout, f" loaded weights of {root} (iteration {iteration}) for fine-tuning")
         return None
     # every version from the one batch N reads (2BW: N-1; PipeDream: N-(p-1-s)) to the newest
@@ -338,18 +411,40 @@ def load_checkpoint(stage, root: str, iteration: int | None = None) -> dict | No
             optimizer_state_by_index(stage.optimizer, state["optimizer"], names_of))
         if state["loss_scaler"]:  # converted or imported checkpoints may have none
             stage.scaler.load_state_dict(state["loss_scaler"])
+        stage.applied_steps.skipped = state.get("skipped_steps", 0)
     stage.iteration = state["iteration"]
     stage.consumed_samples = state["consumed_samples"]
+    _barrier(layout)  # "loaded" only once every rank has
     print_once(layout, f" loaded checkpoint {root} at iteration {stage.iteration}")
-    if ckpt.no_load_rng:
-        return None
+    return rng
+
+
+def _load_rng(root: str, iteration: int, c) -> dict | None:
     rng_path = rng_file(root, iteration, c.tp, c.pp, c.dp)
     if not os.path.exists(rng_path):  # converted checkpoint or more data-parallel replicas
         if c.tp == 0 and c.pp == 0:  # once per data-parallel replica
             print(f" {rng_path} not found: the RNG states of data-parallel replica {c.dp} start "
                   f"fresh from --seed", flush=True)
         return None
-    return torch.load(rng_path, weights_only=False)
+    return load_file(rng_path)
+
+
+def _raise_if_any_rank_failed(error: Exception | None, layout) -> None:
+    """Collective: when any rank failed to read its files, every rank raises the same error,
+    naming each failed rank and what it met (the job stops with one line, none waits)."""
+    mine = None if error is None else f"{layout.describe()}: {error}"
+    messages = [mine]
+    if dist.is_initialized() and layout.world_size > 1:
+        messages = [None] * layout.world_size
+        dist.all_gather_object(messages, mine)
+    failed = [m for m in messages if m is not None]
+    if failed:
+        raise CheckpointError("loading the checkpoint failed on " + "; ".join(failed))
+
+
+def _barrier(layout) -> None:
+    if dist.is_initialized() and layout.world_size > 1:
+        dist.barrier()
 
 
 def has_checkpoint(root: str) -> bool:

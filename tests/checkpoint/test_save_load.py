@@ -122,3 +122,45 @@ def test_a_checkpoint_with_another_layer_split_names_the_split_to_pass():
     with pytest.raises(CheckpointError, match="saved with --pipeline-layer-split 3,1, but this run "
                                               "splits the layers 2,2: pass --pipeline-layer-split 3,1"):
         check_layout(metadata, "ckpt", current)
+
+
+def _saved_at_3(tmp_path, *flags):
+    stage = _stage(pretrain_flags(1, 1, 10, "--save", str(tmp_path), *flags))
+    stage.iteration, stage.consumed_samples = 3, 24
+    save_checkpoint(stage)
+
+
+def test_a_resume_with_another_lr_schedule_is_refused_unless_a_flag_says_which_wins(tmp_path):
+    """Megatron-LM's rule: a changed --train-iters (the decay's default length) or --lr on resume
+    is an error; --override-opt_param-scheduler keeps the flags', and
+    --use-checkpoint-opt_param-scheduler continues the checkpoint's."""
+    from megatron_2bw.optim.lr_schedule import learning_rate
+    _saved_at_3(tmp_path)
+    longer = pretrain_flags(1, 1, 20, "--load", str(tmp_path))
+    with pytest.raises(CheckpointError, match=r"--lr-decay-iters \(default --train-iters\): 10 in "
+                       r"the checkpoint, 20 now.*--use-checkpoint-opt_param-scheduler"):
+        load_checkpoint(_stage(longer), str(tmp_path))
+    kept = _stage(longer + ["--use-checkpoint-opt_param-scheduler"])
+    load_checkpoint(kept, str(tmp_path))
+    saved = config_from_flags(pretrain_flags(1, 1, 10))
+    assert [learning_rate(k, kept.config.optimizer, kept.config.training) for k in range(3, 12)] == \
+        [learning_rate(k, saved.optimizer, saved.training) for k in range(3, 12)]
+    overridden = _stage(longer + ["--lr", "5e-4", "--override-opt_param-scheduler"])
+    load_checkpoint(overridden, str(tmp_path))
+    assert overridden.config.optimizer.lr == 5e-4
+    assert overridden.config.optimizer.lr_decay_iters is None  # --train-iters 20 decides
+    with pytest.raises(CheckpointError, match="contradict"):
+        load_checkpoint(_stage(longer + ["--override-opt_param-scheduler",
+                                         "--use-checkpoint-opt_param-scheduler"]), str(tmp_path))
+    load_checkpoint(_stage(pretrain_flags(1, 1, 10)), str(tmp_path))  # the same: no flag needed
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage"])
+def test_a_damaged_model_file_is_named_with_its_rank(tmp_path, damage):
+    _saved_at_3(tmp_path)
+    path = tmp_path / "iter_0000003" / "mp_rank_00_000" / "model_optim_rng.pt"
+    data = path.read_bytes()
+    path.write_bytes(data[:len(data) // 2] if damage == "truncated" else b"not a checkpoint")
+    with pytest.raises(CheckpointError, match=rf"rank 0 .*{path}: cannot be read \(.*\): the file "
+                       r"is damaged or truncated"):
+        load_checkpoint(_stage(pretrain_flags(1, 1, 10)), str(tmp_path))

@@ -1,5 +1,6 @@
 """Pipeline transfers: receives posted ahead under gloo, so a send leaves while its receiver
 computes."""
+import os
 import time
 
 import pytest
@@ -10,7 +11,7 @@ from megatron_2bw.distributed.forked import run_forked
 from megatron_2bw.distributed.p2p import PipelineP2P
 
 SHAPE = (2, 8, 4)
-RECEIVER_BUSY_S = 1.5  # the receiver "computes" this long before its first exchange
+SENDER_WAIT_S = 60  # how long the receiver waits, before its first receive, for the first send
 
 
 def _pair(rank: int, post_ahead: bool) -> PipelineP2P:
@@ -18,38 +19,46 @@ def _pair(rank: int, post_ahead: bool) -> PipelineP2P:
                        SHAPE, torch.float32, torch.device("cpu"), post_ahead)
 
 
-def _first_send_seconds(rank: int, world: int, post_ahead: bool):
-    """Rank 0 sends three activations; rank 1, told to expect them, is busy before receiving.
-    Rank 0 returns how long its first send took to complete, rank 1 what it received."""
+def _sent_before_the_receive(rank: int, world: int, post_ahead: bool, sent_flag: str,
+                             wait_s: float):
+    """Rank 0 sends three activations and marks `sent_flag` once its first send completed; rank
+    1, told to expect them, receives only after seeing the mark (or after `wait_s`). Rank 1
+    returns whether the first send completed before it received, and what it received."""
     p2p = _pair(rank, post_ahead)
     if rank == 1:
         p2p.expect({"act": 3})
     dist.barrier()
     if rank == 0:
-        start = time.perf_counter()
         p2p.exchange([("act", torch.full(SHAPE, 1.0))], [])
         p2p.wait_sends()
-        seconds = time.perf_counter() - start
+        open(sent_flag, "w").close()
         for value in (2.0, 3.0):
             p2p.exchange([("act", torch.full(SHAPE, value))], [])
         p2p.wait_sends()
-        return seconds
-    time.sleep(RECEIVER_BUSY_S)
+        return None
+    deadline = time.monotonic() + wait_s
+    while not os.path.exists(sent_flag) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    sent_first = os.path.exists(sent_flag)
     received = [p2p.exchange([], ["act"])[0] for _ in range(2)]
     with pytest.raises(RuntimeError, match="still pending"):  # a segment leaves none behind
         p2p.expect({"act": 1})
     received.append(p2p.exchange([], ["act"])[0])
-    return [t.unique().tolist() for t in received]
+    return sent_first, [t.unique().tolist() for t in received]
 
 
 @pytest.mark.parametrize("post_ahead", [True, False])
-def test_a_receive_posted_ahead_lets_the_send_leave_while_the_receiver_computes(post_ahead):
-    first_send_s, received = run_forked(2, _first_send_seconds, post_ahead, timeout=60)
+def test_a_receive_posted_ahead_lets_the_send_leave_while_the_receiver_computes(post_ahead,
+                                                                                  tmp_path):
+    # without receives ahead the send cannot complete before the receive whatever the wait, so a
+    # short wait suffices there; with them it completes, the wait only bounds a broken runtime
+    wait_s = SENDER_WAIT_S if post_ahead else 1.0
+    _, (sent_first, received) = run_forked(2, _sent_before_the_receive, post_ahead,
+                                           str(tmp_path / "sent"), wait_s, timeout=180)
     assert received == [[1.0], [2.0], [3.0]]  # in order, whichever way they were posted
-    if post_ahead:
-        assert first_send_s < RECEIVER_BUSY_S / 2
-    else:  # gloo's rendezvous: the data waits for the receive (why receives go ahead)
-        assert first_send_s > RECEIVER_BUSY_S / 2
+    # gloo's rendezvous: without a receive posted ahead the data waits for it (why receives go
+    # ahead)
+    assert sent_first == post_ahead
 
 
 def test_receives_are_posted_ahead_under_gloo_only():

@@ -76,3 +76,29 @@ def test_an_overflow_skips_the_step_keeps_the_version_and_backs_off():
     run_segment(stage, 2, 1, feed)
     assert not results[-1].skipped and results[-1].loss_scale == 2.0 ** 11
     assert all(torch.isfinite(m).all() for m in v.master)
+
+
+def test_the_learning_rate_schedule_advances_on_applied_steps_only(tmp_path):
+    """Megatron-LM steps its scheduler only after a successful update: the step after a skipped
+    one takes the rate the skipped one had, and a resumed run keeps counting from there."""
+    from megatron_2bw.checkpoint import load_checkpoint, save_checkpoint
+    from megatron_2bw.optim.lr_schedule import learning_rate
+    config = precise_config("fp16", schedule="flush", optimizer="adam", lr=0.01, layers=2)
+    config.optimizer.lr_warmup_iters, config.training.train_iters = 10, 20  # a rising rate
+    config.checkpoint.save = str(tmp_path)
+    layout = ParallelLayout(1, 1, 1, 0)
+    results = []
+    stage = build_stage(config, layout, torch.device("cpu"), None, on_step=results.append)
+    stage.updater.overflow_injection = lambda batch: batch == 1
+    feed = gpt_feed(config, layout)
+    run_segment(stage, 0, 3, feed)
+    rate = [learning_rate(k, config.optimizer, config.training) for k in range(3)]
+    assert [r.skipped for r in results] == [False, True, False]
+    assert [r.learning_rate for r in results] == [rate[0], rate[1], rate[1]]
+    stage.iteration = 3
+    save_checkpoint(stage)
+    resumed = build_stage(config, layout, torch.device("cpu"), None, on_step=results.append)
+    load_checkpoint(resumed, str(tmp_path))
+    assert resumed.applied_steps.skipped == 1
+    run_segment(resumed, 3, 1, gpt_feed(config, layout))
+    assert results[-1].learning_rate == rate[2]  # batch 3: the third applied step

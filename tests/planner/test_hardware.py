@@ -6,11 +6,13 @@ import torch.distributed as dist
 
 from megatron_2bw.distributed.launch import bind_cores
 from megatron_2bw.planner.hardware import (AFTER_COMPUTE_SEGMENTS_S, ALLREDUCE_PROBE_BYTES,
-                                           HardwareSpec, busy_wait, detect_hardware, load_hardware,
+                                           HardwareSpec, detect_hardware, load_hardware,
                                            parse_quantity, probe_allreduce_after_compute,
                                            probe_allreduce_times, probe_p2p_processor_time,
                                            probe_scheduler_slice, shipped_hardware)
+from megatron_2bw.planner import hardware
 from tests.distributed_helpers import run_ranks
+from tests.virtual_clock import VirtualClock, installed
 
 GOOD = """
 name: toy
@@ -122,7 +124,7 @@ def test_detect_hardware_over_two_gloo_ranks():
     assert set(spec.peak_flops) == {"float32", "float16", "bfloat16"}
     assert all(v > 0 for v in spec.peak_flops.values()) and spec.memory_bandwidth > 0
     assert spec.efficiency == 1.0  # measured rates are achieved rates
-    assert 0 < spec.kernel_overhead_s < 1e-2
+    assert spec.kernel_overhead_s > 0
     assert spec.compute_slots_per_node == len(os.sched_getaffinity(0))  # CPU ranks share cores
     # all-reduce times of the 2-rank group, one per probed size
     assert [(g, b) for g, b, _ in spec.allreduce_times] == [(2, b) for b in ALLREDUCE_PROBE_BYTES]
@@ -130,33 +132,54 @@ def test_detect_hardware_over_two_gloo_ranks():
     # the extra of an all-reduce after compute, one per probed segment
     assert [s for s, _ in spec.allreduce_after_compute] == list(AFTER_COMPUTE_SEGMENTS_S)
     assert all(extra >= 0 for _, extra in spec.allreduce_after_compute)
-    assert 0 <= spec.p2p_processor_s < 0.05  # per message; measured here 0.3-1 ms
+    assert spec.p2p_processor_s >= 0  # per message (its arithmetic: the test below)
+
+
+COMPUTE_S, SEND_S = 1e-3, 2e-4  # virtual processor seconds of a compute segment and of a send
 
 
 def _p2p_processor(rank, world_size):
-    return probe_p2p_processor_time(rounds=4, repeats=3)
+    """The probe on a virtual processor clock: a compute segment costs COMPUTE_S, a send SEND_S
+    more (the real transfers still run), so a message costs SEND_S / 2 beyond the computation
+    (one send and one receive per round)."""
+    clock = VirtualClock()
+    real_isend = dist.isend
+
+    def costly_isend(*args, **kwargs):
+        clock.advance(SEND_S)
+        return real_isend(*args, **kwargs)
+    with installed(clock, hardware):
+        hardware._compute_segment = lambda: (lambda: clock.advance(COMPUTE_S))
+        hardware.dist.isend = costly_isend
+        try:
+            return probe_p2p_processor_time(rounds=4, repeats=3)
+        finally:
+            hardware.dist.isend = real_isend
 
 
 @pytest.mark.parametrize("world", [2, 3])  # with 3, the last rank has no partner and computes
 def test_the_processor_time_of_pipeline_messages(world):
     values = run_ranks(world, _p2p_processor)
     assert all(value == values[0] for value in values)  # every rank gets the same answer
-    assert 0 <= values[0] < 0.05
+    assert values[0] == pytest.approx(SEND_S / 2)  # the computation itself is not counted
     assert run_ranks(1, _p2p_processor) == [0.0]  # nobody to exchange with
 
 
 def _after_compute(rank, world_size, processors):
-    return probe_allreduce_after_compute(segments_s=(2e-4, 3e-2), calls=3, rounds=1,
-                                         processors=processors)
+    """The probe on a virtual clock: the compute before a call advances it by the segment and a
+    4-byte all-reduce by 0.1 ms whatever came before it."""
+    clock = VirtualClock()
+    with _allreduces_taking(clock, 1, lambda call: 1e-4), installed(clock, hardware, "busy_wait"):
+        return probe_allreduce_after_compute(segments_s=(2e-4, 3e-2), calls=3, rounds=1,
+                                             processors=processors)
 
 
 def test_allreduce_after_compute_with_one_rank_per_processor():
     tables = run_ranks(3, _after_compute, 2)  # ranks 0 and 1 take part, rank 2 waits
     assert all(table == tables[0] for table in tables)  # every rank gets the same table
     assert [s for s, _ in tables[0]] == [2e-4, 3e-2]
-    # the busy-wait itself is not counted: that would put the 30 ms segment's extra near 30 ms;
-    # the extras are well under 1 ms here, and were 2-7 ms with two busy processes beside the ranks
-    assert all(0 <= extra < 1.5e-2 for _, extra in tables[0])
+    # the busy-wait itself is not counted: that would put the 30 ms segment's extra at 30 ms
+    assert tables[0] == ((2e-4, pytest.approx(0.0, abs=1e-12)), (3e-2, pytest.approx(0.0, abs=1e-12)))
     assert run_ranks(2, _after_compute, 1) == [(), ()]  # one processor: nobody to meet
 
 
@@ -193,71 +216,98 @@ TAIL_BYTES, TAIL_EVERY, FAST_S, SLOW_S = 128 << 10, 50, 1e-4, 10e-3
 
 
 @contextlib.contextmanager
-def _allreduces_with_a_long_tail(numel):
-    """All-reduces of `numel` elements take FAST_S except every TAIL_EVERY-th, SLOW_S (gloo's
-    128 KB all-reduces here: 0.2 ms, and 1-7 ms about one in six); others run as they are."""
+def _allreduces_taking(clock, numel, seconds_of_call):
+    """All-reduces of `numel` elements advance the virtual clock by seconds_of_call(k) for the
+    k-th call (from 1) instead of being timed; others (the probes' own exchanges of their results)
+    run as they are."""
     real, calls = dist.all_reduce, [0]
 
-    def with_a_tail(tensor, *args, **kwargs):
+    def timed_by_the_clock(tensor, *args, **kwargs):
         if tensor.numel() != numel:
-            return real(tensor, *args, **kwargs)  # the probe's own exchange of its results
+            return real(tensor, *args, **kwargs)
         calls[0] += 1
-        busy_wait(SLOW_S if calls[0] % TAIL_EVERY == 0 else FAST_S)
+        clock.advance(seconds_of_call(calls[0]))
 
-    dist.all_reduce = with_a_tail
+    dist.all_reduce = timed_by_the_clock
     try:
         yield
     finally:
         dist.all_reduce = real
 
 
+def _long_tail(call):
+    """FAST_S except every TAIL_EVERY-th call, SLOW_S (gloo's 128 KB all-reduces here: 0.2 ms,
+    and 1-7 ms about one in six)."""
+    return SLOW_S if call % TAIL_EVERY == 0 else FAST_S
+
+
 def _allreduce_with_a_long_tail(rank, world_size):
-    """The probe's time for 128 KB all-reduces with a long tail."""
-    with _allreduces_with_a_long_tail(TAIL_BYTES // 4):
+    """The probe's time for 128 KB all-reduces with a long tail, on a virtual clock."""
+    clock = VirtualClock()
+    with _allreduces_taking(clock, TAIL_BYTES // 4, _long_tail), installed(clock, hardware):
         times, _ = probe_allreduce_times(sizes=(TAIL_BYTES,))
     return times[0][2]
 
 
 def test_the_allreduce_probe_reads_the_mean_of_a_long_tail():
     """Training pays an all-reduce's mean time, slow calls included: a timed run must be long
-    enough to hold them (runs of 20 calls here would read 0 or 1 slow call and a median of 0.1
-    ms against a mean of 0.3)."""
+    enough to hold them (runs of 20 calls here would hold 0 or 1 slow call and read a median of
+    0.1 ms against a mean of 0.3)."""
     mean = FAST_S + (SLOW_S - FAST_S) / TAIL_EVERY
     measured = run_ranks(2, _allreduce_with_a_long_tail)
-    assert measured[0] == pytest.approx(mean, rel=0.3)  # 20-call runs: 0.1 ms, a third
+    assert measured[0] == pytest.approx(mean, rel=0.05)
 
 
 def _after_compute_with_a_long_tail(rank, world_size):
     """The after-compute probe's extras for 4-byte all-reduces with a long tail whatever came
-    before them: the same mean after compute as back to back."""
-    with _allreduces_with_a_long_tail(1):
+    before them, on a virtual clock: the same mean after compute as back to back."""
+    clock = VirtualClock()
+    with _allreduces_taking(clock, 1, _long_tail), installed(clock, hardware, "busy_wait"):
         return probe_allreduce_after_compute()
 
 
 def test_the_after_compute_probe_is_long_enough_for_a_long_tail():
     """Rare slow calls must not land in one segment's calls and not another's, or the table
     reads their share as an extra after that much compute (with 20 calls a round, the slow calls
-    here fall into the 1 ms and 5 ms segments only: 0.5 ms extra for them, none for the rest)."""
+    here fall into some segments only: 0.5 ms extra for them, none for the rest)."""
     table = run_ranks(2, _after_compute_with_a_long_tail)[0]
     assert [s for s, _ in table] == list(AFTER_COMPUTE_SEGMENTS_S)
-    assert all(extra < 0.15e-3 for _, extra in table), table
+    assert all(extra < 0.05 * (SLOW_S - FAST_S) / TAIL_EVERY for _, extra in table), table
 
 
-def _slice_on_one_core(rank, world_size):
-    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # both ranks take turns on one core
-    return probe_scheduler_slice(seconds=0.3)
+def _slice_on_a_virtual_clock(rank, world_size, turn_reads):
+    """Every clock read takes 1 us; this rank loses its turn for 5 ms after every `turn_reads[rank]`
+    reads (None: never)."""
+    clock, reads = VirtualClock(), [0]
+
+    def read():
+        reads[0] += 1
+        lost = turn_reads[rank] and reads[0] % turn_reads[rank] == 0
+        clock.advance(5e-3 if lost else 1e-6)
+        return clock.now
+    module = clock.as_time_module()
+    module.perf_counter = read
+    saved, hardware.time = hardware.time, module
+    try:
+        return probe_scheduler_slice(seconds=0.1)
+    finally:
+        hardware.time = saved
 
 
-def test_scheduler_slice_of_ranks_sharing_a_core():
-    slices = run_ranks(2, _slice_on_one_core)
+def test_the_scheduler_slice_is_the_mean_over_ranks_of_their_median_run():
+    # a run spans the reads between two lost turns: n - 1 steps of 1 us (the first run n - 2)
+    slices = run_ranks(2, _slice_on_a_virtual_clock, [1000, 3000])
     assert slices[0] == slices[1]  # every rank gets the same answer
-    assert 2e-4 < slices[0] < 0.1  # Linux runs a task for some milliseconds before the next
+    assert slices[0] == pytest.approx((999e-6 + 2999e-6) / 2)
+    # a rank that never lost a turn counts for nothing; with none, no slice
+    assert run_ranks(2, _slice_on_a_virtual_clock, [1000, None])[0] == pytest.approx(999e-6)
+    assert run_ranks(2, _slice_on_a_virtual_clock, [None, None]) == [None, None]
 
 
 def test_a_detected_cpu_node_with_more_ranks_than_cores_has_a_slice():
     specs = run_ranks(len(os.sched_getaffinity(0)) + 1, _detect)
     assert specs[0].compute_slots_per_node < specs[0].devices_per_node
-    assert 2e-4 < specs[0].scheduler_slice_s < 0.1
+    assert specs[0].scheduler_slice_s > 0  # measured: ranks that share a core lose turns
 
 
 def test_the_median_of_several_detections(tmp_path):
@@ -293,14 +343,15 @@ def test_the_link_probe_times_a_warmed_up_pair(monkeypatch):
     are not timed: only round trips after the warm-up enter the median."""
     import torch
     import torch.distributed as dist
-    from megatron_2bw.planner import hardware
     sends = []
-    slow = hardware.PAIR_WARMUP_ROUND_TRIPS  # the first round trips take 50 ms each
+    slow = hardware.PAIR_WARMUP_ROUND_TRIPS  # the first round trips take 50 ms each, later 1 ms
+    clock = VirtualClock()
+    monkeypatch.setattr(hardware, "time", clock.as_time_module())
     monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
     monkeypatch.setattr(dist, "get_global_rank", lambda group, rank: rank)
     monkeypatch.setattr(dist, "send", lambda tensor, peer, group=None: sends.append(peer))
     monkeypatch.setattr(dist, "recv", lambda tensor, peer, group=None:
-                        __import__("time").sleep(0.05 if len(sends) <= slow else 0.0))
+                        clock.advance(0.05 if len(sends) <= slow else 1e-3))
     seconds = hardware._one_way_time(None, 0, 1, 4, torch.device("cpu"), repeats=5)
     assert len(sends) == slow + 1 + 5  # warm-up, median_time's own warm-up run, 5 timed
-    assert seconds < 0.01  # a slow round trip timed would make it 0.025
+    assert seconds == pytest.approx(0.5e-3)  # a slow round trip timed would make it 0.025

@@ -1,5 +1,6 @@
 import dataclasses
 import json
+import math
 import os
 import threading
 
@@ -619,11 +620,11 @@ def test_turn_taking_times_the_real_layer():
     overheads = measure_turn_taking(MODEL, PrecisionConfig(), [(1, 2), (2, 2)], processors=1,
                                     rounds=1, seconds=0.05)
     assert set(overheads) == {(1, 2), (2, 2)}
-    assert all(0.0 <= value < 10.0 for value in overheads.values())
+    assert all(value >= 0.0 and math.isfinite(value) for value in overheads.values())
     # what each copy reports: its own processor seconds per forward and backward of the layer
     alone = profile_module._layer_processor_seconds(MODEL, PrecisionConfig(), [(1, 2)],
                                                     threading.Barrier(1), 0.05)
-    assert 0.0 < alone[(1, 2)] < 1.0
+    assert alone[(1, 2)] > 0.0 and math.isfinite(alone[(1, 2)])
 
 
 def test_a_profile_measures_turn_taking_once_and_caches_it(tmp_path, monkeypatch):
