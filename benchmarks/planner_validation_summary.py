@@ -1,14 +1,17 @@
-"""Every saved planner validation report at once: how often the targets held, and which
+"""Planner validation reports summarized together: how often the targets held, and which
 configurations the cost model misses the same way in every run.
 
-    python benchmarks/planner_validation_summary.py docs/planner_validation_world4*.json
-    python benchmarks/planner_validation_summary.py --repredict docs/planner_validation_world4*.json
+    python benchmarks/planner_validation_summary.py docs/planner_validation_world4.json
+    python benchmarks/planner_validation_summary.py run1.json run2.json run3.json
+    python benchmarks/planner_validation_summary.py --repredict run*.json
 
-One run of benchmarks/planner_validation.py judges the planner on one noisy sample of this machine.
-Pooled, the reports tell noise from model error: noise moves every configuration of a run
-together (this VM's speed drifts by 10-30%), so each error is also shown minus its run's median
-error (its residual). A configuration whose residual keeps its sign in every run is one the cost
-model gets wrong.
+docs/planner_validation_world4.json is the current result; to judge noise against model error,
+keep the `--json` reports of several runs of benchmarks/planner_validation.py on your machine
+and pass them all. One run judges the planner on one noisy sample of the machine. Pooled, the
+reports tell noise from model error: noise moves every configuration of a run together (a
+shared VM's speed can drift by 10-30%), so each error is also shown minus its run's median
+error (its residual). A configuration whose residual keeps its sign in every run is one the
+cost model gets wrong.
 
 --repredict recomputes every prediction from each report's own sampled inputs (the detected
 hardware and the profile, medians over the rounds, as the run used them) with the cost model of
@@ -66,7 +69,7 @@ def repredict(path: Path, rows: list[validation.Row]) -> None:
     if not {"hardware", "profile"} <= set(report) or any(row.plan is None for row in rows):
         fail(f"{path}: keeps no sampled inputs (its 'hardware', 'profile' or rows' 'plan'); "
              f"--repredict needs a report of a newer planner_validation.py")
-    # reports before session 11 kept no arguments: they used the defaults, which the header shows
+    # a report without 'argv' ran with the defaults, which its header shows
     config = validation.model_config(validation.parse_args(report.get("argv", [])))
     expected = validation.model_description(config)
     if not report.get("header", "").startswith(expected):

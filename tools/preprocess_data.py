@@ -24,15 +24,13 @@ from typing import Iterator
 import numpy as np
 from tqdm import tqdm
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megatron_2bw.config import DataConfig  # noqa: E402
-from megatron_2bw.data.cli import ToolParser, exit_on_user_error  # noqa: E402
-from megatron_2bw.data.documents import (Source, describe, find_sources, iter_raw_records,  # noqa: E402
+from megatron_2bw.config import DataConfig
+from megatron_2bw.data.cli import ToolParser, exit_on_user_error
+from megatron_2bw.data.documents import (Source, describe, find_sources, iter_raw_records,
                                          parse_record, partition_sources)
-from megatron_2bw.data.indexed import (IndexedDatasetBuilder, bin_path, idx_path,  # noqa: E402
+from megatron_2bw.data.indexed import (IndexedDatasetBuilder, bin_path, idx_path,
                                        token_dtype)
-from megatron_2bw.data.tokenizers import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
+from megatron_2bw.data.tokenizers import TOKENIZER_TYPES, build_tokenizer
 
 CHUNK_BYTES = 1 << 20  # raw input per task sent to a worker
 CHUNKS_IN_FLIGHT_PER_WORKER = 4

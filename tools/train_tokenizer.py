@@ -17,10 +17,8 @@ from typing import Iterator
 
 from tqdm import tqdm
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megatron_2bw.data.cli import ToolParser, exit_on_user_error  # noqa: E402
-from megatron_2bw.data.documents import find_sources, iter_documents  # noqa: E402
+from megatron_2bw.data.cli import ToolParser, exit_on_user_error
+from megatron_2bw.data.documents import find_sources, iter_documents
 
 BERT_CONTROL_SYMBOLS = ["[CLS]", "[SEP]", "[MASK]"]
 GPT_END_OF_TEXT = "<|endoftext|>"

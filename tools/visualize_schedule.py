@@ -14,10 +14,8 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install
-
-from megatron_2bw.pipeline import schedules  # noqa: E402
-from megatron_2bw.pipeline.visualize import ScheduleShape, plot_schedules  # noqa: E402
+from megatron_2bw.pipeline import schedules
+from megatron_2bw.pipeline.visualize import ScheduleShape, plot_schedules
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -493,7 +493,7 @@ class CoreSharing:
     rank's compute pays its turn-taking overhead, even while the others wait: each turn finds
     its caches cold. (Measured with 4 ranks on 2 cores under 2BW, Flush and pure data
     parallelism, each rank's processor seconds in training came to its pieces times 1 +
-    turn_overhead: docs/planner_validation.md, session 30.)"""
+    turn_overhead.)"""
     ranks: tuple[tuple[int, ...], ...]  # [node][stage]
     slots: int
     tensor_parallel: int = 1  # ranks per tensor-parallel group (inside one node)

@@ -436,10 +436,9 @@ def probe_allreduce_times(group=None, sizes=ALLREDUCE_PROBE_BYTES, repeats: int 
     calls it; all get the same tables. Single-node jobs only (empty tables otherwise: the link
     model applies).
 
-    Each timed run makes `repeats` calls (a quarter of that above 1 MB) because the times have a
-    long tail: gloo on this VM finishes most 128 KB all-reduces of 2 ranks in 0.2 ms and about
-    one in six in 1-7 ms, a mean of 0.8 ms that runs of 20 calls read anywhere from 0.34 to 1.65
-    ms (docs/planner_validation.md, session 29)."""
+    Each timed run makes `repeats` calls (a quarter of that above 1 MB) because the times can
+    have a long tail (on CPU, gloo finishes most small all-reduces quickly and a few ten times
+    slower), which a short run samples badly."""
     group = group or dist.group.WORLD
     device = _device_for(group)
     size = dist.get_world_size(group)
