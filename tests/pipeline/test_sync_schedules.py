@@ -8,9 +8,14 @@ Megatron-LM's interleaved 1F1B (model chunks per rank).
   Flush ends in the same precision."""
 import dataclasses
 import functools
+import os
+import re
+import subprocess
+import sys
 
 import pytest
 
+from megatron_2bw.arguments import ConfigError, parse_config, validate_for_world
 from megatron_2bw.config import RecomputeConfig
 from megatron_2bw.pipeline import schedules as S
 from megatron_2bw.pipeline.interleaved import warmup_forwards
@@ -199,3 +204,57 @@ def test_half_precision_ends_where_flush_ends(precision):
         assert max_difference(full_weights(ranks), full_weights(flush), VOCAB) < 1e-3
         for mine, theirs in zip(ranks, flush):
             assert [r[:2] for r in mine["results"]] == [r[:2] for r in theirs["results"]]
+
+
+# -- flags ---------------------------------------------------------------------------------------
+
+TINY = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length",
+        "16", "--micro-batch-size", "2", "--train-iters", "2", "--mock-data", "--vocab-size", "64",
+        "--pipeline-model-parallel-size", "2"]
+
+
+def test_megatrons_virtual_stage_flags_select_interleaved():
+    config, _ = parse_config([*TINY, "--num-layers-per-virtual-pipeline-stage", "1",
+                              "--global-batch-size", "8"])
+    assert config.parallel.pipeline_schedule == "interleaved"
+    assert config.parallel.model_chunks == 2  # 4 layers / p 2 / 1 per chunk
+    config, _ = parse_config([*TINY, "--pipeline-schedule", "interleaved",
+                              "--virtual-pipeline-model-parallel-size", "2"])
+    assert config.parallel.model_chunks == 2
+    config, _ = parse_config([*TINY, "--pipeline-schedule", "zb-h1"])
+    assert config.parallel.pipeline_schedule == "zb-h1" and config.parallel.model_chunks == 1
+
+
+@pytest.mark.parametrize("extra,expected", [
+    (["--pipeline-schedule", "interleaved"], "needs --virtual-pipeline-model-parallel-size V or"),
+    (["--pipeline-schedule", "flush", "--virtual-pipeline-model-parallel-size", "2"],
+     "apply to --pipeline-schedule interleaved only"),
+    (["--virtual-pipeline-model-parallel-size", "3"], "--num-layers 4 must be divisible by"),
+    (["--num-layers-per-virtual-pipeline-stage", "2"], "at least 2 model chunks per rank, got 1"),
+    (["--virtual-pipeline-model-parallel-size", "2", "--pipeline-layer-split", "1,3"],
+     "--pipeline-layer-split does not apply"),
+])
+def test_bad_virtual_stage_flags_are_named(extra, expected):
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        parse_config([*TINY, *extra])
+
+
+def test_interleaved_refuses_m_not_a_multiple_of_p():
+    """m = 6 / (2 x 1) = 3 microbatches on p = 2 stages."""
+    config, _ = parse_config([*TINY, "--global-batch-size", "6",
+                              "--virtual-pipeline-model-parallel-size", "2"])
+    with pytest.raises(ConfigError, match=re.escape(
+            "needs the microbatches per batch to be a multiple of --pipeline-model-parallel-size "
+            "(each chunk takes them in groups of p): m = global/(micro*d) = 3, p = 2; make "
+            "--global-batch-size a multiple of 4")):
+        validate_for_world(config, 2)
+
+
+def test_a_bad_schedule_flag_ends_the_run_in_one_line():
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    result = subprocess.run([sys.executable, "pretrain_gpt.py", *TINY, "--pipeline-schedule",
+                             "interleaved"], cwd=root, capture_output=True, text=True, timeout=120)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2 and len(lines) == 1 and "Traceback" not in result.stderr, \
+        result.stderr
+    assert lines[0].startswith("pretrain_gpt.py: error: --pipeline-schedule interleaved needs")
