@@ -839,6 +839,15 @@ def validate_for_world(config: Config, world_size: int) -> int:
                              f"takes them in groups of p): m = global/(micro*d) = {m}, p = {p}; "
                              f"make {_smallest_batch_flag(tr)} a multiple of "
                              f"{p * tr.micro_batch_size * d}")
+        sizes = ([b for _, b in tr.step_batch_size_schedule] if tr.step_batch_size_schedule
+                 else tr.rampup_batch_size[1:2] if tr.rampup_batch_size else [])
+        uneven = [size for size in sizes if size % (p * tr.micro_batch_size * d)]
+        flag = "--step-batch-size-schedule" if tr.step_batch_size_schedule else \
+            "--rampup-batch-size INCREMENT"
+        _require(not uneven, f"--pipeline-schedule interleaved needs every batch size to be a "
+                             f"multiple of p x micro x d = {p * tr.micro_batch_size * d} (whole "
+                             f"groups of p microbatches): {flag} {uneven[0] if uneven else 0} is "
+                             f"not")
     if schedule in ("2bw", "flush", "zb-h1") and p > 1:
         _require(m >= p, f"--pipeline-schedule {schedule} needs at least as many microbatches per "
                          f"batch as stages (1F1B keeps p in flight): m = global/(micro*d) = {m} < "

@@ -24,6 +24,9 @@ def add_arguments(parser) -> None:
     group = parser.add_argument_group("conversion")
     group.add_argument("--target-tensor-parallel-size", type=int, required=True)
     group.add_argument("--target-pipeline-parallel-size", type=int, required=True)
+    group.add_argument("--target-virtual-pipeline-model-parallel-size", type=int, default=1,
+                       help="model chunks per pipeline rank, for --pipeline-schedule interleaved "
+                            "(default 1)")
     group.add_argument("--iteration", type=int, default=None,
                        help="iteration to convert (default: the latest)")
 
@@ -39,7 +42,7 @@ def main(argv=None) -> str:
     t, p = args.target_tensor_parallel_size, args.target_pipeline_parallel_size
     check_layout_fits(state.config.model, t, p, "--target-tensor-parallel-size",
                       "--target-pipeline-parallel-size")
-    write_full_state(state, args.save, t, p)
+    write_full_state(state, args.save, t, p, chunks=args.target_virtual_pipeline_model_parallel_size)
     print(f" converted {args.load} (iteration {state.iteration}) to t={t} x p={p} in {args.save}",
           flush=True)
     return args.save

@@ -94,7 +94,8 @@ def plot(plans: list[Plan], top: int, path: Path, title: str) -> None:
 
     shown = rows(plans, top)
     shown += [p for p in plans if not p.fits and p not in shown][:3]
-    colors = {"2bw": "tab:blue", "flush": "tab:orange", "gpipe": "tab:green"}
+    colors = {"2bw": "tab:blue", "flush": "tab:orange", "gpipe": "tab:green", "zb-h1": "tab:purple",
+              "interleaved": "tab:brown"}
     labels = [f"{p.candidate.schedule} t{p.candidate.tensor_parallel} p{p.candidate.pipeline_parallel}"
               f" d{p.candidate.data_parallel} b{p.candidate.micro_batch_size}"
               f"{' ' + p.candidate.recompute if p.candidate.recompute else ''}" for p in shown]

@@ -147,21 +147,44 @@ def _source_name(name: str, spec) -> str:
     return WORD_EMBEDDINGS if spec.tied_copy else name
 
 
+def _rank_parameter_specs(model: ModelConfig, tensor: int, pipeline: int, chunks: int,
+                          layer_split: list[int] | None, pp: int) -> list[tuple[str, object]]:
+    """(name, spec) of pipeline rank pp: its stage, or under the interleaved schedule its chunks
+    (chunk c: virtual stage c * p + pp of p * chunks even ones)."""
+    if chunks == 1:
+        ranges = layer_ranges(model.num_layers, pipeline, layer_split)
+        return stage_parameter_specs(model, tensor, ranges[pp], pp == 0, pp == pipeline - 1)
+    ranges = layer_ranges(model.num_layers, pipeline * chunks)
+    return [spec for c in range(chunks) for spec in stage_parameter_specs(
+        model, tensor, ranges[c * pipeline + pp], c == 0 and pp == 0,
+        c == chunks - 1 and pp == pipeline - 1)]
+
+
 def write_full_state(state: FullState, root: str, tensor: int, pipeline: int,
-                     layer_split: list[int] | None = None) -> None:
-    """Write `state` as a checkpoint of layout t x p (every file, the metadata, then the marker).
+                     layer_split: list[int] | None = None, chunks: int = 1) -> None:
+    """Write `state` as a checkpoint of layout t x p (every file, the metadata, then the marker),
+    with `chunks` model chunks per pipeline rank (the interleaved schedule's v).
     RNG states are per rank of the old layout: none are written (a resumed run reseeds)."""
     model = state.config.model
     check_layout_fits(model, tensor, pipeline)
+    if chunks > 1 and (layer_split is not None or model.num_layers % (pipeline * chunks)):
+        raise CheckpointError(f"{chunks} model chunks per rank need --num-layers "
+                              f"{model.num_layers} divisible by {pipeline} x {chunks} (and no "
+                              f"layer split)")
     config = copy.deepcopy(state.config)
     config.parallel.tensor_parallel, config.parallel.pipeline_parallel = tensor, pipeline
     config.parallel.layer_split = layer_split
-    ranges = layer_ranges(model.num_layers, pipeline, layer_split)
+    config.parallel.num_layers_per_virtual_pipeline_stage = None
+    config.parallel.virtual_pipeline_parallel = chunks if chunks > 1 else None
+    if chunks > 1:
+        config.parallel.schedule = "interleaved"
+    elif config.parallel.schedule == "interleaved":
+        config.parallel.schedule = None
     optimizer = state.optimizer or {"groups": [], "state": {}}
     progress = tqdm(total=tensor * pipeline, desc=f"writing {root}", unit="file",
                     disable=tensor * pipeline < 4)
     for pp in range(pipeline):
-        specs = stage_parameter_specs(model, tensor, ranges[pp], pp == 0, pp == pipeline - 1)
+        specs = _rank_parameter_specs(model, tensor, pipeline, chunks, layer_split, pp)
         missing = [n for n, s in specs if _source_name(n, s) not in state.model]
         if missing:
             raise CheckpointError(f"the checkpoint lacks parameters {missing[:3]} of a "

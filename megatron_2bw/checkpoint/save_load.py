@@ -283,7 +283,15 @@ def check_layout(metadata: dict, root: str, current: Config) -> None:
             f"{saved['pipeline']}, but this run uses --tensor-model-parallel-size {tensor} "
             f"--pipeline-model-parallel-size {pipeline}; "
             + CONVERT_HINT.format(root=root, t=tensor, p=pipeline))
-    old, new = _layers_per_stage(Config.from_dict(metadata["config"])), _layers_per_stage(current)
+    saved_config = Config.from_dict(metadata["config"])
+    chunks, current_chunks = saved_config.parallel.model_chunks, current.parallel.model_chunks
+    if chunks != current_chunks:  # a rank's file holds the layers of its chunks
+        raise CheckpointError(
+            f"checkpoint {root} (iteration {metadata['iteration']}) was saved with {chunks} model "
+            f"chunk(s) per pipeline rank (--virtual-pipeline-model-parallel-size), this run uses "
+            f"{current_chunks}; " + CONVERT_HINT.format(root=root, t=tensor, p=pipeline)
+            + f" --target-virtual-pipeline-model-parallel-size {current_chunks}")
+    old, new = _layers_per_stage(saved_config), _layers_per_stage(current)
     if old != new:
         raise CheckpointError(
             f"checkpoint {root} (iteration {metadata['iteration']}) was saved with "

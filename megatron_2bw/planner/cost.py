@@ -56,6 +56,11 @@ from megatron_2bw.planner.profile import ComputeCosts
 RECOMPUTE_OPTIONS = (None, "selective", "full")
 
 
+# the split backward's (zb-h1) input-gradient pass B as a share of a backward: the linears'
+# input and weight gradients cost alike, the attention scores' gradients are the input's alone
+INPUT_GRADIENT_SHARE = 0.55
+
+
 @dataclass(frozen=True)
 class Candidate:
     """One point of the search space."""
@@ -64,8 +69,9 @@ class Candidate:
     data_parallel: int
     micro_batch_size: int
     recompute: str | None  # None | "selective" | "full"
-    schedule: str  # "2bw" | "flush" | "gpipe" | "pipedream"
+    schedule: str  # one of pipeline.schedules.SCHEDULES
     layer_split: tuple[int, ...] | None = None  # layers per stage; None: the runtime's even split
+    chunks: int = 1  # interleaved: model chunks per rank (v)
 
     def microbatches(self, global_batch_size: int) -> int:
         return global_batch_size // (self.micro_batch_size * self.data_parallel)
@@ -75,13 +81,15 @@ class Candidate:
         return dataclasses.replace(
             base or ParallelConfig(), tensor_parallel=self.tensor_parallel,
             pipeline_parallel=self.pipeline_parallel, schedule=self.schedule,
-            layer_split=list(self.layer_split) if self.layer_split else None)
+            layer_split=list(self.layer_split) if self.layer_split else None,
+            virtual_pipeline_parallel=self.chunks if self.chunks > 1 else None,
+            num_layers_per_virtual_pipeline_stage=None)
 
     def describe(self) -> str:
         split = f" split={','.join(map(str, self.layer_split))}" if self.layer_split else ""
         return (f"t={self.tensor_parallel} p={self.pipeline_parallel} d={self.data_parallel} "
                 f"b={self.micro_batch_size} recompute={self.recompute or 'none'} "
-                f"{self.schedule}{split}")
+                f"{self.schedule}{f' v={self.chunks}' if self.chunks > 1 else ''}{split}")
 
 
 @dataclass(frozen=True)
@@ -531,7 +539,8 @@ def busiest_stage(stages: list[StageCost], microbatches: int) -> int:
     return max(range(len(stages)), key=busy.__getitem__)
 
 
-def paper_breakdown(stages: list[StageCost], schedule: str, microbatches: int) -> dict[str, float]:
+def paper_breakdown(stages: list[StageCost], schedule: str, microbatches: int,
+                    chunks: int = 1) -> dict[str, float]:
     """PipeDream-2BW's closed form, extended to the flushed schedules' bubbles, as the busiest
     stage's time per batch by cause (their sum is the predicted time per batch).
 
@@ -554,14 +563,26 @@ def paper_breakdown(stages: list[StageCost], schedule: str, microbatches: int) -
         return {"compute": m * compute, "p2p": m * p2p,
                 "data_parallel": max(data_parallel - m * (compute + p2p), 0.0), "bubble": 0.0}
     return {"compute": m * compute, "p2p": m * p2p, "data_parallel": data_parallel,
-            "bubble": (p - 1) * (compute + p2p)}
+            "bubble": (p - 1) * fill_per_stage(stages[k], schedule, p2p, chunks)}
 
 
-def paper_time_per_batch(stages: list[StageCost], schedule: str, microbatches: int) -> float:
-    return sum(paper_breakdown(stages, schedule, microbatches).values())
+def fill_per_stage(stage: StageCost, schedule: str, p2p: float, chunks: int = 1) -> float:
+    """A flushed schedule's fill and drain per stage of the pipeline: a microbatch's forward and
+    backward (1F1B, GPipe); interleaved: of one chunk; zb-h1: the W passes fill the drain, so a
+    forward and the input gradient less the weight gradient (Qi et al.)."""
+    if schedule == "zb-h1":
+        share = INPUT_GRADIENT_SHARE
+        return max(stage.forward_s + stage.backward_s * (2 * share - 1), 0.0) + p2p
+    return (stage.forward_s + stage.backward_s + p2p) / chunks
 
 
-def time_per_batch_lower_bound(stages: list[StageCost], schedule: str, microbatches: int) -> float:
+def paper_time_per_batch(stages: list[StageCost], schedule: str, microbatches: int,
+                         chunks: int = 1) -> float:
+    return sum(paper_breakdown(stages, schedule, microbatches, chunks).values())
+
+
+def time_per_batch_lower_bound(stages: list[StageCost], schedule: str, microbatches: int,
+                               chunks: int = 1) -> float:
     """What a replay of the schedule (simulator.py) cannot beat, cheaply:
     - every stage runs its microbatches, its reduce and its step each batch;
     - a link carries one transfer at a time;
@@ -576,13 +597,17 @@ def time_per_batch_lower_bound(stages: list[StageCost], schedule: str, microbatc
     own = [st.forward_s + st.backward_s for st in stages]
     bound = max(m * own[s] + st.reduce_s + st.step_s for s, st in enumerate(stages))
     bound = max(bound, m * max(max(st.send_act_s, st.send_grad_s) for st in stages))
-    if schedule != "gpipe" and p > 1:
+    if schedule in ("2bw", "flush") and p > 1:
         pair = max(own[s] + own[s + 1] + stages[s].send_act_s + stages[s + 1].send_grad_s
                    for s in range(p - 1)) / 2
         bound = max(bound, (m - p + 1) * pair)
     if schedule not in NEVER_DRAINED:
         first = stages[0]
-        path = max(m * own[k] + sum(own[:k]) for k in range(p))
+        # the fill before stage k and the drain after it: a forward and a backward per stage
+        # before it (interleaved: of a chunk; zb-h1: the gradient's way back is B alone)
+        fill = [st.forward_s + st.backward_s * (INPUT_GRADIENT_SHARE if schedule == "zb-h1"
+                                                else 1.0) for st in stages]
+        path = max(m * own[k] + sum(fill[:k]) / chunks for k in range(p))
         bound = max(bound, path + first.reduce_s + first.reduce_background_s
                     + first.tied_async_s + first.reduce_async_s + first.step_s)
     return bound

@@ -16,7 +16,9 @@ Weights and gradients (pipeline/weights.py, pipeline/update.py):
 
 Activations: the bytes one layer stashes per microbatch (`activation_bytes_per_layer`, measured by
 profile.py on the device at hand, else the analytic count below) x layers x microbatches in flight
-(schedules.max_in_flight: p - r for 1F1B, m for GPipe), plus the stage's own extras. Under
+(schedules.max_in_flight: p - r for 1F1B, m for GPipe, p on every stage for ZB-H1, whose
+activations live until the weight gradient; interleaved: its warm-up + 1 microbatch-chunks of 1/v
+of the stage each), plus the stage's own extras. Under
 --sequence-parallel (t > 1) what lies outside the tensor-parallel regions holds s/t tokens: the
 norms' stashes, the hidden-dropout masks, the stage's input and output (the pipeline messages); the
 inputs the column-parallel linears save are their gathered inputs (the whole sequence, as
@@ -364,7 +366,9 @@ def estimate_stage_memory(model: ModelConfig, parallel: ParallelConfig, precisio
         per_microbatch += last_stage_extra_bytes(model, t, b, e)
     else:
         per_microbatch += layer_input  # the stage output, kept for its backward
-    in_flight = max_in_flight(schedule, p, microbatches, stage)
+    # interleaved: microbatch-chunks in flight, each chunk 1/v of the stage's layers
+    model_chunks = parallel.model_chunks
+    in_flight = max_in_flight(schedule, p, microbatches, stage, model_chunks) / model_chunks
     activations = in_flight * per_microbatch
 
     workspace = max(

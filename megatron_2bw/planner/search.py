@@ -112,8 +112,9 @@ def candidates(model: ModelConfig, world_size: int, hardware: HardwareSpec, glob
                space: SearchSpace | None = None) -> list[Candidate]:
     """Every valid configuration: t inside a node and splitting the model (`splits_model`); p at
     most the layers; d = world / (t p) dividing the global batch; micro batch sizes dividing the
-    per-replica batch; 2BW and Flush need at least p microbatches per batch; PipeDream needs
-    untied embeddings; one schedule at p = 1 (`schedules_for`)."""
+    per-replica batch; 2BW, Flush and ZB-H1 need at least p microbatches per batch, interleaved
+    (planned with v = 2) a multiple of p and 2p dividing the layers; PipeDream needs untied
+    embeddings; one schedule at p = 1 (`schedules_for`)."""
     space = space or SearchSpace()
     per_node = hardware.devices_per_node
     result = []
@@ -134,14 +135,19 @@ def candidates(model: ModelConfig, world_size: int, hardware: HardwareSpec, glob
                     continue
                 m = global_batch_size // (b * d)
                 for schedule in schedules_for(p, space.schedules):
-                    if schedule in ("2bw", "flush") and m < p:
+                    if schedule in ("2bw", "flush", "zb-h1") and m < p:
                         continue
                     if schedule == "pipedream" and not (
                             model.untie_embeddings_and_output_weights and model.model_type == "gpt"):
                         continue  # the first and last stage would read two versions of one matrix
+                    chunks = 1
+                    if schedule == "interleaved":  # planned with two chunks per rank
+                        chunks = 2
+                        if p == 1 or m % p or space.layer_split or model.num_layers % (2 * p):
+                            continue
                     for recompute in space.recompute:
                         result.append(Candidate(t, p, d, b, recompute, schedule,
-                                                space.layer_split))
+                                                space.layer_split, chunks))
     return result
 
 
@@ -234,7 +240,7 @@ class _Planner:
         self.profile, self.balance_layers = profile, balance_layers
         self.memory_limit = memory_limit_bytes(hardware)
         self._costs: dict[tuple[int, int], ComputeCosts] = {}
-        self._schedules: dict[tuple[str, int, int], Compiled] = {}  # shared by candidates
+        self._schedules: dict[tuple, Compiled] = {}  # shared by candidates
 
     def costs(self, t: int, b: int) -> ComputeCosts:
         if (t, b) not in self._costs:
@@ -256,7 +262,7 @@ class _Planner:
         durations = stage_costs(self.model, self.hardware, costs, candidate, self.precision,
                                 self.optimizer, self.parallel)
         sharing = core_sharing(self.hardware, candidate)
-        bound = time_per_batch_lower_bound(durations, candidate.schedule, m)
+        bound = time_per_batch_lower_bound(durations, candidate.schedule, m, candidate.chunks)
         return _Assessed(candidate, m, memory,
                          max(x.total for x in memory) <= self.memory_limit, durations, sharing,
                          max(bound, sharing.bound(durations, m)) if sharing else bound)
@@ -264,14 +270,15 @@ class _Planner:
     def plan(self, item: _Assessed, replay: bool) -> Plan:
         c, m = item.candidate, item.microbatches
         if replay:
-            shape = (c.schedule, c.pipeline_parallel, m)
+            shape = (c.schedule, c.pipeline_parallel, m, c.chunks)
             if shape not in self._schedules:
-                self._schedules[shape] = compiled_schedule(*shape, SIMULATED_BATCHES)
+                self._schedules[shape] = compiled_schedule(*shape[:3], SIMULATED_BATCHES,
+                                                           c.chunks)
             result = simulate(self._schedules[shape], item.durations, sharing=item.sharing)
             seconds, bubble = result.time_per_batch, result.bubble_fraction
             breakdown, bottleneck = result.breakdown, result.bottleneck
         else:
-            breakdown = paper_breakdown(item.durations, c.schedule, m)
+            breakdown = paper_breakdown(item.durations, c.schedule, m, c.chunks)
             seconds = sum(breakdown.values())
             shared = item.sharing.bound(item.durations, m) if item.sharing else 0.0
             if shared > seconds:  # the node's processors, not the schedule, set the pace

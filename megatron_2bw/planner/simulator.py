@@ -28,10 +28,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from megatron_2bw.pipeline import schedules as S
-from megatron_2bw.planner.cost import CoreSharing, StageCost, bottleneck_label, busiest_stage
+from megatron_2bw.planner.cost import (INPUT_GRADIENT_SHARE, CoreSharing, StageCost,
+                                       bottleneck_label, busiest_stage)
 
 _CODES = {S.FORWARD: 0, S.BACKWARD: 1, S.SEND_ACT: 2, S.RECV_ACT: 3, S.SEND_GRAD: 4,
-          S.RECV_GRAD: 5, S.REDUCE_GRADS: 6, S.STEP: 7, S.RELEASE_VERSION: 8}
+          S.RECV_GRAD: 5, S.REDUCE_GRADS: 6, S.STEP: 7, S.RELEASE_VERSION: 8,
+          S.BACKWARD_INPUT: 9, S.BACKWARD_WEIGHT: 10}
+PASSES = (0, 1, 9, 10)  # forward, backward, and the split backward's B and W
 
 
 @dataclass(frozen=True)
@@ -50,16 +53,18 @@ class SimResult:
         return bottleneck_label(self.breakdown, self.busiest_stage)
 
 
-Compiled = tuple[tuple[tuple[int, int | None, int | None], ...], ...]
+Compiled = tuple[tuple[tuple[int, int | None, int | None, int], ...], ...]
 
 
 def compile_actions(actions: list[list[S.Action]]) -> Compiled:
-    """Actions as (code, microbatch, batch) integer tuples: the replay loop's fast form."""
-    return tuple(tuple((_CODES[a.kind], a.microbatch, a.batch) for a in stage) for stage in actions)
+    """Actions as (code, microbatch, batch, chunk) integer tuples: the replay loop's fast form."""
+    return tuple(tuple((_CODES[a.kind], a.microbatch, a.batch, a.chunk) for a in stage)
+                 for stage in actions)
 
 
-def compiled_schedule(schedule: str, stages: int, microbatches: int, batches: int) -> Compiled:
-    return compile_actions(S.build_schedule(schedule, stages, microbatches, batches))
+def compiled_schedule(schedule: str, stages: int, microbatches: int, batches: int,
+                      chunks: int = 1) -> Compiled:
+    return compile_actions(S.build_schedule(schedule, stages, microbatches, batches, 0, chunks))
 
 
 class _Replay:
@@ -82,6 +87,19 @@ class _Replay:
         self.tied_first = p > 1 and durations[0].tied_async_s > 0
         self.step_arrival: dict[int, float] = {}  # batch -> when the first stage reached its step
         self.background: list[tuple[int, float] | None] = [None] * p  # (batch, when it is in)
+        # interleaved: a rank's chunks each take 1/v of its stage's pass
+        self.chunks = 1 + max((a[3] for row in compiled for a in row), default=0)
+
+    def pass_cost(self, s: int, code: int) -> tuple[float, float, float]:
+        """(seconds, of them blocked in collectives, collectives) of a forward, backward, B or W
+        of one chunk on stage s."""
+        cost, v = self.durations[s], self.chunks
+        if code == 0:
+            return cost.forward_s / v, cost.forward_comm_s / v, cost.forward_collectives / v
+        share = {1: 1.0, 9: INPUT_GRADIENT_SHARE, 10: 1.0 - INPUT_GRADIENT_SHARE}[code]
+        comm_share = 0.0 if code == 10 else 1.0  # the collectives are on the input's path
+        return (cost.backward_s * share / v, cost.backward_comm_s * comm_share / v,
+                cost.backward_collectives * comm_share / v)
 
     def reduced(self, s: int, batch: int, t: float) -> None:
         """Stage s's reduce of `batch` ended at t, or left its data-parallel average running."""
@@ -103,27 +121,31 @@ class _Replay:
         return t
 
     def microbatch(self, s: int, code: int) -> None:
-        """In-flight bookkeeping of a forward (code 0) or backward (1)."""
-        self.in_flight[s] += 1 if code == 0 else -1
+        """In-flight bookkeeping of a forward (code 0), backward (1) or W (10): a microbatch's
+        activations live until its backward, or its W where the backward is split."""
+        self.in_flight[s] += 1 if code == 0 else -1 if code in (1, 10) else 0
         self.peak[s] = max(self.peak[s], self.in_flight[s])
 
-    def send(self, s: int, code: int, k: int, t: float) -> None:
-        """An activation (code 2) or gradient (4) transfer queued on its link at time t."""
-        cost = self.durations[s]
+    def send(self, s: int, code: int, k: int, t: float, chunk: int = 0) -> None:
+        """An activation (code 2) or gradient (4) transfer queued on its link at time t (with
+        chunks the virtual pipeline wraps from the last stage to the first)."""
+        cost, p = self.durations[s], len(self.durations)
         if code == 2:
             start = max(t, self.link_next[s])
             self.link_next[s] = start + cost.send_act_s
-            self.act_arrival[s + 1][k] = (start + cost.send_act_s, cost.send_act_s)
+            self.act_arrival[(s + 1) % p][k, chunk + (s == p - 1)] = (start + cost.send_act_s,
+                                                                      cost.send_act_s)
         else:
             start = max(t, self.link_prev[s])
             self.link_prev[s] = start + cost.send_grad_s
-            self.grad_arrival[s - 1][k] = (start + cost.send_grad_s, cost.send_grad_s)
+            self.grad_arrival[(s - 1) % p][k, chunk - (s == 0)] = (start + cost.send_grad_s,
+                                                                   cost.send_grad_s)
 
-    def receive(self, s: int, code: int, k: int, t: float) -> float | None:
+    def receive(self, s: int, code: int, k: int, t: float, chunk: int = 0) -> float | None:
         """When a receive (code 3: activation, 5: gradient) reached at time t completes; None if
         the transfer has not started. The part of the wait while the data was on the wire counts
         as p2p time."""
-        arrival = (self.act_arrival if code == 3 else self.grad_arrival)[s].pop(k, None)
+        arrival = (self.act_arrival if code == 3 else self.grad_arrival)[s].pop((k, chunk), None)
         if arrival is None:
             return None
         landed, transfer = arrival
@@ -165,17 +187,17 @@ def _replay_own_processors(replay: _Replay) -> None:
             actions_s, cost = compiled[s], durations[s]
             i, t = replay.position[s], clock[s]
             while i < len(actions_s):
-                code, k, batch = actions_s[i]
-                if code in (1, 7) and replay.background[s] is not None:
+                code, k, batch, chunk = actions_s[i]
+                if code in (1, 7, 9, 10) and replay.background[s] is not None:
                     t = clock[s] = replay.finish_background(s, t)
                     progress = True
-                if code in (0, 1):
+                if code in PASSES:
                     replay.microbatch(s, code)
-                    t += cost.forward_s if code == 0 else cost.backward_s
+                    t += replay.pass_cost(s, code)[0]
                 elif code in (2, 4):
-                    replay.send(s, code, k, t)
+                    replay.send(s, code, k, t, chunk)
                 elif code in (3, 5):
-                    done = replay.receive(s, code, k, t)
+                    done = replay.receive(s, code, k, t, chunk)
                     if done is None:
                         break
                     t = done
@@ -258,19 +280,17 @@ def _replay_sharing_processors(replay: _Replay, sharing: CoreSharing) -> None:
 
     def begin(s: int) -> bool:
         """Start stage s's next action at `now`; False if it must wait for another stage."""
-        code, k, batch = compiled[s][replay.position[s]]
+        code, k, batch, chunk = compiled[s][replay.position[s]]
         cost, t = durations[s], now if reached[s] is None else reached[s]
-        if code in (1, 7) and replay.background[s] is not None:
+        if code in (1, 7, 9, 10) and replay.background[s] is not None:
             segments[s] = [["until", replay.finish_background(s, t)]]  # then the action begins
             reached[s] = None
             in_pass[s] = False
             return True
-        in_pass[s] = code in (0, 1)
-        if code in (0, 1):
+        in_pass[s] = code in PASSES
+        if code in PASSES:
             replay.microbatch(s, code)
-            work, comm, calls = ((cost.forward_s, cost.forward_comm_s, cost.forward_collectives)
-                                 if code == 0 else
-                                 (cost.backward_s, cost.backward_comm_s, cost.backward_collectives))
+            work, comm, calls = replay.pass_cost(s, code)
             wake = calls * cost.wake_s
             pieces = max(1, round(calls))
             segments[s] = [list(segment) for _ in range(pieces) for segment in
@@ -278,9 +298,9 @@ def _replay_sharing_processors(replay: _Replay, sharing: CoreSharing) -> None:
                             ("wall", max(comm - wake, 0.0) / pieces), ("wake", wake / pieces))]
             batch = k // m
         elif code in (2, 4):
-            replay.send(s, code, k, t)
+            replay.send(s, code, k, t, chunk)
         elif code in (3, 5):
-            done = replay.receive(s, code, k, t)
+            done = replay.receive(s, code, k, t, chunk)
             if done is None:
                 reached[s] = t
                 return False
@@ -378,7 +398,7 @@ def simulate(actions: list[list[S.Action]] | Compiled, durations: list[StageCost
     if len(durations) != p:
         raise ValueError(f"{len(durations)} stage durations for {p} stages")
     reduces = [c[2] for c in compiled[0] if c[0] == 6]
-    forwards = sum(1 for c in compiled[0] if c[0] == 0)
+    forwards = sum(1 for c in compiled[0] if c[0] == 0 and c[3] == 0)
     if len(reduces) < 3:
         raise ValueError("simulate needs at least 3 batches to measure a steady time per batch")
     m = forwards // len(reduces)
@@ -423,6 +443,6 @@ def simulate(actions: list[list[S.Action]] | Compiled, durations: list[StageCost
         time_per_batch=time_per_batch,
         bubble_fraction=max(1.0 - busy / time_per_batch, 0.0) if time_per_batch else 0.0,
         peak_inflight_microbatches=replay.peak,
-        peak_activation_bytes=[n * a for n, a in zip(replay.peak, activation_bytes)],
+        peak_activation_bytes=[n * a / replay.chunks for n, a in zip(replay.peak, activation_bytes)],
         busiest_stage=busiest,
         breakdown=breakdown)

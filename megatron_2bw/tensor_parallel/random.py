@@ -93,14 +93,20 @@ def load_rng_state_dict(state: dict) -> None:
     _TRACKER.set_states(state["tracker"])
 
 
-@contextmanager
-def _tracker_states(states: dict):
-    outside = _TRACKER.get_states()
-    _TRACKER.set_states(states)
-    try:
-        yield
-    finally:
-        _TRACKER.set_states(outside)
+class _TrackerStates:
+    """The tracker's states set for a block. Reusable: a graph kept for a split backward (B, then
+    W) recomputes its checkpointed layers once per pass."""
+
+    def __init__(self, states: dict):
+        self.states, self._outside = states, []
+
+    def __enter__(self) -> None:
+        self._outside.append(_TRACKER.get_states())
+        _TRACKER.set_states(self.states)
+
+    def __exit__(self, *exc) -> bool:
+        _TRACKER.set_states(self._outside.pop())
+        return False
 
 
 def checkpoint(function, *args):
@@ -108,7 +114,7 @@ def checkpoint(function, *args):
     forward_states = _TRACKER.get_states()
 
     def contexts():
-        return nullcontext(), _tracker_states(forward_states)
+        return nullcontext(), _TrackerStates(forward_states)
 
     return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False,
                                              preserve_rng_state=True, context_fn=contexts)
