@@ -229,8 +229,8 @@ def run_segment(stage: Stage, first_batch: int, batches: int, feed: MicrobatchFe
 
 
 def segment_ends(config: Config, start: int) -> list[int]:
-    """Iterations after which the pipeline drains (evaluation, checkpoint, exit checks, the
-    bounds of --profile's window, changes of the batch size, the end)."""
+    """Iterations after which the pipeline drains (evaluation, checkpoint, exit checks,
+    repartitioning, the bounds of --profile's window, changes of the batch size, the end)."""
     train, ckpt, logs = config.training, config.checkpoint, config.logging
     if train.skip_train:
         return []
@@ -239,6 +239,8 @@ def segment_ends(config: Config, start: int) -> list[int]:
         intervals.append(ckpt.save_interval)
     if train.exit_interval:
         intervals.append(train.exit_interval)
+    if config.parallel.repartition_interval:  # layers move between stages only when drained
+        intervals.append(config.parallel.repartition_interval)
     if train.exit_signal_handler or train.exit_duration_in_mins:
         intervals.append(train.log_interval)  # bounded reaction time to SIGTERM / the time limit
     ends = {train.train_iters, *batch_schedule(train).changes()}
@@ -256,7 +258,8 @@ def model_flops_per_sample(config: Config) -> float:
     """Analytic model FLOPs of one sample (forward + backward, x4/3 with full recomputation):
     per token and layer the four linears' (planner.profile.linear_flops_per_token: 24h^2 in
     GPT-2's layout) and the attention scores' and their product with V's
-    (planner.profile.attention_flops_per_token: 4sh in GPT-2's layout)."""
+    (planner.profile.attention_flops_per_token: 4sh in GPT-2's layout); a per-stage recompute
+    plan adds its recomputed layers' forwards."""
     from megatron_2bw.planner.profile import attention_flops_per_token, linear_flops_per_token
     m = config.model
     per_token_layer = linear_flops_per_token(m) + attention_flops_per_token(m)
@@ -706,6 +709,11 @@ def pretrain(config: Config, typed: set = frozenset()) -> Stage:
     if resumed_rng is not None:  # only now: creating the data loaders drew from the torch RNG
         load_rng_state_dict(resumed_rng)
     exit_request = ExitRequest(config, log.start_time, announce=layout.rank == 0)
+    repartitioner = None
+    if config.parallel.repartition_interval:
+        from megatron_2bw.pipeline.repartition import Repartitioner
+        repartitioner = Repartitioner(config, lambda line: print_rank0(layout, line))
+        repartitioner.attach(stage)
     profiler = IterationProfiler(config.logging, layout.rank, device.type)
     if train.skip_train:
         print_rank0(layout, f" skipping training (--skip-train): evaluating the weights of "
@@ -738,6 +746,12 @@ def pretrain(config: Config, typed: set = frozenset()) -> Stage:
                 print_rank0(layout, f" exiting at iteration {end} (signal, time limit or "
                                     f"--exit-interval)")
                 break
+            if repartitioner is not None and end < train.train_iters and repartitioner.due(end):
+                stage = repartitioner(stage, lambda c: build_stage(c, layout, device, timers,
+                                                                   on_step=end_of_iteration))
+                _FAILURE_CONTEXT["stage"] = stage
+                log.memory = stage.memory
+                stage.memory.set_static(static_tensors(stage))
     if test_data is not None and (train.skip_train or stage.iteration == train.train_iters):
         with housekeeping.around_evaluation():  # as Megatron-LM: once training is complete
             evaluate(stage, test_data(0), log, stage.iteration, split="test")

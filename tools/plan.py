@@ -75,7 +75,7 @@ def format_table(plans: list[Plan], top: int) -> str:
         estimate = "" if plan.simulated else "*"
         lines.append(
             f"{rank:>4} {c.tensor_parallel:>2} {c.pipeline_parallel:>3} {c.data_parallel:>4} "
-            f"{c.micro_batch_size:>4} {plan.microbatches:>5} {c.recompute or 'none':>9} "
+            f"{c.micro_batch_size:>4} {plan.microbatches:>5} {c.recompute_label:>9} "
             f"{c.schedule:>8} {plan.throughput_samples_per_s:>9.1f}{estimate:1} "
             f"{max(plan.memory_bytes_per_stage) / 2**30:>8.2f} {'yes' if plan.fits else 'NO':>5}  "
             f"{plan.bottleneck}  ({','.join(map(str, c.layer_split or ()))})")
@@ -98,7 +98,8 @@ def plot(plans: list[Plan], top: int, path: Path, title: str) -> None:
               "interleaved": "tab:brown"}
     labels = [f"{p.candidate.schedule} t{p.candidate.tensor_parallel} p{p.candidate.pipeline_parallel}"
               f" d{p.candidate.data_parallel} b{p.candidate.micro_batch_size}"
-              f"{' ' + p.candidate.recompute if p.candidate.recompute else ''}" for p in shown]
+              f"{' ' + p.candidate.recompute_label if p.candidate.recompute_label != 'none' else ''}"
+              for p in shown]
     x = list(range(len(shown)))
     fig, (top_ax, bottom_ax) = plt.subplots(2, 1, figsize=(max(8.0, 0.7 * len(shown)), 8),
                                             sharex=True)

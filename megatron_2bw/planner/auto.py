@@ -42,7 +42,7 @@ def describe_plan(plan: Plan) -> str:
     split = ",".join(map(str, c.layer_split)) if c.layer_split else "even"
     return (f"t={c.tensor_parallel} p={c.pipeline_parallel} d={c.data_parallel}, schedule "
             f"{c.schedule}, micro batch {c.micro_batch_size} (m={plan.microbatches}), recompute "
-            f"{c.recompute or 'off'}, layer split {split}: predicted "
+            f"{c.recompute_label}, layer split {split}: predicted "
             f"{plan.throughput_samples_per_s:.2f} samples/s ({plan.time_per_batch_s * 1000:.0f} ms "
             f"per batch), bubble {100 * plan.bubble_fraction:.0f}%, peak memory "
             f"{max(plan.memory_bytes_per_stage) / 2**20:.0f} MiB, bottleneck {plan.bottleneck}")

@@ -52,6 +52,7 @@ from megatron_2bw.planner.hardware import HardwareSpec
 from megatron_2bw.planner.memory import (dtype_bytes, grad_buffer_bytes,
                                          stage_parameters, stage_tensor_partial_grad_parameters)
 from megatron_2bw.planner.profile import ComputeCosts
+from megatron_2bw.planner.stage_plan import LayerCosts
 
 RECOMPUTE_OPTIONS = (None, "selective", "full")
 
@@ -72,6 +73,14 @@ class Candidate:
     schedule: str  # one of pipeline.schedules.SCHEDULES
     layer_split: tuple[int, ...] | None = None  # layers per stage; None: the runtime's even split
     chunks: int = 1  # interleaved: model chunks per rank (v)
+    # per stage, how many of its first layers recompute in full (stage_plan.py); recompute None
+    recompute_layers: tuple[int, ...] | None = None
+
+    @property
+    def recompute_label(self) -> str:
+        if self.recompute_layers is not None:
+            return "per-stage " + ",".join(map(str, self.recompute_layers))
+        return self.recompute or "none"
 
     def microbatches(self, global_batch_size: int) -> int:
         return global_batch_size // (self.micro_batch_size * self.data_parallel)
@@ -88,7 +97,7 @@ class Candidate:
     def describe(self) -> str:
         split = f" split={','.join(map(str, self.layer_split))}" if self.layer_split else ""
         return (f"t={self.tensor_parallel} p={self.pipeline_parallel} d={self.data_parallel} "
-                f"b={self.micro_batch_size} recompute={self.recompute or 'none'} "
+                f"b={self.micro_batch_size} recompute={self.recompute_label} "
                 f"{self.schedule}{f' v={self.chunks}' if self.chunks > 1 else ''}{split}")
 
 
@@ -378,6 +387,21 @@ def balanced_split(model: ModelConfig, hardware: HardwareSpec, costs: ComputeCos
                                 pieces.head_forward_s + pieces.head_backward_s)
 
 
+def layer_costs(model: ModelConfig, hardware: HardwareSpec, costs: ComputeCosts,
+                candidate: Candidate, precision: PrecisionConfig) -> LayerCosts:
+    """Every layer's pieces (all alike) and the stage extras, for stage_plan.plan_stages: a
+    recomputed layer's backward is full recomputation's."""
+    c = candidate
+    net = _network(hardware.for_world(c.tensor_parallel * c.pipeline_parallel * c.data_parallel),
+                   c.tensor_parallel, c.pipeline_parallel, c.data_parallel)
+    plain = piece_times(model, net, costs, c.micro_batch_size, None, precision)
+    full = piece_times(model, net, costs, c.micro_batch_size, "full", precision)
+    return LayerCosts.uniform(model.num_layers, plain.layer_forward_s, plain.layer_backward_s,
+                              full.layer_backward_s - plain.layer_backward_s,
+                              plain.embedding_forward_s + plain.embedding_backward_s,
+                              plain.head_forward_s + plain.head_backward_s)
+
+
 def stage_costs(model: ModelConfig, hardware: HardwareSpec, costs: ComputeCosts,
                 candidate: Candidate, precision: PrecisionConfig, optimizer: str,
                 parallel: ParallelConfig | None = None) -> list[StageCost]:
@@ -391,6 +415,8 @@ def stage_costs(model: ModelConfig, hardware: HardwareSpec, costs: ComputeCosts,
     # a pipeline message: s/t tokens under --sequence-parallel
     message = b * model.seq_length * model.hidden_size * e / model.sequence_ranks(t)
     pieces = piece_times(model, net, costs, b, candidate.recompute, precision)
+    recomputed = candidate.recompute_layers or (0,) * p
+    full = piece_times(model, net, costs, b, "full", precision) if any(recomputed) else pieces
     memory_rate = hardware.memory_bandwidth * hardware.efficiency
     stats_ar = net.allreduce_time("model", 4)
     tied_bytes = 4 * model.padded_vocab_size(t) // t * model.hidden_size  # fp32 master gradients
@@ -415,6 +441,10 @@ def stage_costs(model: ModelConfig, hardware: HardwareSpec, costs: ComputeCosts,
         forward_comm = layers * pieces.layer_forward_comm_s
         backward_comm = layers * pieces.layer_backward_comm_s
         comm_processor = layers * pieces.layer_comm_processor_s
+        k = recomputed[s]  # a per-stage plan's layers that recompute: full's pieces instead
+        backward += k * (full.layer_backward_s - pieces.layer_backward_s)
+        backward_comm += k * (full.layer_backward_comm_s - pieces.layer_backward_comm_s)
+        comm_processor += k * (full.layer_comm_processor_s - pieces.layer_comm_processor_s)
         if first:
             forward += pieces.embedding_forward_s
             backward += pieces.embedding_backward_s
@@ -434,6 +464,8 @@ def stage_costs(model: ModelConfig, hardware: HardwareSpec, costs: ComputeCosts,
         forward_collectives, backward_collectives = tensor_collectives(
             layers, first, last, candidate.recompute, model.sequence_ranks(t) > 1) \
             if t > 1 else (0.0, 0.0)
+        if t > 1 and k:  # a recomputed layer meets its forward's collectives again in backward
+            backward_collectives += tensor_collectives(k, False, False, None, False)[0]
 
         P = stage_parameters(model, t, layers, first, last)
         buckets = max(1, math.ceil(P / parallel.ddp_bucket_size))

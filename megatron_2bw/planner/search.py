@@ -28,7 +28,7 @@ from megatron_2bw.pipeline.schedules import SCHEDULES
 PLANNED_SCHEDULES = tuple(s for s in SCHEDULES if s != "pipedream-vs")
 from megatron_2bw.planner.cost import (RECOMPUTE_OPTIONS, Candidate, CoreSharing, StageCost,
                                        balanced_split, bottleneck_label, busiest_stage,
-                                       core_sharing, paper_breakdown, stage_costs,
+                                       core_sharing, layer_costs, paper_breakdown, stage_costs,
                                        time_per_batch_lower_bound)
 from megatron_2bw.planner.hardware import HardwareSpec
 from megatron_2bw.planner.memory import StageMemory, estimate_stage_memory, memory_limit_bytes
@@ -36,6 +36,7 @@ from megatron_2bw.planner.profile import (AnalyticProfile, ComputeCosts, Measure
                                           measured_profile, profiling_processes,
                                           turn_taking_processors)
 from megatron_2bw.planner.simulator import Compiled, compiled_schedule, simulate
+from megatron_2bw.planner.stage_plan import memory_bound, plan_stages
 
 SIMULATED_BATCHES = 3
 
@@ -50,6 +51,9 @@ class SearchSpace:
     schedules: tuple[str, ...] = PLANNED_SCHEDULES
     layer_split: tuple[int, ...] | None = None  # pinned layers per stage (pins p too)
     balance_layers: bool = True  # otherwise the runtime's even split (when no split is pinned)
+    # where a configuration without recomputation does not fit: the split and per-stage
+    # recompute plan chosen together (stage_plan.py), as another candidate
+    per_stage_recompute: bool = True
 
 
 @dataclass(frozen=True)
@@ -74,7 +78,9 @@ class Plan:
         c = self.candidate
         return {"tensor_parallel": c.tensor_parallel, "pipeline_parallel": c.pipeline_parallel,
                 "data_parallel": c.data_parallel, "micro_batch_size": c.micro_batch_size,
-                "microbatches": self.microbatches, "recompute": c.recompute or "none",
+                "microbatches": self.microbatches,
+                "recompute": "per-stage" if c.recompute_layers else c.recompute or "none",
+                "recompute_layers": list(c.recompute_layers or ()),
                 "schedule": c.schedule, "layer_split": list(c.layer_split or ()),
                 "throughput_samples_per_s": self.throughput_samples_per_s,
                 "time_per_batch_s": self.time_per_batch_s,
@@ -212,8 +218,12 @@ def measured_search(config: Config, world_size: int, hardware: HardwareSpec, spa
     return profile, dataclasses.replace(space, micro_batch_sizes=tuple(sizes))
 
 
-def recompute_config(granularity: str | None) -> RecomputeConfig:
-    """The runtime's recomputation settings for a planner choice (full: every layer, one by one)."""
+def recompute_config(granularity: str | None,
+                     per_stage: tuple[int, ...] | None = None) -> RecomputeConfig:
+    """The runtime's recomputation settings for a planner choice (full: every layer, one by one;
+    a per-stage plan: each stage's first layers)."""
+    if per_stage is not None:
+        return RecomputeConfig(num_layers_per_stage=list(per_stage))
     if granularity == "full":
         return RecomputeConfig(granularity="full", method="uniform", num_layers=1)
     return RecomputeConfig(granularity=granularity)
@@ -256,8 +266,8 @@ class _Planner:
         per_layer = costs.activation_bytes_per_layer(candidate.recompute)
         parallel_config = candidate.parallel_config(self.parallel)
         memory = tuple(estimate_stage_memory(
-            self.model, parallel_config, self.precision, recompute_config(candidate.recompute),
-            self.optimizer, candidate.micro_batch_size, m, candidate.data_parallel, s, per_layer)
+            self.model, parallel_config, self.precision,
+            recompute_config(candidate.recompute, candidate.recompute_layers), self.optimizer, candidate.micro_batch_size, m, candidate.data_parallel, s, per_layer)
             for s in range(candidate.pipeline_parallel))
         durations = stage_costs(self.model, self.hardware, costs, candidate, self.precision,
                                 self.optimizer, self.parallel)
@@ -266,6 +276,22 @@ class _Planner:
         return _Assessed(candidate, m, memory,
                          max(x.total for x in memory) <= self.memory_limit, durations, sharing,
                          max(bound, sharing.bound(durations, m)) if sharing else bound)
+
+    def stage_plan(self, candidate: Candidate) -> Candidate | None:
+        """`candidate` (no recomputation) with the split and per-stage recompute plan chosen
+        together under the memory limit (a pinned split stays); None if nothing fits."""
+        c = candidate
+        costs = self.costs(c.tensor_parallel, c.micro_batch_size)
+        fewest = memory_bound(self.model, c.parallel_config(self.parallel), self.precision,
+                              self.optimizer, c.micro_batch_size,
+                              c.microbatches(self.global_batch_size), c.data_parallel,
+                              self.memory_limit, costs.activation_bytes_per_layer(None),
+                              c.layer_split)
+        found = plan_stages(layer_costs(self.model, self.hardware, costs, c, self.precision),
+                            c.pipeline_parallel, fewest)
+        if found is None:
+            return None
+        return dataclasses.replace(c, layer_split=found.split, recompute_layers=found.recompute)
 
     def plan(self, item: _Assessed, replay: bool) -> Plan:
         c, m = item.candidate, item.microbatches
@@ -321,6 +347,12 @@ def rank_plans(model: ModelConfig, world_size: int, hardware: HardwareSpec, glob
                        space.balance_layers)
     assessed = [planner.assess(c) for c in tqdm(pool, desc="costing", unit="config",
                                                 disable=not progress)]
+    if space.per_stage_recompute:
+        planned = (planner.stage_plan(dataclasses.replace(a.candidate,
+                                                          layer_split=space.layer_split))
+                   for a in assessed
+                   if a.candidate.recompute is None and not a.fits)
+        assessed += [planner.assess(c) for c in planned if c is not None]
     plans = []
     for schedule in space.schedules:
         fitting = sorted((a for a in assessed if a.fits and a.candidate.schedule == schedule),
@@ -386,5 +418,5 @@ def apply_plan(config: Config, plan: Plan) -> Config:
     result = copy.deepcopy(config)
     result.parallel = plan.candidate.parallel_config(config.parallel)
     result.training.micro_batch_size = plan.candidate.micro_batch_size
-    result.recompute = recompute_config(plan.candidate.recompute)
+    result.recompute = recompute_config(plan.candidate.recompute, plan.candidate.recompute_layers)
     return result

@@ -10,7 +10,7 @@ import pytest
 
 from megatron_2bw.config import ModelConfig, PrecisionConfig
 from megatron_2bw.planner.hardware import load_hardware
-from megatron_2bw.planner.search import rank_plans
+from megatron_2bw.planner.search import SearchSpace, rank_plans
 
 GPT_2_2B = ModelConfig(num_layers=32, hidden_size=2304, num_attention_heads=32, seq_length=512,
                        vocab_size=50257)
@@ -20,7 +20,10 @@ SETUPS = [(8, 64), (8, 256), (64, 512), (64, 2048)]  # (GPUs, global batch)
 @pytest.fixture(scope="module")
 def plans():
     p3 = load_hardware("p3.16xlarge")
-    return {setup: rank_plans(GPT_2_2B, setup[0], p3, setup[1], PrecisionConfig(fp16=True), "adam")
+    # the paper's search: recomputation all layers or none (per-stage plans are vPipe's, later)
+    paper = SearchSpace(per_stage_recompute=False)
+    return {setup: rank_plans(GPT_2_2B, setup[0], p3, setup[1], PrecisionConfig(fp16=True), "adam",
+                              space=paper)
             for setup in SETUPS}
 
 
