@@ -82,7 +82,7 @@ def build_stage(config: Config, layout: ParallelLayout, device: torch.device, ti
     model = build_stage_model(config.model, layout.group("tensor"), par.tensor_parallel,
                               ranges[stage], layout.is_first_stage, layout.is_last_stage,
                               config.training.seed, config.recompute,
-                              layout.group("context")).to(device)
+                              layout.group("context"), device)
     schedule = par.pipeline_schedule
     versions = WeightVersions(model, working_dtype(config), grad_dtype(config),
                               single_version=schedule != "2bw")
