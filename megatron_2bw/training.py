@@ -108,7 +108,7 @@ def build_stage(config: Config, layout: ParallelLayout, device: torch.device, ti
         model = build_stage_model(config.model, layout.group("tensor"), par.tensor_parallel,
                                   ranges[stage], layout.is_first_stage, layout.is_last_stage,
                                   config.training.seed, stage_recompute(config.recompute, stage),
-                                  layout.group("context")).to(device)
+                                  layout.group("context"), device)
     rule = VersionRule(par.pipeline_schedule, par.pipeline_parallel, stage)
     versions = WeightVersions(model, working_dtype(config), grad_dtype(config), rule=rule)
     optimizer = build_optimizer(config, versions.master, versions.names, layout)

@@ -18,6 +18,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from megatron_2bw.config import ConfigError
+
 
 @dataclass(frozen=True)
 class LaunchInfo:
@@ -65,6 +67,19 @@ def pick_device(local_rank: int) -> torch.device:
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def check_gpus_for_ranks(local_ranks: int) -> None:
+    """One GPU per rank: more ranks on this node than visible GPUs is refused up front (NCCL would
+    otherwise fail later on two ranks sharing a GPU), naming the counts and the two ways out."""
+    if not torch.cuda.is_available():
+        return
+    gpus = torch.cuda.device_count()
+    if local_ranks > gpus:
+        raise ConfigError(f"{local_ranks} ranks on this node but {gpus} visible GPU"
+                          f"{'s' if gpus != 1 else ''}: start at most {gpus} per node "
+                          f"(torchrun --nproc-per-node {gpus}), or hide the GPUs to run every "
+                          f"rank on the CPU (CUDA_VISIBLE_DEVICES=)")
 
 
 def local_world_size(env=None) -> int:
@@ -137,6 +152,7 @@ def init_distributed(backend: str | None, timeout_minutes: float, bind_cores_to_
     `bind_cores_to_rank` the process is bound first, so the threads it starts inherit the cores.
     A CPU process settles its allocator first (`settle_host_allocator`)."""
     info = detect_launch()
+    check_gpus_for_ranks(local_world_size())
     if bind_cores_to_rank:
         bind_cores(info.local_rank, local_world_size())
     device = pick_device(info.local_rank)

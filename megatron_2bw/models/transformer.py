@@ -220,9 +220,10 @@ class ParallelAttention(nn.Module):
                                        bias=config.add_bias_linear, init="output",
                                        sequence_parallel=sequence_parallel)
 
-    def project_qkv(self, x, rotary=None):
-        """q [b, local heads, s, head_dim] (the whole sequence); k and v repeated to one per
-        query head."""
+    def project_qkv(self, x, rotary=None, mask=None):
+        """q [b, local heads, s, head_dim] (the whole sequence); k and v one per query group
+        where the core shares them among the group's heads (`shares_groups_in_sdpa`), else
+        repeated to one per query head."""
         qkv = self.qkv(x)
         b, s = qkv.shape[:2]
         qkv = qkv.view(b, s, self.local_groups, self.heads_per_group + 2, self.head_dim)
@@ -236,27 +237,50 @@ class ParallelAttention(nn.Module):
             k = apply_rotary(k, rotary, self.rotary_interleaved)
         if self.context_group is not None:  # once per query group, before the heads share them
             k, v = gather_keys(k, self.context_group), gather_keys(v, self.context_group)
-        if self.heads_per_group > 1:
+        if self.heads_per_group > 1 and not shares_groups_in_sdpa(q, mask):
             k, v = (t.repeat_interleave(self.heads_per_group, dim=1) for t in (k, v))
         return q, k, v
 
     def core(self, q, k, v, mask):
+        """Attention of q over k and v; k and v one per query group go through
+        scaled_dot_product_attention's enable_gqa."""
         dropout = self.dropout_p if self.training else 0.0
         causal = self.causal and mask is None
+        grouped = k.shape[1] != q.shape[1]
         with get_rng_tracker().fork():  # this rank's heads: independent dropout per tp rank
-            if self.softmax_in_fp32 and q.dtype != torch.float32:
+            if self.softmax_in_fp32 and q.dtype != torch.float32 and not sdpa_softmax_in_fp32():
+                if grouped:
+                    k, v = (t.repeat_interleave(self.heads_per_group, dim=1) for t in (k, v))
                 return softmax_in_fp32_attention(q, k, v, mask, causal, dropout,
                                                  self.score_coefficient)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
-                                                  is_causal=causal)
+                                                  is_causal=causal, enable_gqa=grouped)
 
     def forward(self, x, mask=None, rotary=None):
-        q, k, v = self.project_qkv(x, rotary)
+        q, k, v = self.project_qkv(x, rotary, mask)
         if self.recompute_core and self.training:
             context = checkpoint(self.core, q, k, v, mask)
         else:
             context = self.core(q, k, v, mask)
         return self.dense(context.transpose(1, 2).flatten(2))
+
+
+def shares_groups_in_sdpa(q: torch.Tensor, mask) -> bool:
+    """Whether grouped-query attention hands k and v to scaled_dot_product_attention one per
+    group (enable_gqa): on CUDA without a mask, where the flash kernel reads each group's k and v
+    for all its heads, with no copies. With a mask (the memory-efficient kernel, which has no
+    grouped-query support) and on the CPU (whose math fallback repeats them anyway) they are
+    repeated to every head first, which the planner's activation formula counts."""
+    return q.is_cuda and mask is None
+
+
+def sdpa_softmax_in_fp32() -> bool:
+    """Whether scaled_dot_product_attention computes its softmax in fp32 for fp16/bf16 inputs:
+    its fused kernels (flash, memory-efficient, cuDNN, the CPU's flash kernel) always do, and its
+    math kernel does unless torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True) was set.
+    Then --attention-softmax-in-fp32 and --apply-query-key-layer-scaling (whose division only
+    keeps fp16 scores in range where they are materialised in fp16) keep the fused path."""
+    return not torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed()
 
 
 def softmax_in_fp32_attention(q, k, v, mask, causal: bool, dropout: float, coefficient: int = 1):

@@ -160,9 +160,11 @@ def ffn_wide_tensors(model: ModelConfig) -> int:
 
 def unfused_attention(model: ModelConfig, element_bytes: int) -> bool:
     """Whether the attention core is transformer.softmax_in_fp32_attention (Megatron-LM's unfused
-    attention, which keeps its s x s scores): the fp32 softmax with fp16/bf16 activations; fp32
-    ones keep scaled_dot_product_attention."""
-    return model.softmax_in_fp32 and element_bytes < 4
+    attention, which keeps its s x s scores): the fp32 softmax with fp16/bf16 activations where
+    scaled_dot_product_attention would not compute it in fp32 (transformer.sdpa_softmax_in_fp32);
+    otherwise, and with fp32 activations, scaled_dot_product_attention."""
+    from megatron_2bw.models.transformer import sdpa_softmax_in_fp32
+    return model.softmax_in_fp32 and element_bytes < 4 and not sdpa_softmax_in_fp32()
 
 
 def qkv_stash_bytes(model: ModelConfig, tensor_parallel: int, element_bytes: int,

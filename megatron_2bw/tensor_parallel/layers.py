@@ -60,25 +60,58 @@ def replicated_param(full_shape, init: str) -> nn.Parameter:
     return make_param(full_shape, None, None, init)
 
 
+INIT_CHUNK_ELEMENTS = 1 << 22  # host memory of the initialiser: one chunk, not a full tensor
+
+
 @torch.no_grad()
 def initialize_parameters(module: nn.Module, seed: int, std: float, num_layers: int) -> None:
-    """Initialise every parameter from a generator seeded by (seed, name) on the FULL tensor, then
-    keep this rank's shard: the weights do not depend on t, p or the stage a layer lands on."""
+    """Initialise every parameter from a generator seeded by (seed, name) as if drawn for the FULL
+    tensor, keeping this rank's shard: the weights do not depend on t, p, the stage a layer lands
+    on or the device. The full tensor is never built: it is drawn in chunks of rows
+    (`full_row_chunks`, the same numbers as one draw) and each chunk's part of the shard is
+    copied to the parameter, wherever it lives (the device the model was built on)."""
     for name, param in module.named_parameters():
         spec: ParamSpec = param.spec
+        if spec.init in ("zeros", "ones"):
+            param.fill_(0.0 if spec.init == "zeros" else 1.0)
+            continue
         generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(
             (spec.init_name or name).encode()))
-        full = torch.empty(spec.full_shape)
-        if spec.init == "zeros":
-            full.zero_()
-        elif spec.init == "ones":
-            full.fill_(1.0)
-        else:
-            scale = std / math.sqrt(2.0 * num_layers) if spec.init == "output" else std
-            full.normal_(0.0, scale, generator=generator)
-        if spec.partition_dim is not None:
-            full = full.chunk(spec.tp_size, dim=spec.partition_dim)[spec.tp_rank]
-        param.copy_(full)
+        scale = std / math.sqrt(2.0 * num_layers) if spec.init == "output" else std
+        dim = spec.partition_dim
+        rows = param.shape[0]  # of the shard along dim 0
+        row_offset = spec.tp_rank * rows if dim == 0 else 0
+        for lo, chunk in full_row_chunks(spec.full_shape, scale, generator):
+            if dim == 0:  # the shard's rows in this chunk
+                first, last = max(lo, row_offset), min(lo + chunk.shape[0], row_offset + rows)
+                if first < last:
+                    param[first - row_offset:last - row_offset].copy_(chunk[first - lo:last - lo])
+                continue
+            if dim is not None:  # this rank's columns (or further dimension) of every row
+                size = param.shape[dim]
+                chunk = chunk.narrow(dim, spec.tp_rank * size, size)
+            param[lo:lo + chunk.shape[0]].copy_(chunk)
+
+
+def full_row_chunks(full_shape, std: float, generator: torch.Generator,
+                    chunk_elements: int | None = None):
+    """(first row, rows) of a normal(0, std) tensor of `full_shape`, drawn chunk after chunk with
+    the numbers one `torch.empty(full_shape).normal_(0, std, generator=generator)` gives: the CPU
+    kernel draws one uniform per element, in order, and transforms them 16 at a time (redrawing
+    the last 16 of a tensor whose size 16 does not divide), so chunks of a multiple of 16
+    elements, the last at least 16, reproduce it."""
+    full_shape = tuple(full_shape)
+    chunk_elements = chunk_elements or INIT_CHUNK_ELEMENTS
+    rows = full_shape[0] if full_shape else 1
+    per_row = math.prod(full_shape[1:])
+    multiple = 16 // math.gcd(per_row, 16)  # rows whose elements 16 divides
+    step = max(multiple, chunk_elements // max(per_row, 1) // multiple * multiple)
+    bounds = list(range(0, rows, step)) + [rows]
+    if len(bounds) > 2 and (bounds[-1] - bounds[-2]) * per_row < 16:
+        del bounds[-2]  # a last chunk under 16 elements would take the kernel's other path
+    for lo, hi in zip(bounds, bounds[1:]):
+        chunk = torch.empty((hi - lo, *full_shape[1:])) if full_shape else torch.empty(())
+        yield lo, chunk.normal_(0.0, std, generator=generator)
 
 
 class ColumnParallelLinear(nn.Module):

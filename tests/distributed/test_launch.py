@@ -104,3 +104,26 @@ def test_a_settled_allocator_keeps_tensors_up_to_32_mib_on_the_heap():
 def test_a_user_malloc_setting_is_left_alone():
     took, *_ = _where_tensors_live("settled", {"MALLOC_TRIM_THRESHOLD_": "1000000"})
     assert took == "False"
+
+
+def test_more_ranks_on_a_node_than_gpus_is_refused_up_front_naming_the_counts():
+    """pretrain_gpt.py as torchrun's rank 0 of 2 on a node with one (faked) GPU: exit code 2 and
+    one line naming both counts, before any process group or NCCL communicator exists."""
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    fake_one_gpu = ("import runpy, sys, torch; torch.cuda.is_available = lambda: True; "
+                    "torch.cuda.device_count = lambda: 1; sys.argv = sys.argv[1:]; "
+                    "runpy.run_path(sys.argv[0], run_name='__main__')")
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0",
+           "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1",
+           "PYTHONPATH": root}
+    job = subprocess.run([sys.executable, "-c", fake_one_gpu, "pretrain_gpt.py",
+                          "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+                          "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size",
+                          "4", "--mock-data", "--vocab-size", "64", "--train-iters", "1",
+                          "--lr", "1e-3"], cwd=root, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert job.returncode == 2, job.stderr
+    assert "2 ranks on this node but 1 visible GPU:" in job.stderr, job.stderr
+    assert "Traceback" not in job.stderr

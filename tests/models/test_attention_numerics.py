@@ -57,8 +57,45 @@ def gpt(**overrides):
     return build_stage_model(config, None, 1, range(2), True, True, 1234)
 
 
+@pytest.fixture
+def reduced_precision_math_attention():
+    """scaled_dot_product_attention's math kernel allowed fp16/bf16 softmaxes (not the default)."""
+    torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True)
+    yield
+    torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(False)
+
+
 @pytest.mark.parametrize("flag", ["attention_softmax_in_fp32", "apply_query_key_layer_scaling"])
-def test_bf16_model_takes_the_fp32_softmax_path(flag, monkeypatch):
+@pytest.mark.parametrize("groups", [None, 2])
+def test_bf16_model_keeps_fused_attention_whose_softmax_is_fp32(flag, groups, monkeypatch):
+    """By default scaled_dot_product_attention computes the softmax in fp32 already: the flags
+    keep it; with grouped-query attention k and v go one per group through enable_gqa (the CUDA
+    path, taken here on the CPU) and give the model's result."""
+    import megatron_2bw.models.transformer as transformer
+    tokens = torch.randint(0, 50, (B, S), generator=torch.Generator().manual_seed(1))
+    reference = gpt(num_query_groups=groups).logits(tokens)  # k and v repeated (CPU)
+    monkeypatch.setattr(transformer, "shares_groups_in_sdpa", lambda q, mask: mask is None)
+    model = gpt(num_query_groups=groups, **{flag: True}).to(torch.bfloat16)
+    monkeypatch.setattr(transformer, "softmax_in_fp32_attention",
+                        lambda *args: pytest.fail("unfused path"))
+    fused = F.scaled_dot_product_attention
+    calls = []
+    monkeypatch.setattr(F, "scaled_dot_product_attention",
+                        lambda q, k, v, **kw: calls.append((q.shape[1], k.shape[1], kw))
+                        or fused(q, k, v, **kw))
+    logits = model.logits(tokens)
+    assert [(q_heads, kv_heads, kw["enable_gqa"]) for q_heads, kv_heads, kw in calls] == \
+        [(4, groups or 4, groups is not None)] * 2
+    assert torch.allclose(logits.float(), reference, atol=0.1)  # bf16 of the fp32 model
+    shared = gpt(num_query_groups=groups)  # fp32: the same function as the repeated k and v
+    torch.testing.assert_close(shared.logits(tokens), reference, atol=1e-5, rtol=1e-5)
+    logits.float().sum().backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+@pytest.mark.parametrize("flag", ["attention_softmax_in_fp32", "apply_query_key_layer_scaling"])
+def test_bf16_model_takes_the_fp32_softmax_path(flag, monkeypatch,
+                                                reduced_precision_math_attention):
     tokens = torch.randint(0, 50, (B, S), generator=torch.Generator().manual_seed(1))
     reference = gpt().logits(tokens)
     model = gpt(**{flag: True}).to(torch.bfloat16)

@@ -267,7 +267,26 @@ def test_layernorm_1p_norms_keep_the_gains_they_compute():
             2 * (2 * H + 2 * H // A)
 
 
-def test_the_fp32_softmax_under_half_precision_keeps_the_unfused_attentions_scores():
+@pytest.fixture
+def reduced_precision_math_attention():
+    """scaled_dot_product_attention's math kernel allowed fp16/bf16 softmaxes: then the fp32
+    softmax flags take Megatron-LM's unfused attention."""
+    torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True)
+    yield
+    torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(False)
+
+
+def test_the_fp32_softmax_flags_keep_the_fused_attentions_bytes():
+    """scaled_dot_product_attention computes its softmax in fp32 by default: the flags change
+    nothing."""
+    for flag in ("attention_softmax_in_fp32", "apply_query_key_layer_scaling"):
+        flagged = dataclasses.replace(MODEL, **{flag: True})
+        for t in (1, 2):
+            assert attention_core_bytes(flagged, t, 1, 2) == attention_core_bytes(MODEL, t, 1, 2)
+
+
+def test_the_fp32_softmax_under_half_precision_keeps_the_unfused_attentions_scores(
+        reduced_precision_math_attention):
     """The fp32 softmax output (4), the dropout output (e) and mask (1) per score, and the
     inverted causal mask (s*s); the SDPA path's 2e + 1 otherwise. In fp32 the flags change
     nothing; selective recomputation recomputes the core either way."""

@@ -157,7 +157,24 @@ def test_analytic_attention_layout_moves_the_heads_channels(heads, head, t):
     assert layout.bytes == pytest.approx(e * sb * (repeated + rotated) / t)
 
 
-def test_analytic_fp32_softmax_runs_the_unfused_attention_under_half_precision():
+@pytest.fixture
+def reduced_precision_math_attention():
+    """scaled_dot_product_attention's math kernel allowed fp16/bf16 softmaxes: then the fp32
+    softmax flags take Megatron-LM's unfused attention (by default they keep the fused one)."""
+    torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True)
+    yield
+    torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(False)
+
+
+def test_analytic_fp32_softmax_keeps_the_fused_attention_by_default():
+    fp32_softmax = dataclasses.replace(MODEL, attention_softmax_in_fp32=True)
+    bf16 = PrecisionConfig(bf16=True)
+    assert AnalyticProfile(fp32_softmax, bf16, HARDWARE).costs(1, 2) == \
+        AnalyticProfile(MODEL, bf16, HARDWARE).costs(1, 2)
+
+
+def test_analytic_fp32_softmax_runs_the_unfused_attention_under_half_precision(
+        reduced_precision_math_attention):
     """bf16: per score the fp32 chain's 32 + 4e bytes and the dropout's 2e + mask, instead of the
     SDPA math path's 8e + mask; 13 kernels instead of 8 (q and k made batch-contiguous, two
     batched matmuls, casts to fp32 and back, scaling, masking, softmax, the causal mask built and
@@ -530,7 +547,8 @@ def test_a_cached_profile_serves_only_the_same_architecture(tmp_path, monkeypatc
     assert len(calls) == 2  # its own file serves it next time
 
 
-def test_the_fp32_softmax_has_its_own_profile_under_half_precision(tmp_path, monkeypatch):
+def test_the_fp32_softmax_has_its_own_profile_under_half_precision(
+        tmp_path, monkeypatch, reduced_precision_math_attention):
     """bf16: the unfused attention is measured apart from SDPA's; layer scaling, which implies the
     fp32 softmax and runs the same kernels (the measured layer is the first: coefficient 1),
     shares its file."""

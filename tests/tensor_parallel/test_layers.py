@@ -81,3 +81,51 @@ def _uneven(rank, world):
 
 def test_uneven_partition_is_a_clear_error():
     assert all(run_ranks(2, _uneven))
+
+
+class _DrawnSizes(torch.utils._python_dispatch.TorchDispatchMode):
+    """The element counts of the tensors filled by normal_ (the initialiser's host draws)."""
+
+    def __init__(self):
+        super().__init__()
+        self.sizes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.normal_.default:
+            self.sizes.append(args[0].numel())
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("t", [1, 2, 4])
+def test_weights_are_initialised_shard_by_shard_as_drawn_for_the_full_tensor(t, monkeypatch):
+    """Each rank's shard holds its part of the full tensor one seeded draw would give (so the
+    weights do not depend on t), yet no draw is larger than a chunk."""
+    import math
+    import zlib
+
+    from megatron_2bw.config import ModelConfig
+    from megatron_2bw.distributed.comm import ShardShapeGroup
+    from megatron_2bw.models import build_stage_model
+    from megatron_2bw.tensor_parallel import layers
+    monkeypatch.setattr(layers, "INIT_CHUNK_ELEMENTS", 200)
+    config = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=8,
+                         vocab_size=101, make_vocab_size_divisible_by=8)
+    for rank in range(t):
+        drawn = _DrawnSizes()
+        with drawn:
+            model = build_stage_model(config, ShardShapeGroup(t, rank) if t > 1 else None, t,
+                                      range(2), True, True, seed=7)
+        assert 0 < max(drawn.sizes) <= 200 + 16
+        for name, param in model.named_parameters():
+            spec = param.spec
+            generator = torch.Generator().manual_seed(7 * 1_000_003 + zlib.crc32(name.encode()))
+            full = torch.empty(spec.full_shape)
+            if spec.init in ("zeros", "ones"):
+                full.fill_(float(spec.init == "ones"))
+            else:
+                std = config.init_method_std
+                full.normal_(0.0, std / math.sqrt(4.0) if spec.init == "output" else std,
+                             generator=generator)
+            if spec.partition_dim is not None:
+                full = full.chunk(t, dim=spec.partition_dim)[rank]
+            assert torch.equal(param.detach(), full), name
