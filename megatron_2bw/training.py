@@ -648,11 +648,16 @@ def pretrain(config: Config, typed: set = frozenset()) -> Stage:
     """Train to --train-iters (or an exit request); returns this rank's stage. `typed`: the
     (section, field) pairs given on the command line, which --auto-parallel keeps pinned."""
     from megatron_2bw.checkpoint import maybe_load_checkpoint, save_checkpoint
+    from megatron_2bw.checkpoint.save_load import adopt_checkpoint_layout
     from megatron_2bw.tensor_parallel.random import load_rng_state_dict
     check_inputs(config)
     tokenizer = build_checked_tokenizer(config)
     config.model.vocab_size = tokenizer.vocab_size  # before --auto-parallel profiles the model
+    typed, adopted = adopt_checkpoint_layout(config, typed)
     config, layout, device, plan = setup(config, typed)
+    if adopted:
+        print_rank0(layout, f" --load {config.checkpoint.load}: continuing with the checkpoint's "
+                            f"{' '.join(adopted)} (flags set otherwise win)")
     _FAILURE_CONTEXT["layout"] = layout
     synchronize = torch.cuda.synchronize if device.type == "cuda" else None
     timers = Timers(config.logging.timing_log_level, synchronize)

@@ -448,6 +448,30 @@ def _barrier(layout) -> None:
         dist.barrier()
 
 
+def adopt_checkpoint_layout(config: Config, typed: set) -> tuple[set, list[str]]:
+    """--load: the layer split (and, resuming, the pipeline schedule) the checkpoint was trained
+    with, where no flag sets them and the pipeline size is the checkpoint's, so continuing a run
+    needs no flags repeated (nor --auto-parallel a different split). Returns `typed` with the
+    adopted fields added (--auto-parallel keeps them pinned) and the flags adopted, for the log."""
+    root, par = config.checkpoint.load, config.parallel
+    if not root or not has_checkpoint(root):
+        return set(typed), []
+    saved = saved_config(root).parallel
+    if saved.pipeline_parallel != par.pipeline_parallel:  # check_layout names the mismatch
+        return set(typed), []
+    typed, adopted = set(typed), []
+    if ("parallel", "layer_split") not in typed and saved.layer_split:
+        par.layer_split = list(saved.layer_split)
+        typed.add(("parallel", "layer_split"))
+        adopted.append(f"--pipeline-layer-split {','.join(map(str, saved.layer_split))}")
+    if ("parallel", "schedule") not in typed and not config.checkpoint.finetune \
+            and saved.pipeline_schedule != par.pipeline_schedule:
+        par.schedule = saved.pipeline_schedule
+        typed.add(("parallel", "schedule"))
+        adopted.append(f"--pipeline-schedule {saved.pipeline_schedule}")
+    return typed, adopted
+
+
 def has_checkpoint(root: str) -> bool:
     return os.path.isdir(root) and read_marker(root) is not None
 
