@@ -22,6 +22,7 @@ import torch.distributed as dist
 from megatron_2bw.arguments import explicit_fields, parse_config, validate_for_world
 from megatron_2bw.batch_schedule import batch_schedule
 from megatron_2bw.config import Config, ConfigError, TrainingConfig
+from megatron_2bw.cpu_threads import busy_machine_note, set_single_process_threads
 from megatron_2bw.distributed.comm import all_reduce
 from megatron_2bw.distributed.error_file import record_failure
 from megatron_2bw.distributed.launch import (exit_process, init_distributed, local_world_size,
@@ -464,10 +465,15 @@ class MemoryHousekeeping:
 
 def set_cpu_threads(bound: bool) -> None:
     """Threads per rank: its bound cores, or else its share of the node's cores (torch would start
-    a thread per core in every rank)."""
-    if not torch.cuda.is_available():
-        cores = len(usable_cores())
-        torch.set_num_threads(cores if bound else max(1, cores // local_world_size()))
+    a thread per core in every rank); a process alone (fine-tuning, a one-process run) leaves out
+    the cores other processes keep busy."""
+    if torch.cuda.is_available():
+        return
+    if not bound and local_world_size() == 1:
+        set_single_process_threads()
+        return
+    cores = len(usable_cores())
+    torch.set_num_threads(cores if bound else max(1, cores // local_world_size()))
 
 
 def use_deterministic_algorithms() -> None:
@@ -490,9 +496,12 @@ def setup(config: Config, typed: set) -> tuple[Config, ParallelLayout, torch.dev
     plan = None
     if config.parallel.auto_parallel:
         from megatron_2bw.planner.auto import describe_plan, plan_job
+        busy = busy_machine_note()  # before the ranks' own work loads the machine
         config, plan = plan_job(config, info.world_size, info.rank, typed)
         if info.rank == 0:
             print(f" auto-parallel plan: {describe_plan(plan)}", flush=True)
+            if busy is not None:
+                print(f" auto-parallel: {busy}", flush=True)
             if config.parallel.planner_hardware != "local":
                 print(f" auto-parallel: planned for --planner-hardware "
                       f"{config.parallel.planner_hardware}; its predictions describe that "

@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_2bw.arguments import (ConfigError, build_parser, config_from_args,  # noqa: E402
                                     explicit_fields)
+from megatron_2bw.cpu_threads import busy_machine_note  # noqa: E402
 from megatron_2bw.planner.hardware import (HardwareSpec, detect_hardware, load_hardware,  # noqa: E402
                                            shipped_hardware)
 from megatron_2bw.planner.profile import architecture_name, default_cache_dir  # noqa: E402
@@ -156,6 +157,9 @@ def main(argv=None) -> list[Plan]:
                   f"per node: {args.world_size} ranks are planned on {args.world_size} such "
                   f"machines. For ranks sharing this machine's cores, --auto-parallel at launch "
                   f"measures them together.", file=sys.stderr)
+        busy = busy_machine_note()
+        if busy is not None:
+            print(f"note: {busy}", file=sys.stderr)
         hardware = local_hardware()
         profile, space = measured_search(config, args.world_size, hardware, space,
                                          args.profile_cache, progress=True)
