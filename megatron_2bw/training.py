@@ -381,9 +381,18 @@ class ExitRequest:
         self._clock = clock
         if config.training.exit_duration_in_mins:
             self.deadline = start_time + 60 * config.training.exit_duration_in_mins
+        # restored when training ends (pretrain() called from a program or a test keeps its own)
+        self._previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
         if config.training.exit_signal_handler:
             signal.signal(signal.SIGTERM, self._handler)
         signal.signal(signal.SIGINT, self._interrupt)
+
+    def __enter__(self) -> "ExitRequest":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
 
     def _handler(self, signum, frame):
         self.signalled = True
@@ -701,7 +710,7 @@ def pretrain(config: Config, typed: set = frozenset()) -> Stage:
                             f"iteration {stage.iteration}")
         if valid_iterator is not None:
             evaluate(stage, valid_iterator, log, stage.iteration)
-    with housekeeping.during_training():
+    with housekeeping.during_training(), exit_request:
         for end in segment_ends(config, stage.iteration):
             exit_request.next_drain = end
             feed = MicrobatchFeed(train_iterator, device,
