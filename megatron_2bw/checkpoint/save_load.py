@@ -380,8 +380,6 @@ def load_checkpoint(stage, root: str, iteration: int | None = None) -> dict | No
     layout, ckpt = stage.layout, stage.config.checkpoint
     check_architecture(Config.from_dict(metadata["config"]), stage.config, root)
     check_layout(metadata, root, stage.config)  # its split check needs the same --num-layers
-    if not (ckpt.finetune or ckpt.no_load_optim):  # Megatron-LM: the scheduler with the optimizer
-        resolve_schedule(Config.from_dict(metadata["config"]), stage.config, root)
     c = layout.coords
     path = model_file(root, iteration, c.tp, c.pp)
     v = stage.versions
@@ -395,6 +393,10 @@ def load_checkpoint(stage, root: str, iteration: int | None = None) -> dict | No
     except Exception as caught:  # noqa: BLE001 - every rank must learn of it, or the rest hang
         error = caught
     _raise_if_any_rank_failed(error, layout)
+    # Megatron-LM: the schedule with the optimizer, where the checkpoint has one (a converted or
+    # imported model has none, nor a schedule of its own)
+    if not (ckpt.finetune or ckpt.no_load_optim) and state["optimizer"]["state"]:
+        resolve_schedule(Config.from_dict(metadata["config"]), stage.config, root)
     v.load_full_master([state["model"][name] for name in v.names])  # sharded: this rank's part
     if ckpt.finetune:  # weights only: training starts at iteration 0 with a fresh optimizer
         v.reset(0)
