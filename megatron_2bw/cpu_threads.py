@@ -42,8 +42,9 @@ def set_single_process_threads() -> int | None:
 
 def busy_machine_note(cores: int | None = None, load: float | None = None) -> str | None:
     """A line for measurements taken now (the planner's profile) when other processes keep over
-    BUSY_SHARE of the cores busy; None on a quiet machine."""
-    cores = len(usable_cores()) if cores is None else cores
+    BUSY_SHARE of the machine's cores busy (all of them: the load average is the machine's, and
+    a rank bound to its share sees only that); None on a quiet machine."""
+    cores = (os.cpu_count() or 1) if cores is None else cores
     load = others_load() if load is None else load
     if load <= BUSY_SHARE * cores:
         return None

@@ -41,3 +41,10 @@ def test_planning_on_a_busy_machine_is_noted():
     note = cpu_threads.busy_machine_note(cores=2, load=3.25)
     assert note.startswith("this machine was busy while planning (1-minute load average 3.2 on 2 "
                            "cores)")
+
+
+def test_the_busy_note_counts_the_machines_cores_not_a_bound_ranks(monkeypatch):
+    import os
+    monkeypatch.setattr(cpu_threads, "others_load", lambda: 0.75 * (os.cpu_count() or 1))
+    monkeypatch.setattr(cpu_threads, "usable_cores", lambda: [0])  # --bind-cores-to-rank: one
+    assert f"on {os.cpu_count()} cores" in cpu_threads.busy_machine_note()
