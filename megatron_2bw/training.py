@@ -22,6 +22,7 @@ import torch.distributed as dist
 from megatron_2bw.arguments import explicit_fields, parse_config, validate_for_world
 from megatron_2bw.batch_schedule import batch_schedule
 from megatron_2bw.config import Config, ConfigError, TrainingConfig
+from megatron_2bw.cpu_threads import busy_machine_note, set_single_process_threads
 from megatron_2bw.distributed.comm import all_reduce
 from megatron_2bw.distributed.error_file import record_failure
 from megatron_2bw.distributed.launch import (exit_process, init_distributed, local_world_size,
@@ -408,9 +409,18 @@ class ExitRequest:
         self._clock = clock
         if config.training.exit_duration_in_mins:
             self.deadline = start_time + 60 * config.training.exit_duration_in_mins
+        # restored when training ends (pretrain() called from a program or a test keeps its own)
+        self._previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
         if config.training.exit_signal_handler:
             signal.signal(signal.SIGTERM, self._handler)
         signal.signal(signal.SIGINT, self._interrupt)
+
+    def __enter__(self) -> "ExitRequest":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
 
     def _handler(self, signum, frame):
         self.signalled = True
@@ -492,10 +502,15 @@ class MemoryHousekeeping:
 
 def set_cpu_threads(bound: bool) -> None:
     """Threads per rank: its bound cores, or else its share of the node's cores (torch would start
-    a thread per core in every rank)."""
-    if not torch.cuda.is_available():
-        cores = len(usable_cores())
-        torch.set_num_threads(cores if bound else max(1, cores // local_world_size()))
+    a thread per core in every rank); a process alone (fine-tuning, a one-process run) leaves out
+    the cores other processes keep busy."""
+    if torch.cuda.is_available():
+        return
+    if not bound and local_world_size() == 1:
+        set_single_process_threads()
+        return
+    cores = len(usable_cores())
+    torch.set_num_threads(cores if bound else max(1, cores // local_world_size()))
 
 
 def use_deterministic_algorithms() -> None:
@@ -518,9 +533,12 @@ def setup(config: Config, typed: set) -> tuple[Config, ParallelLayout, torch.dev
     plan = None
     if config.parallel.auto_parallel:
         from megatron_2bw.planner.auto import describe_plan, plan_job
+        busy = busy_machine_note()  # before the ranks' own work loads the machine
         config, plan = plan_job(config, info.world_size, info.rank, typed)
         if info.rank == 0:
             print(f" auto-parallel plan: {describe_plan(plan)}", flush=True)
+            if busy is not None:
+                print(f" auto-parallel: {busy}", flush=True)
             if config.parallel.planner_hardware != "local":
                 print(f" auto-parallel: planned for --planner-hardware "
                       f"{config.parallel.planner_hardware}; its predictions describe that "
@@ -676,11 +694,16 @@ def pretrain(config: Config, typed: set = frozenset()) -> Stage:
     """Train to --train-iters (or an exit request); returns this rank's stage. `typed`: the
     (section, field) pairs given on the command line, which --auto-parallel keeps pinned."""
     from megatron_2bw.checkpoint import maybe_load_checkpoint, save_checkpoint
+    from megatron_2bw.checkpoint.save_load import adopt_checkpoint_layout
     from megatron_2bw.tensor_parallel.random import load_rng_state_dict
     check_inputs(config)
     tokenizer = build_checked_tokenizer(config)
     config.model.vocab_size = tokenizer.vocab_size  # before --auto-parallel profiles the model
+    typed, adopted = adopt_checkpoint_layout(config, typed)
     config, layout, device, plan = setup(config, typed)
+    if adopted:
+        print_rank0(layout, f" --load {config.checkpoint.load}: continuing with the checkpoint's "
+                            f"{' '.join(adopted)} (flags set otherwise win)")
     _FAILURE_CONTEXT["layout"] = layout
     synchronize = torch.cuda.synchronize if device.type == "cuda" else None
     timers = Timers(config.logging.timing_log_level, synchronize)
@@ -720,7 +743,7 @@ def pretrain(config: Config, typed: set = frozenset()) -> Stage:
                             f"iteration {stage.iteration}")
         if valid_iterator is not None:
             evaluate(stage, valid_iterator, log, stage.iteration)
-    with housekeeping.during_training():
+    with housekeeping.during_training(), exit_request:
         for end in segment_ends(config, stage.iteration):
             exit_request.next_drain = end
             feed = MicrobatchFeed(train_iterator, device,

@@ -168,3 +168,6 @@ def test_ctrl_c_twice_within_the_window_is_one_interrupt_and_later_aborts(monkey
     installed[signal.SIGTERM](signal.SIGTERM, None)  # torchrun's escalation
     assert exits == [training.INTERRUPTED_EXIT_CODE] * 2
     assert capfd.readouterr().err.count("aborting without a checkpoint") == 2
+    with request:  # training ends: the handlers found at the start are back
+        pass
+    assert installed[signal.SIGINT] == signal.default_int_handler

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from megatron_2bw.arguments import ConfigError, build_parser
 from megatron_2bw.checkpoint.reshard import load_full_weights, read_full_state
 from megatron_2bw.checkpoint.tool_config import config_with_base
+from megatron_2bw.cpu_threads import set_single_process_threads
 from megatron_2bw.data.cli import exit_on_user_error
 from megatron_2bw.data.indexed import IndexedDataset
 from megatron_2bw.data.tokenizers import build_tokenizer
@@ -130,6 +131,8 @@ def main(argv=None) -> dict:
     if args.task == "perplexity" and (args.input is None) == (args.data_path is None):
         raise ConfigError("give exactly one of --data-path PREFIX and --input FILE")
     launch = detect_launch()
+    if launch.world_size == 1:
+        set_single_process_threads()
     state = read_full_state(args.load, args.iteration, with_optimizer=False,
                             show_progress=launch.rank == 0)
     config = config_with_base(args, state.config, f"checkpoint {args.load}")

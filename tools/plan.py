@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from megatron_2bw.arguments import (ConfigError, build_parser, config_from_args,
                                     explicit_fields)
+from megatron_2bw.cpu_threads import busy_machine_note
 from megatron_2bw.planner.hardware import (HardwareSpec, detect_hardware, load_hardware,
                                            shipped_hardware)
 from megatron_2bw.planner.profile import architecture_name, default_cache_dir
@@ -155,6 +156,9 @@ def main(argv=None) -> list[Plan]:
                   f"per node: {args.world_size} ranks are planned on {args.world_size} such "
                   f"machines. For ranks sharing this machine's cores, --auto-parallel at launch "
                   f"measures them together.", file=sys.stderr)
+        busy = busy_machine_note()
+        if busy is not None:
+            print(f"note: {busy}", file=sys.stderr)
         hardware = local_hardware()
         profile, space = measured_search(config, args.world_size, hardware, space,
                                          args.profile_cache, progress=True)

@@ -387,8 +387,6 @@ def load_checkpoint(stage, root: str, iteration: int | None = None) -> dict | No
     layout, ckpt = stage.layout, stage.config.checkpoint
     check_architecture(Config.from_dict(metadata["config"]), stage.config, root)
     check_layout(metadata, root, stage.config)  # its split check needs the same --num-layers
-    if not (ckpt.finetune or ckpt.no_load_optim):  # Megatron-LM: the scheduler with the optimizer
-        resolve_schedule(Config.from_dict(metadata["config"]), stage.config, root)
     c = layout.coords
     path = model_file(root, iteration, c.tp, c.pp)
     v = stage.versions
@@ -402,6 +400,10 @@ def load_checkpoint(stage, root: str, iteration: int | None = None) -> dict | No
     except Exception as caught:  # noqa: BLE001 - every rank must learn of it, or the rest hang
         error = caught
     _raise_if_any_rank_failed(error, layout)
+    # Megatron-LM: the schedule with the optimizer, where the checkpoint has one (a converted or
+    # imported model has none, nor a schedule of its own)
+    if not (ckpt.finetune or ckpt.no_load_optim) and state["optimizer"]["state"]:
+        resolve_schedule(Config.from_dict(metadata["config"]), stage.config, root)
     v.load_full_master([state["model"][name] for name in v.names])  # sharded: this rank's part
     if ckpt.finetune:  # weights only: training starts at iteration 0 with a fresh optimizer
         v.reset(0)
@@ -453,6 +455,30 @@ def _raise_if_any_rank_failed(error: Exception | None, layout) -> None:
 def _barrier(layout) -> None:
     if dist.is_initialized() and layout.world_size > 1:
         dist.barrier()
+
+
+def adopt_checkpoint_layout(config: Config, typed: set) -> tuple[set, list[str]]:
+    """--load: the layer split (and, resuming, the pipeline schedule) the checkpoint was trained
+    with, where no flag sets them and the pipeline size is the checkpoint's, so continuing a run
+    needs no flags repeated (nor --auto-parallel a different split). Returns `typed` with the
+    adopted fields added (--auto-parallel keeps them pinned) and the flags adopted, for the log."""
+    root, par = config.checkpoint.load, config.parallel
+    if not root or not has_checkpoint(root):
+        return set(typed), []
+    saved = saved_config(root).parallel
+    if saved.pipeline_parallel != par.pipeline_parallel:  # check_layout names the mismatch
+        return set(typed), []
+    typed, adopted = set(typed), []
+    if ("parallel", "layer_split") not in typed and saved.layer_split:
+        par.layer_split = list(saved.layer_split)
+        typed.add(("parallel", "layer_split"))
+        adopted.append(f"--pipeline-layer-split {','.join(map(str, saved.layer_split))}")
+    if ("parallel", "schedule") not in typed and not config.checkpoint.finetune \
+            and saved.pipeline_schedule != par.pipeline_schedule:
+        par.schedule = saved.pipeline_schedule
+        typed.add(("parallel", "schedule"))
+        adopted.append(f"--pipeline-schedule {saved.pipeline_schedule}")
+    return typed, adopted
 
 
 def has_checkpoint(root: str) -> bool:

@@ -1,12 +1,14 @@
 """Megatron-LM's --use-checkpoint-args and --exit-on-missing-checkpoint: a Llama-style checkpoint's
 model flags need not be retyped, contradicting ones are named, and an empty --load is an error
 when asked."""
+import os
+
 import pytest
 
 from megatron_2bw.arguments import ConfigError, parse_config
 from megatron_2bw.checkpoint.save_load import CheckpointError, maybe_load_checkpoint
 from megatron_2bw.checkpoint.tool_config import with_checkpoint_model
-from tests.checkpoint.helpers import save_random_checkpoint
+from tests.checkpoint.helpers import pretrain_flags, save_random_checkpoint
 from tests.pipeline.harness import stage_on_rank
 
 LLAMA = dict(normalization="RMSNorm", add_bias_linear=False, swiglu=True, ffn_hidden_size=64,
@@ -46,3 +48,33 @@ def test_missing_checkpoint_is_an_error_when_asked(tmp_path):
         maybe_load_checkpoint(stage)
     config.checkpoint.exit_on_missing_checkpoint = False
     assert maybe_load_checkpoint(stage) is None  # Megatron's default: start from scratch
+
+
+def test_load_continues_with_the_checkpoints_layer_split_and_schedule(tmp_path):
+    """Continuing a run whose split --auto-parallel chose (3,1) needs no flag repeated; a flag
+    typed now wins, and the adopted fields stay pinned for --auto-parallel."""
+    from megatron_2bw.arguments import explicit_fields
+    from megatron_2bw.checkpoint.save_load import (adopt_checkpoint_layout, write_marker,
+                                                   write_metadata)
+    layers = ["--num-layers", "4"]
+    saved = parse_config(pretrain_flags(1, 2, 10, *layers, "--pipeline-layer-split", "3,1",
+                                        "--pipeline-schedule", "flush"))[0]
+    os.makedirs(tmp_path / "iter_0000005")
+    write_metadata(str(tmp_path), 5, 40, saved, 1, 2, 1)
+    write_marker(str(tmp_path), 5)
+
+    def adopted(*extra):
+        config, args = parse_config(pretrain_flags(1, 2, 20, *layers, "--load", str(tmp_path),
+                                                   *extra))
+        typed, flags = adopt_checkpoint_layout(config, explicit_fields(args))
+        return config.parallel, typed, flags
+    par, typed, flags = adopted()
+    assert (par.layer_split, par.pipeline_schedule) == ([3, 1], "flush")
+    assert {("parallel", "layer_split"), ("parallel", "schedule")} <= typed
+    assert flags == ["--pipeline-layer-split 3,1", "--pipeline-schedule flush"]
+    par, _, flags = adopted("--pipeline-layer-split", "2,2")
+    assert (par.layer_split, par.pipeline_schedule) == ([2, 2], "flush")
+    par, _, flags = adopted("--finetune")  # fine-tuning keeps the split, picks its own schedule
+    assert (par.layer_split, par.pipeline_schedule) == ([3, 1], "2bw")
+    par, _, flags = adopted("--pipeline-model-parallel-size", "1")  # another layout: no guess
+    assert flags == [] and par.layer_split is None

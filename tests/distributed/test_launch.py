@@ -38,7 +38,7 @@ def test_each_local_rank_gets_its_own_share_of_the_cores():
         out = context.Queue()
         child = context.Process(target=_bound, args=(local_rank, len(cores), out))
         child.start()
-        results.append(out.get(timeout=30))
+        results.append(out.get(timeout=300))
         child.join()
     assert [mine for mine, _ in results] == [[c] for c in cores] + [[cores[0]]]
     assert all(mine == affinity for mine, affinity in results)  # the process is bound to them

@@ -64,7 +64,7 @@ def test_a_receive_posted_ahead_lets_the_send_leave_while_the_receiver_computes(
 def test_receives_are_posted_ahead_under_gloo_only():
     def backend_choice(rank, world):
         return _pair(rank, None).post_ahead
-    assert run_forked(2, backend_choice, timeout=60) == [True, True]
+    assert run_forked(2, backend_choice, timeout=300) == [True, True]
 
 
 def _one_f_one_b_exchanges(rank: int, world: int, post_ahead: bool):
@@ -89,7 +89,7 @@ def _one_f_one_b_exchanges(rank: int, world: int, post_ahead: bool):
 
 @pytest.mark.parametrize("post_ahead", [True, False])
 def test_sends_and_receives_in_one_exchange_pair_up_in_order(post_ahead):
-    grads, acts = run_forked(2, _one_f_one_b_exchanges, post_ahead, timeout=60)
+    grads, acts = run_forked(2, _one_f_one_b_exchanges, post_ahead, timeout=300)
     assert acts == [[0.0], [1.0], [2.0]] and grads == [[10.0], [11.0], [12.0]]
 
 
@@ -113,6 +113,6 @@ def _long_segment(rank: int, world: int, post_ahead: bool, sends: int):
 def test_a_long_segment_holds_the_tensors_of_two_sends_at_most(post_ahead):
     """gloo reports a send complete only once waited for: without waiting for older sends, a
     segment between two evaluations would keep every activation it ever sent."""
-    most, received = run_forked(2, _long_segment, post_ahead, 30, timeout=60)
+    most, received = run_forked(2, _long_segment, post_ahead, 30, timeout=300)
     assert received == [float(k) for k in range(30)]
     assert most <= 2

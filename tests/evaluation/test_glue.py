@@ -529,7 +529,7 @@ def test_evaluate_glue_script_runs_each_task_and_prints_table(tmp_path):
            "RESULTS_DIR": str(tmp_path / "results"),
            "TEST_PREDICTIONS": str(tmp_path / "my submission")}  # a space: quoted in the script
     run = subprocess.run(["bash", str(REPO_ROOT / "examples/evaluate_glue.sh")], env=env,
-                         capture_output=True, text=True, timeout=60)
+                         capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
 
     calls = [json.loads(line) for line in log.read_text().splitlines()]

@@ -53,14 +53,19 @@ def test_build_loss_scaler_follows_the_flags():
         build_loss_scaler(PrecisionConfig(fp16=True, hysteresis=0))
 
 
-def test_an_overflow_skips_the_step_keeps_the_version_and_backs_off():
-    config = precise_config("fp16", schedule="flush", optimizer="adam", lr=0.01, layers=2)
-    config.precision.hysteresis = 1
+def _overflowing_at_batch_1(config):
+    """A one-process fp16 stage whose batch 1 overflows; (stage, its step results, its feed)."""
     layout = ParallelLayout(1, 1, 1, 0)
     results = []
     stage = build_stage(config, layout, torch.device("cpu"), None, on_step=results.append)
     stage.updater.overflow_injection = lambda batch: batch == 1
-    feed = gpt_feed(config, layout)
+    return stage, results, gpt_feed(config, layout)
+
+
+def test_an_overflow_skips_the_step_keeps_the_version_and_backs_off():
+    config = precise_config("fp16", schedule="flush", optimizer="adam", lr=0.01, layers=2)
+    config.precision.hysteresis = 1
+    stage, results, feed = _overflowing_at_batch_1(config)
     run_segment(stage, 0, 1, feed)
     before = [m.detach().clone() for m in stage.versions.master]
     step_count = [s["step"].item() for s in stage.optimizer.state.values()]
@@ -86,19 +91,16 @@ def test_the_learning_rate_schedule_advances_on_applied_steps_only(tmp_path):
     config = precise_config("fp16", schedule="flush", optimizer="adam", lr=0.01, layers=2)
     config.optimizer.lr_warmup_iters, config.training.train_iters = 10, 20  # a rising rate
     config.checkpoint.save = str(tmp_path)
-    layout = ParallelLayout(1, 1, 1, 0)
-    results = []
-    stage = build_stage(config, layout, torch.device("cpu"), None, on_step=results.append)
-    stage.updater.overflow_injection = lambda batch: batch == 1
-    feed = gpt_feed(config, layout)
+    stage, results, feed = _overflowing_at_batch_1(config)
     run_segment(stage, 0, 3, feed)
     rate = [learning_rate(k, config.optimizer, config.training) for k in range(3)]
     assert [r.skipped for r in results] == [False, True, False]
     assert [r.learning_rate for r in results] == [rate[0], rate[1], rate[1]]
     stage.iteration = 3
     save_checkpoint(stage)
-    resumed = build_stage(config, layout, torch.device("cpu"), None, on_step=results.append)
+    resumed, resumed_results, resumed_feed = _overflowing_at_batch_1(config)
     load_checkpoint(resumed, str(tmp_path))
     assert resumed.applied_steps.skipped == 1
-    run_segment(resumed, 3, 1, gpt_feed(config, layout))
+    run_segment(resumed, 3, 1, resumed_feed)
+    results += resumed_results
     assert results[-1].learning_rate == rate[2]  # batch 3: the third applied step

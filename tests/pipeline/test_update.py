@@ -105,6 +105,6 @@ def reduce_without_the_other_replica(rank: int, world: int) -> str | None:
 
 
 def test_a_reduction_that_never_completes_is_named_with_its_batch_and_the_waiting_action():
-    message = run_ranks(2, reduce_without_the_other_replica, timeout=60)[0]
+    message = run_ranks(2, reduce_without_the_other_replica, timeout=300)[0]
     assert message.startswith("stage 0 failed at B2@v0: the data-parallel gradient reduction of "
                               "batch 0, started after its last backward, failed"), message

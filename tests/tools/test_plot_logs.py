@@ -73,7 +73,7 @@ def test_directories_of_jsonl_and_tensorboard_events(tmp_path):
 def test_missing_file_is_a_one_line_error_with_exit_2(tmp_path):
     missing = tmp_path / "nope.jsonl"
     result = subprocess.run([sys.executable, str(SCRIPT), str(missing), "--output",
-                             str(tmp_path / "x.png")], capture_output=True, text=True, timeout=60)
+                             str(tmp_path / "x.png")], capture_output=True, text=True, timeout=300)
     assert result.returncode == 2
     assert result.stderr.strip() == (f"plot_logs.py: error: {missing}: no such file or directory "
                                      f"(expected a --log-file JSON-lines file or a directory of "
