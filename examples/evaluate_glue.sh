@@ -4,27 +4,22 @@
 # Data layout and metrics: docs/glue.md.
 set -euo pipefail
 
-CHECKPOINT=${CHECKPOINT:-checkpoints/bert}       # --save directory of pretrain_bert.py
-GLUE_DIR=${GLUE_DIR:-data/glue}                   # one sub-directory per task: $GLUE_DIR/MNLI/train.tsv
-TASKS=${TASKS:-"MNLI QQP QNLI SST-2 CoLA STS-B MRPC RTE WNLI"}
-TP=${TP:-1}                                       # tensor-parallel size = processes per task
-EPOCHS=${EPOCHS:-3}
-LR=${LR:-2e-5}
-MICRO_BATCH=${MICRO_BATCH:-32}
-SEED=${SEED:-1234}
-SEQ_LENGTH=${SEQ_LENGTH:-128}
+: "${CHECKPOINT_DIR:=checkpoints/bert}" # --save directory of pretrain_bert.py
+: "${GLUE_DIR:=data/glue}"              # one sub-directory per task: $GLUE_DIR/MNLI/train.tsv
+: "${TASKS:=MNLI QQP QNLI SST-2 CoLA STS-B MRPC RTE WNLI}"
+: "${TP:=1}"                            # tensor-parallel size = processes per task
+: "${EPOCHS:=3}" "${LR:=2e-5}" "${MICRO_BATCH_SIZE:=32}" "${SEED:=1234}" "${SEQ_LENGTH:=128}"
 # Default: the tokenizer and model shape recorded in the checkpoint. Set them to override, e.g.
 # TOKENIZER_ARGS="--tokenizer-type BertWordPieceLowerCase --vocab-file data/bert-vocab.txt".
-TOKENIZER_ARGS=${TOKENIZER_ARGS:-}
-MODEL_ARGS=${MODEL_ARGS:-}
-RESULTS_DIR=${RESULTS_DIR:-results/glue}
+: "${TOKENIZER_ARGS:=}" "${MODEL_ARGS:=}"
+: "${RESULTS_DIR:=results/glue}"
 # Set to a directory to also write the GLUE server's test prediction files there (CoLA.tsv, ...);
 # the MNLI run adds AX.tsv when $GLUE_DIR/diagnostic/diagnostic.tsv exists.
-TEST_PREDICTIONS=${TEST_PREDICTIONS:-}
-PYTHON=${PYTHON:-python}
+: "${TEST_PREDICTIONS:=}"
+: "${PYTHON:=python}"
 
-REPO_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-export PYTHONPATH="$REPO_ROOT${PYTHONPATH:+:$PYTHONPATH}"
+REPO_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+export PYTHONPATH="$REPO_DIR${PYTHONPATH:+:$PYTHONPATH}"  # also without `pip install -e .`
 mkdir -p "$RESULTS_DIR"
 
 RESULT_FILES=()
@@ -32,19 +27,20 @@ for T in $TASKS; do
     echo "=== $T ==="
     # GLUE's diagnostic set is predicted with the MNLI model
     DIAGNOSTIC=""
-    if [ -n "$TEST_PREDICTIONS" ] && [ "$T" = MNLI ] && [ -f "$GLUE_DIR/diagnostic/diagnostic.tsv" ]; then
+    if [ -n "$TEST_PREDICTIONS" ] && [ "$T" = MNLI ] &&
+       [ -f "$GLUE_DIR/diagnostic/diagnostic.tsv" ]; then
         DIAGNOSTIC="$GLUE_DIR/diagnostic/diagnostic.tsv"
     fi
     # Word splitting of TOKENIZER_ARGS / MODEL_ARGS into separate flags is intended.
     # shellcheck disable=SC2086
-    torchrun --standalone --nproc-per-node "$TP" "$REPO_ROOT/tools/finetune_glue.py" \
+    torchrun --standalone --nproc-per-node "$TP" "$REPO_DIR/tools/finetune_glue.py" \
         --task "$T" \
         --data-dir "$GLUE_DIR/$T" \
-        --load "$CHECKPOINT" \
+        --load "$CHECKPOINT_DIR" \
         --results "$RESULTS_DIR/$T.json" \
         --epochs "$EPOCHS" \
         --lr "$LR" \
-        --micro-batch-size "$MICRO_BATCH" \
+        --micro-batch-size "$MICRO_BATCH_SIZE" \
         --seed "$SEED" \
         --seq-length "$SEQ_LENGTH" \
         --tensor-model-parallel-size "$TP" \

@@ -11,7 +11,6 @@
 # `--wandb-project NAME`, `--log-file run.jsonl`, `--recompute-activations`.
 set -euo pipefail
 
-# --- cluster --------------------------------------------------------------------------------------
 : "${NNODES:=2}"                        # machines in the job
 : "${NODE_RANK:=${SLURM_NODEID:-0}}"    # this machine's index, 0..NNODES-1 (under srun: Slurm's)
 : "${GPUS_PER_NODE:=8}"                 # processes per machine, one per GPU
@@ -19,50 +18,72 @@ set -euo pipefail
 : "${MASTER_PORT:=6000}"                # a free TCP port on MASTER_ADDR
 : "${RDZV_BACKEND:=c10d}"               # c10d: ranks follow join order (torchrun warns that it
                                         # ignores NODE_RANK); static: NODE_RANK fixes them
-: "${RDZV_ID:=bert-${MASTER_PORT}}"     # same on all nodes, different for concurrent jobs
+: "${RDZV_ID:=bert-${MASTER_PORT}}"      # same on all nodes, different for concurrent jobs
 : "${RDZV_JOIN_TIMEOUT:=600}"           # seconds to wait for every node before giving up
-: "${DIST_TIMEOUT_MINUTES:=10}"         # a stuck collective fails after this long
-
-# --- parallelism (TP x PP must divide NNODES x GPUS_PER_NODE; the rest is data parallel) ----------
 : "${TP:=2}"                            # tensor parallel: keep within one node (fast links)
-: "${PP:=2}"                            # pipeline parallel stages
+: "${PP:=2}"                            # pipeline stages (TP x PP divides NNODES x GPUS_PER_NODE;
+                                        # the rest is data parallel)
 : "${PIPELINE_SCHEDULE:=}"              # 2bw | flush | gpipe; empty: 2bw when PP > 1
-
-# --- model: BERT large (336M) ---------------------------------------------------------------------
-: "${NUM_LAYERS:=24}"
-: "${HIDDEN_SIZE:=1024}"
-: "${NUM_ATTENTION_HEADS:=16}"
-: "${SEQ_LENGTH:=512}"
+: "${DIST_TIMEOUT_MINUTES:=10}"         # a stuck collective fails after this long
+# model: BERT large (336M)
+: "${NUM_LAYERS:=24}" "${HIDDEN_SIZE:=1024}" "${NUM_ATTENTION_HEADS:=16}" "${SEQ_LENGTH:=512}"
 : "${PRECISION:=bf16}"                  # bf16 | fp16 | fp32
-
-# --- training -------------------------------------------------------------------------------------
 : "${MICRO_BATCH_SIZE:=8}"
 : "${GLOBAL_BATCH_SIZE:=512}"           # sequences per optimizer step
-: "${TRAIN_ITERS:=1000000}"
-: "${LR:=1e-4}"
-: "${MIN_LR:=1e-5}"
-: "${LR_WARMUP_ITERS:=10000}"
-: "${LOG_INTERVAL:=10}"
-
-# --- data: a tools/preprocess_data.py --split-sentences output prefix; empty: --mock-data ---------
+: "${TRAIN_ITERS:=1000000}" "${LR:=1e-4}" "${MIN_LR:=1e-5}" "${LR_WARMUP_ITERS:=10000}"
+# data: a tools/preprocess_data.py --split-sentences output prefix; empty: --mock-data
 : "${DATA_PATH:=}"
 : "${TOKENIZER_TYPE:=BertWordPieceLowerCase}"
-: "${VOCAB_FILE:=bert-large-uncased-vocab.txt}"
+: "${VOCAB_FILE:=bert-large-uncased-vocab.txt}"  # README: where to get it
 : "${VOCAB_SIZE:=30522}"                # --mock-data only
-
-# --- outputs (empty: off) -------------------------------------------------------------------------
+# outputs (empty: off)
 : "${CHECKPOINT_DIR:=}"                 # --save and --load: a restarted job resumes from here
-: "${SAVE_INTERVAL:=1000}"
-: "${TENSORBOARD_DIR:=}"
+: "${SAVE_INTERVAL:=1000}" "${LOG_INTERVAL:=10}" "${TENSORBOARD_DIR:=}"
 
 REPO_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 
-LR_DECAY_STYLE=linear WEIGHT_DECAY=0.01 SPLIT=949,50,1 MERGE_FILE=  # BERT: WordPiece vocab only
-# shellcheck source=examples/training_args.sh
-source "$REPO_DIR/examples/training_args.sh"
+DISTRIBUTED_ARGS=(
+    --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$GPUS_PER_NODE"
+    --rdzv-backend "$RDZV_BACKEND" --rdzv-id "$RDZV_ID" --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT"
+    --rdzv-conf "join_timeout=$RDZV_JOIN_TIMEOUT"
+)
+
+BERT_MODEL_ARGS=(
+    --num-layers "$NUM_LAYERS" --hidden-size "$HIDDEN_SIZE"
+    --num-attention-heads "$NUM_ATTENTION_HEADS" --seq-length "$SEQ_LENGTH"
+)
+
+TRAINING_ARGS=(
+    --micro-batch-size "$MICRO_BATCH_SIZE" --global-batch-size "$GLOBAL_BATCH_SIZE"
+    --train-iters "$TRAIN_ITERS" --lr "$LR" --min-lr "$MIN_LR" --lr-decay-style linear
+    --lr-warmup-iters "$LR_WARMUP_ITERS" --weight-decay 0.01 --clip-grad 1.0
+)
+if [[ "$PRECISION" != fp32 ]]; then TRAINING_ARGS+=(--"$PRECISION"); fi
+
+MODEL_PARALLEL_ARGS=(
+    --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP"
+    ${PIPELINE_SCHEDULE:+--pipeline-schedule "$PIPELINE_SCHEDULE"}
+    --distributed-timeout-minutes "$DIST_TIMEOUT_MINUTES"
+)
+
+if [[ -n "$DATA_PATH" ]]; then
+    DATA_ARGS=(--data-path "$DATA_PATH" --split 949,50,1 --tokenizer-type "$TOKENIZER_TYPE"
+               --vocab-file "$VOCAB_FILE")
+else
+    echo "$(basename "$0"): DATA_PATH is empty: training on --mock-data" >&2
+    DATA_ARGS=(--mock-data --vocab-size "$VOCAB_SIZE")
+fi
+
+EVAL_AND_LOGGING_ARGS=(
+    --log-interval "$LOG_INTERVAL"
+    ${CHECKPOINT_DIR:+--save "$CHECKPOINT_DIR" --save-interval "$SAVE_INTERVAL"}
+    ${TENSORBOARD_DIR:+--tensorboard-dir "$TENSORBOARD_DIR"}
+)
+if [[ -f "$CHECKPOINT_DIR/latest_checkpointed_iteration.txt" ]]; then
+    EVAL_AND_LOGGING_ARGS+=(--load "$CHECKPOINT_DIR")  # resume; a first run starts from scratch
+fi
 
 # exec: torchrun receives the signals (SIGTERM from Slurm) and passes them to the workers.
-exec torchrun --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$GPUS_PER_NODE" \
-    --rdzv-backend "$RDZV_BACKEND" --rdzv-id "$RDZV_ID" \
-    --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-conf "join_timeout=$RDZV_JOIN_TIMEOUT" \
-    "$REPO_DIR/pretrain_bert.py" "${args[@]}" "$@"
+exec torchrun "${DISTRIBUTED_ARGS[@]}" "$REPO_DIR/pretrain_bert.py" \
+    "${BERT_MODEL_ARGS[@]}" "${TRAINING_ARGS[@]}" "${MODEL_PARALLEL_ARGS[@]}" \
+    "${DATA_ARGS[@]}" "${EVAL_AND_LOGGING_ARGS[@]}" "$@"

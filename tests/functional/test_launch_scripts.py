@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+from megatron_2bw.checkpoint.save_load import saved_config
 from tests.distributed_helpers import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -171,3 +172,18 @@ def test_deepspeed_launcher_script_names_a_missing_hostfile(tmp_path):
                             env=env, capture_output=True, text=True, timeout=30)
     assert result.returncode == 2
     assert f"HOSTFILE={tmp_path / 'nope'} does not exist" in result.stderr
+
+
+def test_llama_script_trains_a_llama_layout_through_a_2bw_pipeline(tmp_path):
+    env = _environment(GPUS_PER_NODE="2", PP="2", FFN_HIDDEN_SIZE="64", NUM_QUERY_GROUPS="2",
+                       CHECKPOINT_DIR=str(tmp_path / "checkpoint"), SAVE_INTERVAL="4")
+    log = tmp_path / "llama.log"
+    job = _start(["bash", str(REPO / "examples" / "pretrain_llama_single_node.sh")], env, log)
+    output = _finish(job, log, timeout=120)
+    assert job.returncode == 0, output[-4000:]
+    assert ", schedule 2bw," in output
+    assert [i for i, _, _ in _iterations(output)] == [1, 2, 3, 4], output[-4000:]
+    model = saved_config(str(tmp_path / "checkpoint")).model
+    assert (model.normalization, model.swiglu, model.position_embedding_type,
+            model.num_query_groups, model.untie_embeddings_and_output_weights,
+            model.add_bias_linear) == ("RMSNorm", True, "rope", 2, True, False)
