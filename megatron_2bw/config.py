@@ -127,6 +127,9 @@ class ParallelConfig:
     use_distributed_optimizer: bool = False
     ddp_bucket_size: int = 40_000_000  # elements per data-parallel all-reduce bucket
     bind_cores_to_rank: bool = False  # each local rank on its own share of the node's cores
+    # asynchronous schedules: "none" | "predict" | "dc" (pipeline/compensation.py)
+    delay_compensation: str = "none"
+    delay_compensation_lambda: float | None = None  # dc's lambda; None: DC_DEFAULT_LAMBDA
 
     @property
     def pipeline_schedule(self) -> str:

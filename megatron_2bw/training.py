@@ -37,6 +37,7 @@ from megatron_2bw.optim.optimizer import build_torch_optimizer
 from megatron_2bw.planner.memory import estimate_stage_memory
 from megatron_2bw.pipeline.executor import StageExecutor
 from megatron_2bw.pipeline.partition import layer_ranges
+from megatron_2bw.pipeline.compensation import build_delay_compensation
 from megatron_2bw.pipeline.schedules import stage_actions, stage_receives
 from megatron_2bw.pipeline.update import GradientUpdater, StepResult
 from megatron_2bw.pipeline.weights import WeightVersions
@@ -85,7 +86,8 @@ def build_stage(config: Config, layout: ParallelLayout, device: torch.device, ti
                               layout.group("context")).to(device)
     schedule = par.pipeline_schedule
     versions = WeightVersions(model, working_dtype(config), grad_dtype(config),
-                              single_version=schedule != "2bw")
+                              single_version=schedule != "2bw",
+                              predicted_versions=par.delay_compensation == "predict")
     optimizer = build_optimizer(config, versions.master, versions.names, layout)
     scaler = build_loss_scaler(config.precision)
     train = config.training
@@ -98,6 +100,8 @@ def build_stage(config: Config, layout: ParallelLayout, device: torch.device, ti
         log_params_norm=config.logging.log_params_norm,
         log_num_zeros_in_grad=config.logging.log_num_zeros_in_grad,
         per_token_loss=train.calculate_per_token_loss)
+    updater.compensation = build_delay_compensation(versions, par.delay_compensation,
+                                                    par.delay_compensation_lambda)
     microbatches = train.global_batch_size // (train.micro_batch_size * layout.data_replicas)
     p2p = None
     if par.pipeline_parallel > 1:
