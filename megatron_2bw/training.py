@@ -130,7 +130,14 @@ def build_optimizer(config: Config, master_params, names: list[str], layout: Par
 
 def static_tensors(stage: Stage) -> list[torch.Tensor]:
     """Weights, gradient buffers and optimizer state (all allocated when the stage is built)."""
-    return stage.versions.tensors() + optimizer_state_tensors(stage.optimizer)
+    return stage.versions.tensors() + optimizer_state_tensors(stage.optimizer) + \
+        compensation_tensors(stage)
+
+
+def compensation_tensors(stage: Stage) -> list[torch.Tensor]:
+    """--delay-compensation's state (per-shard fp32, like the optimizer's)."""
+    compensation = stage.updater.compensation
+    return compensation.tensors() if compensation is not None else []
 
 
 def startup_memory_report(stage: Stage) -> str:
@@ -143,7 +150,7 @@ def startup_memory_report(stage: Stage) -> str:
     estimate = estimate_stage_memory(model, c.parallel, c.precision, c.recompute,
                                      c.optimizer.optimizer, c.training.micro_batch_size,
                                      stage.microbatches, layout.data, layout.stage)
-    measured = static_breakdown(stage.versions, stage.optimizer)
+    measured = static_breakdown(stage.versions, stage.optimizer, compensation_tensors(stage))
     mib = 2.0 ** 20
     names = {"params": "params", "grads": "grads", "optimizer": "optimizer state",
              "versions_stash": "2bw stash", "activations": "activations", "workspace": "workspace"}

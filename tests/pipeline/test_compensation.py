@@ -4,6 +4,7 @@ SGD and Adam, to 1e-5; each a different trajectory from uncompensated 2BW. bf16 
 an fp16 overflow skips the step with compensation on; a resumed run equals a straight one bit for
 bit (the saved versions and delta)."""
 import functools
+import re
 import subprocess
 import sys
 
@@ -17,6 +18,7 @@ from tests.distributed_helpers import run_ranks
 from tests.pipeline.compensation_reference import compensated_reference
 from tests.pipeline.harness import full_weights, gpt_feed, max_difference, tiny_config
 from tests.pipeline.precision_harness import precise_config, train_stage
+from tests.pipeline.test_memory import _startup_report
 from tests.test_arguments import ROOT, TINY
 
 VOCAB = 101
@@ -119,3 +121,26 @@ def test_bad_compensation_flags_give_one_line(extra, expected):
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.returncode == 2 and len(lines) == 1, result.stderr
     assert expected in lines[0] and lines[0].startswith("pretrain_gpt.py: error: ")
+
+
+@pytest.mark.parametrize("precision,mode,distributed", [
+    ("fp32", "predict", False), ("fp32", "dc", True), ("bf16", "predict", True)])
+def test_the_memory_estimate_counts_the_compensation_state(precision, mode, distributed):
+    """What a stage holds at start, by kind, equals the estimate: delta (one fp32 copy of this
+    rank's master-weight shard) and, for predict in fp32, master weights of their own."""
+    config = precise_config(precision, schedule="2bw", optimizer="adam", layers=2)
+    config.parallel.use_distributed_optimizer = distributed
+    plain = run_ranks(2, _startup_report, config)
+    config.parallel.delay_compensation = mode
+    compensated = run_ranks(2, _startup_report, config)
+    for before, line in zip(plain, compensated):
+        estimated, held = line.split("; held at start ")
+        for kind in ("params", "grads", "optimizer state", "2bw stash"):
+            number = re.compile(re.escape(kind) + r" ([0-9.]+)")
+            assert number.search(held).group(1) == number.search(estimated).group(1), line
+        grew = {kind: float(re.search(re.escape(kind) + r" ([0-9.]+)", line.split("; held")[1])
+                            .group(1)) - float(re.search(re.escape(kind) + r" ([0-9.]+)",
+                                                         before.split("; held")[1]).group(1))
+                for kind in ("params", "optimizer state")}
+        assert grew["optimizer state"] > 0  # delta
+        assert (grew["params"] > 0) == (precision == "fp32" and mode == "predict")
