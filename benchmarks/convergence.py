@@ -6,7 +6,7 @@
 The same GPT (4 layers, hidden 128, 4 heads, sequence 64, untied output layer, no dropout), the
 same Shakespeare data (tools/prepare_shakespeare.py, examples/quickstart.sh) and seed for every
 schedule, p = 4 stages of one layer each (embeddings on the first, final norm and output layer on
-the last), m = 4 microbatches of 4 per update, AdamW, warm-up then cosine decay to lr/10, clipping.
+the last), m = 4 microbatches of 2 per update, AdamW, warm-up then cosine decay to lr/10, clipping.
 
 Loss against samples comes from a single-process simulation of each schedule's update rule: every
 stage's parameters read, for update b, the weight version the rule names, exactly the rules that
@@ -53,9 +53,9 @@ from megatron_2bw.models import build_stage_model  # noqa: E402
 from megatron_2bw.optim.lr_schedule import apply_schedule  # noqa: E402
 from megatron_2bw.optim.optimizer import build_torch_optimizer  # noqa: E402
 from megatron_2bw.pipeline import schedules as S  # noqa: E402
-from megatron_2bw.pipeline.compensation import DC_DEFAULT_LAMBDA, PREDICTION_SCALE  # noqa: E402
+from megatron_2bw.pipeline.compensation import DC_DEFAULT_LAMBDA  # noqa: E402
 
-STAGES, MICROBATCHES, MICRO_BATCH = 4, 4, 4
+STAGES, MICROBATCHES, MICRO_BATCH = 4, 4, 2
 
 
 @dataclass(frozen=True)
@@ -89,11 +89,11 @@ TIMED = {"flush": "flush", "gpipe": "gpipe", "2bw": "2bw"}
 @dataclass
 class Study:
     data_dir: str = "data/shakespeare"
-    iterations: int = 200
-    warmup: int = 30
+    iterations: int = 150
+    warmup: int = 15
     lrs: tuple = (1e-3, 2e-3, 5e-4)
-    eval_interval: int = 20
-    eval_sequences: int = 64
+    eval_interval: int = 25
+    eval_sequences: int = 32
     seed: int = 1234
     rules: list = field(default_factory=lambda: list(RULES))
 
@@ -192,7 +192,7 @@ class Simulation:
             v = max(b - self.tau(s), 0)
             w = self.weights(v)[i]
             if self.rule.compensation == "predict" and v > 0:
-                w = w + PREDICTION_SCALE * (w - self.weights(v - 1)[i])
+                w = w + self.tau(s) * (w - self.weights(v - 1)[i])
             out.append(w)
         return out
 
@@ -479,7 +479,7 @@ def write_json(result: dict, path: str) -> None:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--data-dir", default="data/shakespeare")
-    parser.add_argument("--iterations", type=int, default=200)
+    parser.add_argument("--iterations", type=int, default=150)
     parser.add_argument("--lrs", type=float, nargs="+", default=[1e-3, 2e-3, 5e-4],
                         help="peak rates, run in this order (each rate for every schedule)")
     parser.add_argument("--quick", action="store_true",

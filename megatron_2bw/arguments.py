@@ -128,9 +128,9 @@ def build_parser(description: str = "", extra_args_provider=None) -> argparse.Ar
                "a batch on the weight version the first stage used (a uniform delay of p - 1)")
     _flag(g, "--delay-compensation", "parallel", "delay_compensation",
           choices=["none", "predict", "dc"],
-          help="asynchronous schedules (2bw): 'predict' runs each batch on the newest weights "
-               "extrapolated along the last update, 'dc' corrects each stale gradient "
-               "(DC-ASGD); default none")
+          help="asynchronous schedules: 'predict' (2bw, pipedream) runs each batch on the newest "
+               "weights extrapolated along the last update over the stage's delay, 'dc' (2bw) "
+               "corrects each stale gradient (DC-ASGD); default none")
     _flag(g, "--delay-compensation-lambda", "parallel", "delay_compensation_lambda", type=float,
           help="--delay-compensation dc: lambda of g + lambda*g*g*(W_new - W_read) (default 0.04)")
     _flag(g, "--pipeline-layer-split", "parallel", "layer_split", type=str,
@@ -713,9 +713,11 @@ def _validate_delay_compensation(par) -> None:
     from megatron_2bw.pipeline.compensation import COMPENSATED_SCHEDULES, MODES
     mode, schedule = par.delay_compensation, par.pipeline_schedule
     _require(mode in MODES, f"--delay-compensation must be one of {', '.join(MODES)}, got {mode!r}")
-    _require(mode == "none" or schedule in COMPENSATED_SCHEDULES,
-             f"--delay-compensation {mode} applies to the asynchronous schedules "
-             f"({', '.join(COMPENSATED_SCHEDULES)}), not to --pipeline-schedule {schedule}")
+    applies = COMPENSATED_SCHEDULES.get(mode, ())
+    _require(mode == "none" or schedule in applies,
+             f"--delay-compensation {mode} applies to --pipeline-schedule "
+             f"{' or '.join(sorted({s.split('-')[0] for s in applies}))} only, not to "
+             f"--pipeline-schedule {schedule}")
     lam = par.delay_compensation_lambda
     if lam is not None:
         _require(mode == "dc", f"--delay-compensation-lambda applies to --delay-compensation dc "

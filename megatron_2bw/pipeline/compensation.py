@@ -1,20 +1,21 @@
 """Delay compensation for asynchronous schedules (--delay-compensation none|predict|dc).
 
 Under 2BW batch b reads weight version b-1 while its gradient updates W(b), the newest master
-weights: W(b+1) = W(b) - lr * update(g_b), g_b taken at version b-1, one step stale. Both remedies
-work from the last step's difference
+weights: W(b+1) = W(b) - lr * update(g_b), g_b taken at version b-1, one step stale (PipeDream:
+tau_s steps on stage s). Both remedies work from the last step's difference
 
     delta = W(v) - W(v-1)      (fp32, this rank's shard of the master weights)
 
 which every step records (W(-1) = W(0): delta starts at zero).
 
 predict  weight prediction, as SpecTrain and PipeOptim do. Version v is not W(v) but W(v)
-         extrapolated along the optimizer's latest update,
-             version(v) = W(v) + s * (W(v) - W(v-1)),   s = 1 (2BW's delay in steps),
-         so the batch that reads version v takes its gradient near W(v+1), the weights the
-         gradient is applied to. The master weights stay exact; only the working copies the
-         forward and backward read are predicted. Version 0 is W(0).
-dc       delay-compensated gradients (DC-ASGD, Zheng et al. 2017). The gradient of batch b, read
+         extrapolated along the optimizer's latest update over the stage's delay tau,
+             version(v) = W(v) + tau * (W(v) - W(v-1)),
+         tau = 1 under 2BW, p-1-s on stage s under PipeDream, p-1 under its vertical sync: the
+         batch that reads version v takes its gradient near W(v+tau), the weights the gradient
+         is applied to. The master weights stay exact; only the working copies the forward and
+         backward read are predicted. Version 0 is W(0).
+dc       delay-compensated gradients (DC-ASGD, Zheng et al. 2017), 2BW only. The gradient of batch b, read
          at W_read = W(b-1), is moved to W_new = W(b) by the diagonal of the outer-product
          approximation of the Hessian:
              g <- g + lambda * g * g * (W(b) - W(b-1))
@@ -32,12 +33,13 @@ from __future__ import annotations
 
 import torch
 
+from megatron_2bw.pipeline.schedules import update_delay
 from megatron_2bw.pipeline.weights import WeightVersions, gather_shards
 
 MODES = ("none", "predict", "dc")
-COMPENSATED_SCHEDULES = ("2bw",)
+# the schedules each mode applies to: dc's W_read must be the version one update old
+COMPENSATED_SCHEDULES = {"predict": ("2bw", "pipedream", "pipedream-vs"), "dc": ("2bw",)}
 DC_DEFAULT_LAMBDA = 0.04  # DC-ASGD's constant lambda
-PREDICTION_SCALE = 1.0  # 2BW's delay: a batch's gradient is applied one step after its version
 
 
 class DelayCompensation:
@@ -49,6 +51,10 @@ class DelayCompensation:
         if mode not in MODES or mode == "none":
             raise ValueError(f"delay compensation {mode!r}: expected one of {MODES[1:]}")
         self.versions, self.mode = versions, mode
+        rule = versions.rule
+        # predict extrapolates over the stage's delay: its batches' gradients are applied tau
+        # updates after the version they read (2BW: 1; PipeDream: p-1-s; vertical sync: p-1)
+        self.scale = float(update_delay(rule.schedule, rule.stage, rule.stages))
         self.dc_lambda = DC_DEFAULT_LAMBDA if dc_lambda is None else dc_lambda
         # after the distributed optimizer has sharded the master weights: their shard's size
         self.delta = [torch.zeros_like(region) for region in versions.master_regions]
@@ -57,7 +63,7 @@ class DelayCompensation:
 
     def predicted(self, index: int, master: torch.Tensor) -> torch.Tensor:
         """Region `index` of the next version: W + s * (W - W_previous)."""
-        return torch.add(master, self.delta[index], alpha=PREDICTION_SCALE)
+        return torch.add(master, self.delta[index], alpha=self.scale)
 
     @torch.no_grad()
     def before_step(self) -> None:

@@ -43,6 +43,34 @@ def reference(optimizer: str, mode: str):
                                  dc_lambda=DC_LAMBDA)
 
 
+@functools.lru_cache(maxsize=None)
+def pipedream_reference(mode: str, vertical_sync: bool):
+    """PipeDream at p = 4, one microbatch of 2 samples per update (its own setting)."""
+    c = pipedream_config(mode, vertical_sync)
+    c.parallel.pipeline_parallel, c.parallel.schedule = 1, None
+    delay = (lambda s: 3) if vertical_sync else (lambda s: 3 - s)
+    return compensated_reference(c, BATCHES + 1, gpt_feed(c, ParallelLayout(1, 1, 1)), 1, mode,
+                                 stages=4, delay=delay, clip_per_stage=not vertical_sync)
+
+
+def pipedream_config(mode: str, vertical_sync: bool):
+    c = tiny_config(p=4, schedule="pipedream", optimizer="adam", lr=0.01, clip=0.5, global_batch=2,
+                    untie_embeddings_and_output_weights=True)
+    c.parallel.vertical_sync = vertical_sync
+    c.parallel.delay_compensation = mode
+    return c
+
+
+@pytest.mark.parametrize("vertical_sync", [False, True], ids=["pipedream", "vertical-sync"])
+def test_predicted_pipedream_matches_its_reference(vertical_sync):
+    """Stage s extrapolates over its own delay (3 - s, or 3 under vertical sync)."""
+    weights = full_weights(run_ranks(4, train_stage, pipedream_config("predict", vertical_sync),
+                                     BATCHES + 1))
+    expected = pipedream_reference("predict", vertical_sync)
+    assert max_difference(weights, expected, VOCAB) < 1e-5
+    assert max_difference(expected, pipedream_reference("none", vertical_sync), VOCAB) > 1e-4
+
+
 LAYOUTS = {"p2": (1, 2, 2, False), "p4": (1, 4, 4, False), "t2p2": (2, 2, 4, False),
            "p2d2-distributed-optimizer": (1, 2, 4, True)}
 # every layout with Adam and predict; SGD and dc where they add a code path (suite time)
@@ -104,10 +132,15 @@ def test_resumed_compensated_training_is_bit_identical(tmp_path, mode, extra):
 @pytest.mark.parametrize("extra,expected", [
     (["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "flush",
       "--delay-compensation", "predict"],
-     "--delay-compensation predict applies to the asynchronous schedules (2bw), not to "
+     "--delay-compensation predict applies to --pipeline-schedule 2bw or pipedream only, not to "
      "--pipeline-schedule flush"),
     (["--delay-compensation", "dc"],  # p = 1: the schedule is flush
-     "--delay-compensation dc applies to the asynchronous schedules"),
+     "--delay-compensation dc applies to --pipeline-schedule 2bw only, not to "
+     "--pipeline-schedule flush"),
+    (["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "pipedream",
+      "--untie-embeddings-and-output-weights", "--delay-compensation", "dc"],
+     "--delay-compensation dc applies to --pipeline-schedule 2bw only, not to "
+     "--pipeline-schedule pipedream"),
     (["--pipeline-model-parallel-size", "2", "--delay-compensation", "predict",
       "--delay-compensation-lambda", "0.1"],
      "--delay-compensation-lambda applies to --delay-compensation dc only"),
