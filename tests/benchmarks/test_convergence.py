@@ -1,6 +1,6 @@
-"""benchmarks/convergence.py: its simulated 2BW rules (none, predict, dc) equal the reference that
-the multi-process runs are checked against (tests/pipeline/compensation_reference.py), and its
-quick mode writes the result, the table and the picture."""
+"""benchmarks/convergence.py: its simulated 2BW rules (none, predict, dc) and PipeDream's equal the
+references that the multi-process runs are checked against (tests/pipeline/compensation_reference.py,
+tests/pipeline/reference.py), and its quick mode writes the result, the table and the picture."""
 import json
 
 import numpy as np
@@ -11,6 +11,7 @@ from megatron_2bw.distributed.layout import ParallelLayout
 from tests.benchmarks import load_benchmark
 from tests.pipeline.compensation_reference import compensated_reference
 from tests.pipeline.harness import gpt_feed, max_difference, tiny_config
+from tests.pipeline.reference import per_stage_delay_reference
 
 convergence = load_benchmark("convergence")
 
@@ -28,6 +29,22 @@ def test_the_simulated_2bw_rules_equal_the_reference(mode):
     simulated = {n: m.detach() for n, m in zip(names, sim.master)}
     expected = compensated_reference(config, 5, feed, 4, mode, dc_lambda=5000.0)
     assert max_difference(simulated, expected, config.model.vocab_size) < 1e-5
+
+
+def test_the_simulated_pipedream_rule_equals_the_per_stage_delay_reference():
+    config = tiny_config(optimizer="adam", lr=0.01, clip=0.5,
+                         untie_embeddings_and_output_weights=True)
+    config.optimizer.weight_decay = 0.0
+    feed = gpt_feed(config, ParallelLayout(1, 1, 1))
+    rule = next(r for r in convergence.RULES if r.name == "pipedream")
+    sim = convergence.Simulation(rule, 0.01, convergence.Study(), config.model, config.optimizer)
+    for b in range(6):
+        sim.step(b, [feed(b * 4 + j)["tokens"] for j in range(4)])
+    simulated = {n: m.detach() for (n, _), m in zip(sim.model.named_parameters(), sim.master)}
+    expected = per_stage_delay_reference(config, 6, feed, 4, "pipedream", 4, clip="stage")
+    assert max_difference(simulated, expected, config.model.vocab_size) < 1e-5
+    assert max_difference(simulated, per_stage_delay_reference(config, 6, feed, 4, "2bw", 4),
+                          config.model.vocab_size) > 1e-4
 
 
 def test_quick_mode_writes_the_result_and_the_picture(tmp_path, capsys):
