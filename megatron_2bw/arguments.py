@@ -140,6 +140,13 @@ def build_parser(description: str = "", extra_args_provider=None) -> argparse.Ar
     _flag(g, "--num-layers-per-virtual-pipeline-stage", "parallel",
           "num_layers_per_virtual_pipeline_stage", type=int,
           help="interleaved: layers per model chunk (v = num-layers / p / this)")
+    _flag(g, "--delay-compensation", "parallel", "delay_compensation",
+          choices=["none", "predict", "dc"],
+          help="asynchronous schedules: 'predict' (2bw, pipedream) runs each batch on the newest "
+               "weights extrapolated along the last update over the stage's delay, 'dc' (2bw) "
+               "corrects each stale gradient (DC-ASGD); default none")
+    _flag(g, "--delay-compensation-lambda", "parallel", "delay_compensation_lambda", type=float,
+          help="--delay-compensation dc: lambda of g + lambda*g*g*(W_new - W_read) (default 0.04)")
     _flag(g, "--pipeline-layer-split", "parallel", "layer_split", type=str,
           help="layers per stage, e.g. 5,7,7,5")
     _flag(g, "--pipeline-repartition-interval", "parallel", "repartition_interval", type=int,
@@ -772,6 +779,7 @@ def validate(config: Config, require_data: bool = True) -> None:
     _validate_virtual_stages(config)
     _require(not (config.precision.fp16 and config.precision.bf16), "--fp16 and --bf16 exclude each other")
     _require(opt.lr >= 0 and opt.min_lr >= 0, "--lr and --min-lr must be >= 0")
+    _validate_delay_compensation(par)
     _validate_schedule_units(tr, opt)
     _validate_batch_schedule(tr)
     _validate_megatron_schedules(opt)
@@ -796,6 +804,22 @@ def validate(config: Config, require_data: bool = True) -> None:
         _require(m.vocab_size > 0, "--mock-data needs --vocab-size N (N > 0)")
     elif require_data and config.data.data_path is None and config.data.train_data_path is None:
         raise ConfigError("give --data-path PREFIX (or --train-data-path ...) or --mock-data")
+
+
+def _validate_delay_compensation(par) -> None:
+    from megatron_2bw.pipeline.compensation import COMPENSATED_SCHEDULES, MODES
+    mode, schedule = par.delay_compensation, par.pipeline_schedule
+    _require(mode in MODES, f"--delay-compensation must be one of {', '.join(MODES)}, got {mode!r}")
+    applies = COMPENSATED_SCHEDULES.get(mode, ())
+    _require(mode == "none" or schedule in applies,
+             f"--delay-compensation {mode} applies to --pipeline-schedule "
+             f"{' or '.join(sorted({s.split('-')[0] for s in applies}))} only, not to "
+             f"--pipeline-schedule {schedule}")
+    lam = par.delay_compensation_lambda
+    if lam is not None:
+        _require(mode == "dc", f"--delay-compensation-lambda applies to --delay-compensation dc "
+                               f"only, got --delay-compensation {mode}")
+        _require(lam >= 0, f"--delay-compensation-lambda must be >= 0, got {lam}")
 
 
 def validate_for_world(config: Config, world_size: int) -> int:

@@ -136,6 +136,9 @@ class ParallelConfig:
     # reaches min_gain (a fraction)
     repartition_interval: int | None = None
     repartition_min_gain: float = 0.05
+    # asynchronous schedules: "none" | "predict" | "dc" (pipeline/compensation.py)
+    delay_compensation: str = "none"
+    delay_compensation_lambda: float | None = None  # dc's lambda; None: DC_DEFAULT_LAMBDA
 
     @property
     def pipeline_schedule(self) -> str:

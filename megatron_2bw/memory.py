@@ -39,16 +39,16 @@ def optimizer_state_tensors(optimizer) -> list[torch.Tensor]:
     return [v for state in states for v in state.values() if torch.is_tensor(v) and v.dim() > 0]
 
 
-def static_breakdown(versions, optimizer) -> dict[str, int]:
+def static_breakdown(versions, optimizer, compensation=()) -> dict[str, int]:
     """Bytes of the stage's static state by kind, named like the planner's StageMemory fields:
     params (master weights + one working copy), grads (accumulation buffer + master gradients),
-    optimizer (its state), versions_stash (the working copies beyond the first: 2BW's second,
-    PipeDream's p - s - 1 more)."""
+    optimizer (its state and `compensation`'s, --delay-compensation), versions_stash (the working
+    copies beyond the first: 2BW's second, PipeDream's p - s - 1 more)."""
     copies = versions.working_copies()
     return {
         "params": storage_bytes(versions.master_regions + [copies[0].flat]),
         "grads": storage_bytes(versions.master_grad_regions + [versions.main_grad_buffer]),
-        "optimizer": storage_bytes(optimizer_state_tensors(optimizer)),
+        "optimizer": storage_bytes(optimizer_state_tensors(optimizer) + list(compensation)),
         "versions_stash": storage_bytes([c.flat for c in copies[1:]]),
     }
 

@@ -39,6 +39,7 @@ from megatron_2bw.optim.optimizer import build_torch_optimizer
 from megatron_2bw.planner.memory import estimate_stage_memory
 from megatron_2bw.pipeline.executor import StageExecutor
 from megatron_2bw.pipeline.partition import layer_ranges, stage_recompute
+from megatron_2bw.pipeline.compensation import build_delay_compensation
 from megatron_2bw.pipeline.schedules import VersionRule, stage_actions, stage_receives
 from megatron_2bw.pipeline.update import GradientUpdater, StepResult
 from megatron_2bw.pipeline.weights import WeightVersions
@@ -111,7 +112,8 @@ def build_stage(config: Config, layout: ParallelLayout, device: torch.device, ti
                                   config.training.seed, stage_recompute(config.recompute, stage),
                                   layout.group("context"), device)
     rule = VersionRule(par.pipeline_schedule, par.pipeline_parallel, stage)
-    versions = WeightVersions(model, working_dtype(config), grad_dtype(config), rule=rule)
+    versions = WeightVersions(model, working_dtype(config), grad_dtype(config), rule=rule,
+                              predicted_versions=par.delay_compensation == "predict")
     optimizer = build_optimizer(config, versions.master, versions.names, layout)
     scaler = build_loss_scaler(config.precision)
     train = config.training
@@ -126,6 +128,8 @@ def build_stage(config: Config, layout: ParallelLayout, device: torch.device, ti
         log_params_norm=config.logging.log_params_norm,
         log_num_zeros_in_grad=config.logging.log_num_zeros_in_grad,
         per_token_loss=train.calculate_per_token_loss)
+    updater.compensation = build_delay_compensation(versions, par.delay_compensation,
+                                                    par.delay_compensation_lambda)
     microbatches = train.global_batch_size // (train.micro_batch_size * layout.data_replicas)
     p2p = None
     if par.pipeline_parallel > 1:
@@ -172,7 +176,14 @@ def build_optimizer(config: Config, master_params, names: list[str], layout: Par
 
 def static_tensors(stage: Stage) -> list[torch.Tensor]:
     """Weights, gradient buffers and optimizer state (all allocated when the stage is built)."""
-    return stage.versions.tensors() + optimizer_state_tensors(stage.optimizer)
+    return stage.versions.tensors() + optimizer_state_tensors(stage.optimizer) + \
+        compensation_tensors(stage)
+
+
+def compensation_tensors(stage: Stage) -> list[torch.Tensor]:
+    """--delay-compensation's state (per-shard fp32, like the optimizer's)."""
+    compensation = stage.updater.compensation
+    return compensation.tensors() if compensation is not None else []
 
 
 def startup_memory_report(stage: Stage) -> str:
@@ -185,7 +196,7 @@ def startup_memory_report(stage: Stage) -> str:
     estimate = estimate_stage_memory(model, c.parallel, c.precision, c.recompute,
                                      c.optimizer.optimizer, c.training.micro_batch_size,
                                      stage.microbatches, layout.data, layout.stage)
-    measured = static_breakdown(stage.versions, stage.optimizer)
+    measured = static_breakdown(stage.versions, stage.optimizer, compensation_tensors(stage))
     mib = 2.0 ** 20
     names = {"params": "params", "grads": "grads", "optimizer": "optimizer state",
              "versions_stash": "version stash", "activations": "activations", "workspace": "workspace"}

@@ -201,8 +201,9 @@ def _standalone(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if whole and tensor.is_contiguous() else tensor.clone()
 
 
-def stage_state(stage, master: list[torch.Tensor]) -> dict:
-    """Data-parallel rank 0's file; `master` holds the full fp32 master weights."""
+def stage_state(stage, master: list[torch.Tensor], compensation: dict | None = None) -> dict:
+    """Data-parallel rank 0's file; `master` holds the full fp32 master weights, `compensation`
+    the --delay-compensation state (pipeline/compensation.py), if any."""
     v = stage.versions
     names_of = {id(m): name for name, m in zip(v.names, v.master)}
     versions = {} if v.alias else {
@@ -223,6 +224,7 @@ def stage_state(stage, master: list[torch.Tensor]) -> dict:
         "optimizer": optimizer_state_by_name(stage.optimizer, names_of),
         "loss_scaler": stage.scaler.state_dict(),
         "skipped_steps": stage.applied_steps.skipped,  # the schedules' position (AppliedSteps)
+        "delay_compensation": compensation,
     }
 
 
@@ -241,12 +243,15 @@ def save_checkpoint(stage) -> str:
     c = layout.coords
     writer = layout.rank_of(c.tp, 0, c.pp)  # data-parallel rank 0 writes the stage's file
     master = stage.versions.full_master(dst=writer)  # distributed optimizer: gathered there
+    compensation = stage.updater.compensation
+    compensation = compensation.full_state(dst=writer) if compensation is not None else None
     if hasattr(stage.optimizer, "consolidate_state_dict"):
         stage.optimizer.consolidate_state_dict(to=writer)
     error = None
     try:
         if c.dp == 0:
-            atomic_save(stage_state(stage, master), model_file(root, stage.iteration, c.tp, c.pp))
+            atomic_save(stage_state(stage, master, compensation),
+                        model_file(root, stage.iteration, c.tp, c.pp))
         atomic_save(rng_state_dict(), rng_file(root, stage.iteration, c.tp, c.pp, c.dp))
         if layout.rank == 0:
             write_metadata(root, stage.iteration, stage.consumed_samples, stage.config,
@@ -422,6 +427,8 @@ def load_checkpoint(stage, root: str, iteration: int | None = None) -> dict | No
         if state["loss_scaler"]:  # converted or imported checkpoints may have none
             stage.scaler.load_state_dict(state["loss_scaler"])
         stage.applied_steps.skipped = state.get("skipped_steps", 0)
+        if stage.updater.compensation is not None:
+            stage.updater.compensation.load_state(state.get("delay_compensation"))
     stage.iteration = state["iteration"]
     stage.consumed_samples = state["consumed_samples"]
     _barrier(layout)  # "loaded" only once every rank has

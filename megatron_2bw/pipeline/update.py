@@ -112,6 +112,7 @@ class GradientUpdater:
         self.loss_sums: dict[int, dict[str, float]] = {}
         self.loss_tokens: dict[int, torch.Tensor] = {}  # per_token_loss: batch -> its tokens
         self.overflow_injection = None  # tests: callable(batch) -> bool puts an inf in the gradient
+        self.compensation = None  # --delay-compensation (pipeline/compensation.py), set after sharding
 
     # -- loss scaling --------------------------------------------------------------------------
     def loss_scale_for(self, batch: int) -> float:
@@ -301,6 +302,8 @@ class GradientUpdater:
             if self.stop_on_nonfinite_norm:
                 raise self._nonfinite_norm_error(batch, squared)
             self.scaler.update(True)
+            if self.compensation is not None:
+                self.compensation.skipped_step()
             self._new_version(batch, skipped=True)
             params_norm, _ = self._weight_statistics(None)
             timer and timer.stop()
@@ -316,7 +319,11 @@ class GradientUpdater:
         # Megatron counts the zeros of the unscaled, clipped gradients the optimizer steps with
         zeros = self._zeros_in_grad() if self.log_num_zeros_in_grad else None
         self.versions.prepare_step()
+        if self.compensation is not None:
+            self.compensation.before_step()
         self.optimizer.step()
+        if self.compensation is not None:
+            self.compensation.after_step()
         self.scaler.update(False)
         self._new_version(batch, skipped=False)
         params_norm, num_zeros = self._weight_statistics(zeros)

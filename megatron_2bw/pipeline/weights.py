@@ -147,7 +147,11 @@ class WeightVersions:
     Flush's rule, False for 2BW's)."""
 
     def __init__(self, module: nn.Module, working_dtype: torch.dtype, grad_dtype: torch.dtype,
-                 single_version: bool | None = None, rule: VersionRule | None = None):
+                 single_version: bool | None = None, rule: VersionRule | None = None,
+                 predicted_versions: bool = False):
+        """`predicted_versions`: a new version is filled from `version_source` (weight
+        prediction, pipeline/compensation.py) rather than being the master weights, so the
+        master weights keep a copy of their own also in fp32."""
         if rule is None:
             rule = VersionRule("flush" if single_version in (None, True) else "2bw")
         self.module = module
@@ -176,8 +180,11 @@ class WeightVersions:
             for leaf, (_, p) in zip(first, named):
                 leaf.copy_(p)
         # the working copy the master weights are (fp32: Flush's one copy, 2BW's newest), or None
-        self._master_copy: WorkingCopy | None = first if fp32 else None
-        master_flat = first.flat if fp32 else first.flat.to(torch.float32, copy=True)
+        self._master_copy: WorkingCopy | None = first if fp32 and not predicted_versions else None
+        master_flat = first.flat if self._master_copy is not None else \
+            first.flat.to(torch.float32, copy=True)
+        # (region index, this rank's master region) -> what a new version's part is filled from
+        self.version_source = lambda index, master: master
         master_grad_flat = self.main_grad_buffer if self.alias else \
             self._zeros(self.layout.total, torch.float32)
         self.master_regions = [master_flat[a:b] for a, b in self.layout.owned]
@@ -345,14 +352,14 @@ class WeightVersions:
     @torch.no_grad()
     def _fill_from_master(self, copy: WorkingCopy) -> None:
         if self.sharded:  # every rank contributes its updated part
-            for (start, end), (a, b), master in zip(self.layout.regions, self.layout.owned,
-                                                    self.master_regions):
+            for index, ((start, end), (a, b), master) in enumerate(zip(
+                    self.layout.regions, self.layout.owned, self.master_regions)):
                 source = copy.flat[a:b] if copy is self._master_copy else \
-                    master.to(self.working_dtype)
+                    self.version_source(index, master).to(self.working_dtype)
                 _all_gather(copy.flat[start:end], source, group=self.data_group)
         elif copy is not self._master_copy:  # else it is the master weights
-            for (a, b), master in zip(self.layout.owned, self.master_regions):
-                copy.flat[a:b].copy_(master)
+            for index, ((a, b), master) in enumerate(zip(self.layout.owned, self.master_regions)):
+                copy.flat[a:b].copy_(self.version_source(index, master))
 
     @torch.no_grad()
     def full_master(self, dst: int | None = None) -> list[torch.Tensor] | None:

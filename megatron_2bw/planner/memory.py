@@ -11,8 +11,9 @@ Weights and gradients (pipeline/weights.py, pipeline/update.py):
 - otherwise (fp16/bf16, or fp32 2BW): fp32 master weights 4P, their gradient 4P, a working copy per
   live version (2P or 4P each; 2 versions for 2BW) and the gradient-accumulation buffer (working
   precision, or 4P with fp32 gradients: PrecisionConfig.fp32_gradients).
-- optimizer state: Adam 8P, SGD with momentum 4P. use_distributed_optimizer divides the master
-  weights, master gradients and optimizer state by d.
+- optimizer state: Adam 8P, SGD with momentum 4P, plus 4P for --delay-compensation's delta
+  (pipeline/compensation.py; with predict the master weights are separate also in fp32).
+  use_distributed_optimizer divides the master weights, master gradients and optimizer state by d.
 
 Activations: the bytes one layer stashes per microbatch (`activation_bytes_per_layer`, measured by
 profile.py on the device at hand, else the analytic count below) x layers x microbatches in flight
@@ -346,12 +347,13 @@ def estimate_stage_memory(model: ModelConfig, parallel: ParallelConfig, precisio
     # weights.py: in fp32 the master weights are (part of) a working copy (2BW's newest), and
     # the master gradients the accumulation buffer unless a second version accumulates
     fp32 = e == 4 and g == 4
-    separate_master = not fp32
+    compensated = parallel.delay_compensation != "none"
+    separate_master = not fp32 or parallel.delay_compensation == "predict"
     separate_master_grads = not fp32 or versions > 1
 
     params = e * P + (4 * P / shards if separate_master else 0)
     grads = g * P + (4 * P / shards if separate_master_grads else 0)
-    optimizer_bytes = OPTIMIZER_STATE_BYTES[optimizer] * P / shards
+    optimizer_bytes = (OPTIMIZER_STATE_BYTES[optimizer] + (4 if compensated else 0)) * P / shards
     stash = e * P * (versions - 1)
 
     b = micro_batch_size

@@ -1,0 +1,506 @@
+"""Time to quality of the pipeline schedules: validation loss against samples and against time.
+
+    python benchmarks/convergence.py                    # docs/convergence.json + docs/images/convergence.png
+    python benchmarks/convergence.py --quick --json /tmp/c.json --plot /tmp/c.png   # a smoke run
+
+The same GPT (4 layers, hidden 128, 4 heads, sequence 64, untied output layer, no dropout), the
+same Shakespeare data (tools/prepare_shakespeare.py, examples/quickstart.sh) and seed for every
+schedule, p = 4 stages of one layer each (embeddings on the first, final norm and output layer on
+the last), m = 4 microbatches of 2 per update, AdamW, warm-up then cosine decay to lr/10, clipping.
+
+Loss against samples comes from a single-process simulation of each schedule's update rule: every
+stage's parameters read, for update b, the weight version the rule names, exactly the rules that
+tests/pipeline (test_compensation.py, and the PipeDream reference) prove the multi-process
+executor follows. Nothing here runs a pipeline of processes: on a 2-core machine a 4-process
+pipeline measures core contention, not the schedule. Rules (tau_s = p - 1 - s):
+
+- flush    every batch on the newest weights W(b) (Flush and GPipe: the same arithmetic)
+- 2bw      version max(b-1, 0) on every stage; with --delay-compensation predict or dc
+           (megatron_2bw/pipeline/compensation.py)
+- pipedream  weight stashing: stage s reads version max(b - tau_s, 0) at forward and backward,
+           clipping by each stage's own norm
+- pipemare no stashing: stage s's forward reads version max(b - tau_s, 0), its backward the
+           newest weights W(b) (the weights at backward time, with the forward's activations);
+           T1 divides stage s's rate by tau_s^(1 - min(b/K, 1)); T2 keeps
+           delta_s <- g*delta_s + (1-g)*(W_new - W_old), g = D^(1/tau_s), and the backward reads
+           W(b) - tau_s * delta_s; clipping per stage
+
+Time per sample comes from replaying each schedule's own action lists
+(megatron_2bw.pipeline.schedules.timeline) with per-stage forward, backward and optimizer-step
+durations measured here on this model (one process, one thread, each stage on its own device
+assumed, transfers free): a throughput model of the schedules, not a measurement of a pipeline.
+PipeDream and PipeMare run 2BW's never-drained 1F1B order, so they take 2BW's action lists.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_2bw.config import ModelConfig, OptimizerConfig, TrainingConfig  # noqa: E402
+from megatron_2bw.data.indexed import IndexedDataset  # noqa: E402
+from megatron_2bw.models import build_stage_model  # noqa: E402
+from megatron_2bw.optim.lr_schedule import apply_schedule  # noqa: E402
+from megatron_2bw.optim.optimizer import build_torch_optimizer  # noqa: E402
+from megatron_2bw.pipeline import schedules as S  # noqa: E402
+from megatron_2bw.pipeline.compensation import DC_DEFAULT_LAMBDA  # noqa: E402
+
+STAGES, MICROBATCHES, MICRO_BATCH = 4, 4, 2
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One schedule's update rule, as the simulation applies it."""
+    name: str
+    schedule: str  # whose action lists time it
+    delay: str = "none"  # "none" | "uniform" (2BW) | "stage" (tau_s)
+    stashing: bool = True  # False: the backward reads the newest weights (PipeMare)
+    compensation: str = "none"  # 2BW: "none" | "predict" | "dc"
+    per_stage_clip: bool = False
+    lr_warmup_iters: int = 0  # PipeMare T1's K (0: off)
+    discrepancy_decay: float = 0.0  # PipeMare T2's D (0: off)
+    dc_lambda: float = DC_DEFAULT_LAMBDA
+
+
+RULES = [
+    Rule("flush", "flush"),
+    Rule("2bw", "2bw", delay="uniform"),
+    Rule("2bw-predict", "2bw", delay="uniform", compensation="predict"),
+    Rule("2bw-dc", "2bw", delay="uniform", compensation="dc"),
+    Rule("pipedream", "2bw", delay="stage", per_stage_clip=True),
+    Rule("pipemare", "2bw", delay="stage", stashing=False, per_stage_clip=True),
+    Rule("pipemare-t1-t2", "2bw", delay="stage", stashing=False, per_stage_clip=True,
+         lr_warmup_iters=100, discrepancy_decay=0.9),
+]
+# schedules timed: GPipe shares Flush's arithmetic, not its time
+TIMED = {"flush": "flush", "gpipe": "gpipe", "2bw": "2bw"}
+
+
+@dataclass
+class Study:
+    data_dir: str = "data/shakespeare"
+    iterations: int = 150
+    warmup: int = 15
+    lrs: tuple = (1e-3, 2e-3, 5e-4)
+    eval_interval: int = 25
+    eval_sequences: int = 32
+    seed: int = 1234
+    rules: list = field(default_factory=lambda: list(RULES))
+
+
+def model_config(vocab_size: int) -> ModelConfig:
+    return ModelConfig(num_layers=4, hidden_size=128, num_attention_heads=4, seq_length=64,
+                       max_position_embeddings=64, vocab_size=vocab_size,
+                       make_vocab_size_divisible_by=128, hidden_dropout=0.0,
+                       attention_dropout=0.0, untie_embeddings_and_output_weights=True)
+
+
+# -- data ----------------------------------------------------------------------------------------
+
+class Windows:
+    """Sequences of seq+1 tokens: training ones drawn at random positions of the training split
+    (one fixed stream per seed), validation ones evenly spaced over the held-out plays."""
+
+    def __init__(self, data_dir: str, seq_length: int, seed: int, eval_sequences: int):
+        def tokens(split):
+            indexed = IndexedDataset(os.path.join(data_dir, f"{split}_text_document"))
+            return np.concatenate([indexed[i] for i in range(len(indexed))]).astype(np.int64)
+        self.train, valid = tokens("train"), tokens("valid")
+        self.length = seq_length + 1
+        self.rng = np.random.RandomState(seed)
+        starts = np.linspace(0, len(valid) - self.length, eval_sequences).astype(np.int64)
+        self.valid = torch.from_numpy(np.stack([valid[s:s + self.length] for s in starts]))
+        self.vocab_size = int(max(self.train.max(), valid.max())) + 1
+
+    def batches(self, iterations: int) -> list[list[torch.Tensor]]:
+        """Every update's microbatches, drawn up front: the same for every rule."""
+        starts = self.rng.randint(0, len(self.train) - self.length,
+                                  size=(iterations, MICROBATCHES, MICRO_BATCH))
+        return [[torch.from_numpy(np.stack([self.train[s:s + self.length] for s in micro]))
+                 for micro in update] for update in starts]
+
+
+# -- the simulation ------------------------------------------------------------------------------
+
+def stage_of_parameter(name: str, num_layers: int) -> int:
+    if name.startswith("embedding."):
+        return 0
+    if name.startswith("transformer.layers."):
+        return int(name.split(".")[2]) * STAGES // num_layers
+    return STAGES - 1  # final norm, output layer
+
+
+def loss_of(model, tokens: torch.Tensor) -> torch.Tensor:
+    return model(None, {"tokens": tokens})[0]
+
+
+@torch.no_grad()
+def validation_loss(model, windows: Windows) -> float:
+    model.eval()
+    loss = float(sum(loss_of(model, chunk) for chunk in windows.valid.split(16))
+                 / len(windows.valid.split(16)))
+    model.train()
+    return loss
+
+
+class Simulation:
+    """One rule at one learning rate: per-stage optimizers over the master weights W(b), the
+    recent versions, and the rule's extra state (2BW's delta, PipeMare's discrepancy)."""
+
+    def __init__(self, rule: Rule, lr: float, study: Study, model_cfg: ModelConfig,
+                 opt: OptimizerConfig | None = None):
+        """`opt`: the optimizer and rate schedule (default: the study's, peak rate `lr`)."""
+        self.rule, self.study = rule, study
+        torch.manual_seed(study.seed)
+        self.model = build_stage_model(model_cfg, None, 1, range(model_cfg.num_layers), True, True,
+                                       study.seed)
+        named = list(self.model.named_parameters())
+        self.stage = [stage_of_parameter(n, model_cfg.num_layers) for n, _ in named]
+        self.master = [p.detach().clone().requires_grad_() for _, p in named]
+        self.opt = opt or OptimizerConfig(optimizer="adam", lr=lr, min_lr=lr / 10,
+                                          lr_warmup_iters=study.warmup, lr_decay_style="cosine",
+                                          weight_decay=0.1, clip_grad=1.0)
+        self.train = TrainingConfig(train_iters=study.iterations)
+        self.optimizers = []
+        for s in range(STAGES):
+            params = [(n, m) for (n, _), m, st in zip(named, self.master, self.stage) if st == s]
+            self.optimizers.append(build_torch_optimizer([m for _, m in params], self.opt,
+                                                         [n for n, _ in params]))
+        self.history = [[m.detach().clone() for m in self.master]]  # W(b-window) .. W(b)
+        self.first_version = 0  # the version history[0] holds
+        self.delta = [torch.zeros_like(m) for m in self.master]  # 2BW's W(b)-W(b-1); T2's EMA
+
+    def tau(self, s: int) -> int:
+        return {"none": 0, "uniform": 1, "stage": STAGES - 1 - s}[self.rule.delay]
+
+    def weights(self, version: int) -> list[torch.Tensor]:
+        return self.history[version - self.first_version]
+
+    def forward_weights(self, b: int) -> list[torch.Tensor]:
+        out = []
+        for i, s in enumerate(self.stage):
+            v = max(b - self.tau(s), 0)
+            w = self.weights(v)[i]
+            if self.rule.compensation == "predict" and v > 0:
+                w = w + self.tau(s) * (w - self.weights(v - 1)[i])
+            out.append(w)
+        return out
+
+    def backward_weights(self, b: int) -> list[torch.Tensor]:
+        """PipeMare: the newest weights, T2 predicts them back to forward time."""
+        return [m.detach() - self.tau(s) * d if self.rule.discrepancy_decay > 0 else m.detach()
+                for m, d, s in zip(self.master, self.delta, self.stage)]
+
+    def step(self, b: int, microbatches: list[torch.Tensor]) -> float:
+        rule = self.rule
+        with torch.no_grad():
+            for p, w in zip(self.model.parameters(), self.forward_weights(b)):
+                p.copy_(w)
+        self.model.zero_grad()
+        loss = sum(loss_of(self.model, tokens) for tokens in microbatches) / len(microbatches)
+        if not rule.stashing:  # autograd reads the weights' storage at backward time
+            with torch.no_grad():
+                for p, w in zip(self.model.parameters(), self.backward_weights(b)):
+                    p.data.copy_(w)
+        loss.backward()
+        grads = [p.grad.detach().clone() for p in self.model.parameters()]
+        groups = [[i for i, s in enumerate(self.stage) if s == st] for st in range(STAGES)] \
+            if rule.per_stage_clip else [list(range(len(grads)))]
+        for group in groups:
+            norm = math.sqrt(sum(float(grads[i].pow(2).sum()) for i in group))
+            if 0 < self.opt.clip_grad < norm:
+                for i in group:
+                    grads[i] = grads[i] * (self.opt.clip_grad / (norm + 1e-6))
+        if rule.compensation == "dc":
+            grads = [g + rule.dc_lambda * g * g * d for g, d in zip(grads, self.delta)]
+        old = [m.detach().clone() for m in self.master]
+        for s, optimizer in enumerate(self.optimizers):
+            apply_schedule(optimizer.param_groups, b, self.opt, self.train)
+            if rule.lr_warmup_iters and self.tau(s) >= 1:  # T1
+                exponent = 1.0 - min(b / rule.lr_warmup_iters, 1.0)
+                for group in optimizer.param_groups:
+                    group["lr"] /= self.tau(s) ** exponent
+        for m, g in zip(self.master, grads):
+            m.grad = g
+        for optimizer in self.optimizers:
+            optimizer.step()
+        with torch.no_grad():
+            for i, (m, w_old) in enumerate(zip(self.master, old)):
+                change = m - w_old
+                if rule.discrepancy_decay > 0:  # T2's moving average of the updates
+                    tau = self.tau(self.stage[i])
+                    gamma = rule.discrepancy_decay ** (1.0 / tau) if tau >= 1 else 0.0
+                    self.delta[i].mul_(gamma).add_(change, alpha=1.0 - gamma)
+                else:
+                    self.delta[i] = change
+        self.history.append([m.detach().clone() for m in self.master])
+        keep = STAGES + 1
+        if len(self.history) > keep:
+            self.history = self.history[-keep:]
+            self.first_version = b + 2 - keep
+        return float(loss.detach())
+
+
+def run_rule(rule: Rule, lr: float, study: Study, windows: Windows, batches) -> dict:
+    sim = Simulation(rule, lr, study, model_config(windows.vocab_size))
+    samples_per_update = MICROBATCHES * MICRO_BATCH
+    curve = [(0, validation_loss(sim.model, windows))]
+    for b in range(study.iterations):
+        train_loss = sim.step(b, batches[b])
+        if not math.isfinite(train_loss):
+            curve.append(((b + 1) * samples_per_update, float("nan")))
+            break
+        if (b + 1) % study.eval_interval == 0 or b + 1 == study.iterations:
+            with torch.no_grad():
+                for p, m in zip(sim.model.parameters(), sim.master):
+                    p.copy_(m)
+            curve.append(((b + 1) * samples_per_update, validation_loss(sim.model, windows)))
+    return {"rule": rule.name, "lr": lr, "curve": curve}
+
+
+# -- time per sample -----------------------------------------------------------------------------
+
+def measure_stage_costs(study: Study, model_cfg: ModelConfig, windows: Windows,
+                        repeats: int = 5) -> dict:
+    """Median seconds of one microbatch's forward and backward on each stage, and of each stage's
+    optimizer step, measured on the whole model by timing the stages' parts in one process."""
+    torch.manual_seed(study.seed)
+    stage_models = [build_stage_model(model_cfg, None, 1, range(s, s + 1), s == 0,
+                                      s == STAGES - 1, study.seed) for s in range(STAGES)]
+    tokens = torch.from_numpy(np.stack([windows.train[i * 65:i * 65 + 65]
+                                        for i in range(MICRO_BATCH)]))
+    batch = {"tokens": tokens}
+    forward = [[] for _ in range(STAGES)]
+    backward = [[] for _ in range(STAGES)]
+    step = [[] for _ in range(STAGES)]
+    opt = OptimizerConfig(optimizer="adam", lr=1e-4)
+    optimizers = [build_torch_optimizer(list(m.parameters()), opt) for m in stage_models]
+    for _ in range(repeats + 1):
+        hidden = None
+        outputs = []
+        for s, model in enumerate(stage_models):
+            inputs = None if hidden is None else hidden.detach().requires_grad_()
+            start = time.perf_counter()
+            out = model(inputs, batch)
+            forward[s].append(time.perf_counter() - start)
+            outputs.append((inputs, out))
+            hidden = out if s < STAGES - 1 else None
+        grad = None
+        for s in reversed(range(STAGES)):
+            inputs, out = outputs[s]
+            start = time.perf_counter()
+            if s == STAGES - 1:
+                out[0].backward()
+            else:
+                torch.autograd.backward(out, grad)
+            backward[s].append(time.perf_counter() - start)
+            grad = None if inputs is None else inputs.grad
+        for s, optimizer in enumerate(optimizers):
+            start = time.perf_counter()
+            optimizer.step()
+            step[s].append(time.perf_counter() - start)
+            optimizer.zero_grad()
+    median = lambda xs: statistics.median(xs[1:])  # noqa: E731 - the first round warms up
+    return {"forward_s": [median(x) for x in forward], "backward_s": [median(x) for x in backward],
+            "step_s": [median(x) for x in step]}
+
+
+def seconds_per_update(schedule: str, costs: dict) -> float:
+    """Steady-state time of one update from the schedule's own action lists: the replayed
+    makespan of 16 batches less that of 8, over 8."""
+    def duration(stage: int, action: S.Action) -> float:
+        if action.kind == S.FORWARD:
+            return costs["forward_s"][stage]
+        if action.kind == S.BACKWARD:
+            return costs["backward_s"][stage]
+        if action.kind == S.STEP:
+            return costs["step_s"][stage]
+        return 0.0
+
+    def makespan(batches: int) -> float:
+        timed = S.timeline(S.build_schedule(schedule, STAGES, MICROBATCHES, batches), duration)
+        return max(t.end for stage in timed for t in stage)
+    return (makespan(16) - makespan(8)) / 8
+
+
+# -- analysis ------------------------------------------------------------------------------------
+
+def final_loss(curve) -> float:
+    return curve[-1][1]
+
+
+def best_runs(runs: list[dict]) -> dict[str, dict]:
+    """Per rule, the run with the lowest final validation loss (NaN loses)."""
+    best = {}
+    for run in runs:
+        loss = final_loss(run["curve"])
+        key = run["rule"]
+        if math.isfinite(loss) and (key not in best or loss < final_loss(best[key]["curve"])):
+            best[key] = run
+    return best
+
+
+def samples_to_reach(curve, target: float) -> float | None:
+    """Samples at which the curve first reaches `target` (linear between evaluations)."""
+    for (s0, l0), (s1, l1) in zip(curve, curve[1:]):
+        if l1 <= target:
+            return s1 if l0 == l1 else s0 + (s1 - s0) * (l0 - target) / (l0 - l1)
+    return None
+
+
+def summarize(runs: list[dict], time_per_sample: dict[str, float], study: Study) -> dict:
+    by_rule_lr = {(r["rule"], r["lr"]): r for r in runs}
+    best = best_runs(runs)
+    flush = best["flush"]
+    flush_lr, target = flush["lr"], final_loss(flush["curve"])
+    rows = []
+    for rule in study.rules:
+        for timing in ([rule.name] if rule.name != "flush" else ["flush", "gpipe"]):
+            seconds = time_per_sample["gpipe" if timing == "gpipe" else rule.schedule]
+            at_flush_lr = by_rule_lr.get((rule.name, flush_lr))
+            own = best.get(rule.name)
+            reach = samples_to_reach(own["curve"], target) if own else None
+            rows.append({
+                "schedule": timing, "best_lr": own["lr"] if own else None,
+                "final_loss_best_lr": final_loss(own["curve"]) if own else None,
+                "final_loss_at_flush_lr": final_loss(at_flush_lr["curve"]) if at_flush_lr else None,
+                "gap_at_flush_lr": (final_loss(at_flush_lr["curve"]) / target - 1.0)
+                if at_flush_lr else None,
+                "samples_to_flush_final": reach,
+                "seconds_to_flush_final": reach * seconds if reach is not None else None,
+                "seconds_per_sample": seconds,
+            })
+    return {"flush_best_lr": flush_lr, "flush_final_loss": target, "table": rows}
+
+
+def render_markdown(result: dict) -> str:
+    lines = ["| schedule | best lr | final loss (best lr) | final loss at Flush's lr | vs Flush "
+             "| samples to Flush's final | modelled s to Flush's final | modelled s/sample |",
+             "|---|---|---|---|---|---|---|---|"]
+    fmt = lambda x, f: "-" if x is None or (isinstance(x, float) and not math.isfinite(x)) \
+        else format(x, f)  # noqa: E731
+    for row in result["summary"]["table"]:
+        lines.append(f"| {row['schedule']} | {fmt(row['best_lr'], 'g')} "
+                     f"| {fmt(row['final_loss_best_lr'], '.3f')} "
+                     f"| {fmt(row['final_loss_at_flush_lr'], '.3f')} "
+                     f"| {fmt(row['gap_at_flush_lr'] and 100 * row['gap_at_flush_lr'], '+.1f')}% "
+                     f"| {fmt(row['samples_to_flush_final'], '.0f')} "
+                     f"| {fmt(row['seconds_to_flush_final'], '.1f')} "
+                     f"| {fmt(row['seconds_per_sample'] * 1e3, '.2f')} ms |")
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    best = best_runs(result["runs"])
+    seconds = {row["schedule"]: row["seconds_per_sample"] for row in result["summary"]["table"]}
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
+    for name, run in best.items():
+        samples = [s for s, _ in run["curve"]]
+        losses = [loss for _, loss in run["curve"]]
+        label = f"{name} (lr {run['lr']:g})"
+        left.plot(samples, losses, label=label)
+        timings = ["flush", "gpipe"] if name == "flush" else [name]
+        for timing in timings:
+            right.plot([s * seconds[timing] for s in samples], losses,
+                       label=f"{timing} (lr {run['lr']:g})",
+                       linestyle="--" if timing == "gpipe" else "-")
+    for axis, xlabel in ((left, "samples"), (right, "modelled seconds (p = 4, replayed schedule)")):
+        axis.set_xlabel(xlabel)
+        axis.set_ylabel("validation loss")
+        axis.set_ylim(top=min(8.5, axis.get_ylim()[1]))
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=8)
+    left.set_title("validation loss vs samples (each schedule's best lr)")
+    right.set_title("validation loss vs time")
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def run_study(study: Study, json_path: str | None = None) -> dict:
+    """Every rule at every rate, rate by rate (the comparison at one rate completes first). With
+    `json_path`, the result so far is written after each run and runs already there are kept."""
+    torch.set_num_threads(1)
+    windows = Windows(study.data_dir, 64, study.seed, study.eval_sequences)
+    batches = windows.batches(study.iterations)
+    setup = {"iterations": study.iterations, "warmup": study.warmup, "lrs": list(study.lrs),
+             "stages": STAGES, "microbatches": MICROBATCHES, "micro_batch_size": MICRO_BATCH,
+             "seed": study.seed, "eval_sequences": study.eval_sequences,
+             "rules": [r.__dict__ for r in study.rules]}
+    result = {"setup": setup, "runs": []}
+    if json_path and os.path.exists(json_path):
+        with open(json_path) as f:
+            saved = json.load(f)
+        if saved.get("setup") == setup:
+            result = saved
+    if "stage_costs" not in result:
+        costs = measure_stage_costs(study, model_config(windows.vocab_size), windows)
+        result["stage_costs"] = costs
+        result["time_per_sample_s"] = {
+            name: seconds_per_update(schedule, costs) / (MICROBATCHES * MICRO_BATCH)
+            for name, schedule in TIMED.items()}
+    done = {(r["rule"], r["lr"]) for r in result["runs"]}
+    for lr in study.lrs:
+        for rule in study.rules:
+            if (rule.name, lr) in done:
+                continue
+            start = time.perf_counter()
+            run = run_rule(rule, lr, study, windows, batches)
+            run["wall_s"] = time.perf_counter() - start
+            result["runs"].append(run)
+            print(f"{rule.name:16s} lr {lr:g}: final validation loss "
+                  f"{final_loss(run['curve']):.4f} ({run['wall_s']:.0f} s)", flush=True)
+            if json_path:
+                write_json(result, json_path)
+    result["summary"] = summarize(result["runs"], result["time_per_sample_s"], study)
+    return result
+
+
+def write_json(result: dict, path: str) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(result, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--data-dir", default="data/shakespeare")
+    parser.add_argument("--iterations", type=int, default=150)
+    parser.add_argument("--lrs", type=float, nargs="+", default=[1e-3, 2e-3, 5e-4],
+                        help="peak rates, run in this order (each rate for every schedule)")
+    parser.add_argument("--quick", action="store_true",
+                        help="a few iterations at one rate (a smoke test of the whole path)")
+    parser.add_argument("--json", default="docs/convergence.json")
+    parser.add_argument("--plot", default="docs/images/convergence.png")
+    args = parser.parse_args(argv)
+    study = Study(data_dir=args.data_dir, iterations=args.iterations, lrs=tuple(args.lrs))
+    if args.quick:
+        study = replace(study, iterations=4, warmup=1, lrs=(1e-3,), eval_interval=2,
+                        eval_sequences=4)
+    if not os.path.exists(os.path.join(study.data_dir, "train_text_document.idx")):
+        print(f"convergence.py: error: no prepared data in {study.data_dir}: run "
+              f"examples/quickstart.sh's data steps (tools/prepare_shakespeare.py, "
+              f"tools/train_tokenizer.py, tools/preprocess_data.py) first", file=sys.stderr)
+        sys.exit(2)
+    result = run_study(study, args.json)
+    write_json(result, args.json)
+    plot(result, args.plot)
+    print(render_markdown(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""benchmarks/convergence.py: its simulated 2BW rules (none, predict, dc) and PipeDream's equal the
+references that the multi-process runs are checked against (tests/pipeline/compensation_reference.py,
+tests/pipeline/reference.py), and its quick mode writes the result, the table and the picture."""
+import json
+
+import numpy as np
+import pytest
+
+from megatron_2bw.data.indexed import IndexedDatasetBuilder
+from megatron_2bw.distributed.layout import ParallelLayout
+from tests.benchmarks import load_benchmark
+from tests.pipeline.compensation_reference import compensated_reference
+from tests.pipeline.harness import gpt_feed, max_difference, tiny_config
+from tests.pipeline.reference import per_stage_delay_reference
+
+convergence = load_benchmark("convergence")
+
+
+@pytest.mark.parametrize("mode", ["none", "predict", "dc"])
+def test_the_simulated_2bw_rules_equal_the_reference(mode):
+    config = tiny_config(optimizer="adam", lr=0.01, clip=0.5)
+    config.optimizer.weight_decay = 0.0  # the reference puts every parameter in one group
+    feed = gpt_feed(config, ParallelLayout(1, 1, 1))
+    rule = convergence.Rule("2bw", "2bw", delay="uniform", compensation=mode, dc_lambda=5000.0)
+    sim = convergence.Simulation(rule, 0.01, convergence.Study(), config.model, config.optimizer)
+    for b in range(5):
+        sim.step(b, [feed(b * 4 + j)["tokens"] for j in range(4)])
+    names = [n for n, _ in sim.model.named_parameters()]
+    simulated = {n: m.detach() for n, m in zip(names, sim.master)}
+    expected = compensated_reference(config, 5, feed, 4, mode, dc_lambda=5000.0)
+    assert max_difference(simulated, expected, config.model.vocab_size) < 1e-5
+
+
+def test_the_simulated_pipedream_rule_equals_the_per_stage_delay_reference():
+    config = tiny_config(optimizer="adam", lr=0.01, clip=0.5,
+                         untie_embeddings_and_output_weights=True)
+    config.optimizer.weight_decay = 0.0
+    feed = gpt_feed(config, ParallelLayout(1, 1, 1))
+    rule = next(r for r in convergence.RULES if r.name == "pipedream")
+    sim = convergence.Simulation(rule, 0.01, convergence.Study(), config.model, config.optimizer)
+    for b in range(6):
+        sim.step(b, [feed(b * 4 + j)["tokens"] for j in range(4)])
+    simulated = {n: m.detach() for (n, _), m in zip(sim.model.named_parameters(), sim.master)}
+    expected = per_stage_delay_reference(config, 6, feed, 4, "pipedream", 4, clip="stage")
+    assert max_difference(simulated, expected, config.model.vocab_size) < 1e-5
+    assert max_difference(simulated, per_stage_delay_reference(config, 6, feed, 4, "2bw", 4),
+                          config.model.vocab_size) > 1e-4
+
+
+def test_quick_mode_writes_the_result_and_the_picture(tmp_path, capsys):
+    """Every rule runs through the whole path (simulation, timing replay, summary, plot) on a
+    small generated corpus standing in for the prepared Shakespeare data."""
+    rng = np.random.RandomState(0)
+    for split, documents in (("train", 4), ("valid", 2)):
+        builder = IndexedDatasetBuilder(str(tmp_path / f"{split}_text_document"), np.uint16)
+        for _ in range(documents):
+            tokens = rng.randint(0, 256, size=2000)
+            builder.add_document(tokens, [len(tokens)])
+        builder.finalize()
+    out = tmp_path / "convergence.json"
+    convergence.main(["--quick", "--data-dir", str(tmp_path), "--json", str(out),
+                      "--plot", str(tmp_path / "convergence.png")])
+    result = json.loads(out.read_text())
+    assert {r["rule"] for r in result["runs"]} == {r.name for r in convergence.RULES}
+    assert all(len(r["curve"]) == 3 for r in result["runs"])  # before, after 2 and 4 updates
+    seconds = result["time_per_sample_s"]
+    # the flushed schedules fill and drain every batch, 2BW once per segment
+    assert min(seconds["gpipe"], seconds["flush"]) > seconds["2bw"] > 0
+    assert (tmp_path / "convergence.png").stat().st_size > 0
+    assert "| 2bw-predict |" in capsys.readouterr().out
+
+
+def test_missing_data_is_one_line_and_exit_2(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        convergence.main(["--quick", "--data-dir", str(tmp_path / "none")])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.count("\n") == 1
