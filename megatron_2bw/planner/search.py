@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from tqdm import tqdm
 
 from megatron_2bw.config import Config, ModelConfig, ParallelConfig, PrecisionConfig, RecomputeConfig
-from megatron_2bw.pipeline.schedules import SCHEDULES
+from megatron_2bw.pipeline.schedules import SCHEDULES, VersionRule
 
 # what --pipeline-schedule offers (PipeDream's vertical sync is a flag of its own, not planned)
 PLANNED_SCHEDULES = tuple(s for s in SCHEDULES if s != "pipedream-vs")
@@ -300,7 +300,8 @@ class _Planner:
             if shape not in self._schedules:
                 self._schedules[shape] = compiled_schedule(*shape[:3], SIMULATED_BATCHES,
                                                            c.chunks)
-            result = simulate(self._schedules[shape], item.durations, sharing=item.sharing)
+            result = simulate(self._schedules[shape], item.durations, sharing=item.sharing,
+                              stage_local_steps=not VersionRule(*shape[:2]).global_step_decisions)
             seconds, bubble = result.time_per_batch, result.bubble_fraction
             breakdown, bottleneck = result.breakdown, result.bottleneck
         else:

@@ -197,14 +197,21 @@ def test_validator_rejects_too_many_live_pipedream_versions():
         S.validate(no_release, "pipedream", 1)
 
 
+def _moved_after(stage_list, moved, anchor):
+    """`stage_list` with the first action matching `moved` put right after the first matching
+    `anchor`, and the anchor's position."""
+    result = list(stage_list)
+    action = result.pop(next(i for i, a in enumerate(result) if moved(a)))
+    position = next(i for i, a in enumerate(result) if anchor(a))
+    result.insert(position + 1, action)
+    return result, position
+
+
 def test_validator_rejects_gradient_buffer_misuse():
     actions = S.build_schedule("2bw", 2, 2, 3)
     # the reduce of batch 0 moved after batch 1's first backward on stage 1
-    stage1 = list(actions[1])
-    reduce0 = next(i for i, a in enumerate(stage1) if a.kind == S.REDUCE_GRADS and a.batch == 0)
-    action = stage1.pop(reduce0)
-    first_b1 = next(i for i, a in enumerate(stage1) if a.kind == S.BACKWARD and a.microbatch == 2)
-    stage1.insert(first_b1 + 1, action)
+    stage1, first_b1 = _moved_after(actions[1], lambda a: a.kind == S.REDUCE_GRADS and a.batch == 0,
+                                    lambda a: a.kind == S.BACKWARD and a.microbatch == 2)
     with pytest.raises(S.ScheduleError, match=rf"stage 1, action {first_b1} \(B2@v0\): gradient "
                                               rf"buffer: backward of batch 1 writes the buffer "
                                               rf"before batch 0's gradients were reduced"):
@@ -212,11 +219,8 @@ def test_validator_rejects_gradient_buffer_misuse():
     # with m = 4 PipeDream's first stage needs version 1 only at batch 4, so its step of batch 0
     # could slide: moved after the reduce of batch 1, it would lose batch 0's gradients
     pipedream = S.build_schedule("pipedream", 4, 4, 6)
-    stage0 = list(pipedream[0])
-    step0 = next(i for i, a in enumerate(stage0) if a.kind == S.STEP and a.batch == 0)
-    action = stage0.pop(step0)
-    reduce1 = next(i for i, a in enumerate(stage0) if a.kind == S.REDUCE_GRADS and a.batch == 1)
-    stage0.insert(reduce1 + 1, action)
+    stage0, reduce1 = _moved_after(pipedream[0], lambda a: a.kind == S.STEP and a.batch == 0,
+                                   lambda a: a.kind == S.REDUCE_GRADS and a.batch == 1)
     with pytest.raises(S.ScheduleError, match=rf"stage 0, action {reduce1} \(reduce_grads\(b1\)\): "
                                               rf"gradient buffer: batch 1's reduction reuses the "
                                               rf"master gradients before batch 0's step"):
