@@ -1,5 +1,6 @@
 """The peers of the throughput benchmark: the same GPT, data and batch trained on 2 pipeline stages by
-torch.distributed.pipelining (Schedule1F1B, ScheduleGPipe) and by DeepSpeed's PipelineEngine.
+torch.distributed.pipelining (Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B with two model
+chunks per rank, ScheduleInterleavedZeroBubble with one: ZB-H1) and by DeepSpeed's PipelineEngine.
 
 The peers cannot run megatron_2bw's modules inside their runtimes as-is, so the model is rebuilt from
 plain torch.nn modules computing the same function (pre-LayerNorm blocks, fused qkv rows ordered
@@ -143,28 +144,49 @@ def build_optimizer(module: nn.Module, workload):
 
 # -- torch.distributed.pipelining ----------------------------------------------------------------
 
+# schedule name -> (torch.distributed.pipelining class, model chunks per rank)
+TORCH_SCHEDULES = {"1f1b": ("Schedule1F1B", 1), "gpipe": ("ScheduleGPipe", 1),
+                   "interleaved_1f1b": ("ScheduleInterleaved1F1B", 2),
+                   "zero_bubble": ("ScheduleInterleavedZeroBubble", 1)}
+
+
 class TorchPipeliningTrainer:
-    """Schedule1F1B or ScheduleGPipe on 2 stages. torch pipelining keeps no tied weights across
-    stages, so the embedding/head gradients are summed and the gradients clipped over both stages
-    by hand here, as megatron_2bw and DeepSpeed do."""
+    """A torch.distributed.pipelining schedule on 2 ranks (TORCH_SCHEDULES). With chunks, chunk c of
+    rank r is virtual stage c * 2 + r of equal layer counts, as in our interleaved schedule. torch
+    pipelining keeps no tied weights across stages, so the embedding/head gradients are summed and
+    the gradients clipped over both ranks by hand here, as megatron_2bw and DeepSpeed do."""
 
     def __init__(self, workload, split: list[int], rank: int, world: int, schedule_name: str,
                  device: torch.device):
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+        from torch.distributed import pipelining
         config = workload.model
         self.workload, self.rank, self.device = workload, rank, device
         self.first, self.last = rank == 0, rank == world - 1
-        start = sum(split[:rank])
-        self.module = PlainGPTStage(config, range(start, start + split[rank]), self.first,
-                                    self.last, self.last).to(device)
-        load_weights(self.module, megatron_weights(config, workload.seed))
+        class_name, chunks = TORCH_SCHEDULES[schedule_name]
+        if chunks == 1:
+            start = sum(split[:rank])
+            layers = [range(start, start + split[rank])]
+        else:
+            per_chunk = config.num_layers // (world * chunks)
+            layers = [range((c * world + rank) * per_chunk, (c * world + rank + 1) * per_chunk)
+                      for c in range(chunks)]
+        chunk_modules = [PlainGPTStage(config, layers[c], self.first and c == 0,
+                                       self.last and c == chunks - 1, self.last and c == chunks - 1)
+                         for c in range(chunks)]
+        self.module = nn.ModuleList(chunk_modules).to(device)
+        weights = megatron_weights(config, workload.seed)
+        for chunk in chunk_modules:
+            load_weights(chunk, weights)
         self.optimizer = build_optimizer(self.module, workload)
-        stage = PipelineStage(self.module, rank, world, device)
-        schedule_class = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[schedule_name]
+        stages = [pipelining.PipelineStage(chunk, c * world + rank, world * chunks, device)
+                  for c, chunk in enumerate(chunk_modules)]
+        schedule_class = getattr(pipelining, class_name)
         # loss_fn on every rank: a rank without it waits forever in shape inference
-        self.schedule = schedule_class(stage, workload.microbatches, loss_fn=language_model_loss)
-        self.tied = (self.module.embedding.word_embeddings.weight if self.first
-                     else self.module.output_embedding)
+        self.schedule = schedule_class(stages if class_name.startswith("ScheduleInterleaved")
+                                       else stages[0], workload.microbatches,
+                                       loss_fn=language_model_loss)
+        self.tied = (chunk_modules[0].embedding.word_embeddings.weight if self.first
+                     else chunk_modules[-1].output_embedding)
         self.first_loss: float | None = None
         self.batch_ends: dict[int, float] = {}
 

@@ -1,7 +1,10 @@
 """Pipeline throughput: one GPT, one data stream, one global batch, trained in one invocation by
 - one process (megatron_2bw, no pipeline), and on 2 processes by
-- megatron_2bw's GPipe, PipeDream-Flush and PipeDream-2BW schedules (build_stage + run_segment), and
-- the peers: torch.distributed.pipelining Schedule1F1B / ScheduleGPipe and DeepSpeed's PipelineEngine.
+- megatron_2bw's GPipe, PipeDream-Flush, PipeDream-2BW, ZB-H1 and interleaved 1F1B (two chunks per
+  rank) schedules (build_stage + run_segment), and
+- the peers: torch.distributed.pipelining Schedule1F1B / ScheduleGPipe / ScheduleInterleaved1F1B
+  (two chunks per rank) / ScheduleInterleavedZeroBubble (one chunk per rank: ZB-H1) and DeepSpeed's
+  PipelineEngine.
 
     python benchmarks/pipeline_throughput.py --repeats 3 --json results.json --plot throughput.png
 
@@ -75,11 +78,17 @@ RUNS = {
     "flush": (STAGES, "megatron_2bw PipeDream-Flush"),
     "2bw": (STAGES, "megatron_2bw PipeDream-2BW"),
     "pipedream": (STAGES, "megatron_2bw PipeDream (weight stashing)"),
+    "zb-h1": (STAGES, "megatron_2bw ZB-H1 (backward split into B and W)"),
+    "interleaved": (STAGES, "megatron_2bw interleaved 1F1B, 2 chunks per rank"),
     "torch_1f1b": (STAGES, "torch.distributed.pipelining Schedule1F1B"),
     "torch_gpipe": (STAGES, "torch.distributed.pipelining ScheduleGPipe"),
+    "torch_interleaved_1f1b": (STAGES, "torch.distributed.pipelining ScheduleInterleaved1F1B, "
+                                       "2 chunks per rank"),
+    "torch_zero_bubble": (STAGES, "torch.distributed.pipelining ScheduleInterleavedZeroBubble, "
+                                  "1 chunk per rank (ZB-H1)"),
     "deepspeed": (STAGES, "DeepSpeed PipelineEngine (1F1B)"),
 }
-OURS = ("one_process", "gpipe", "flush", "2bw", "pipedream")
+OURS = ("one_process", "gpipe", "flush", "2bw", "pipedream", "zb-h1", "interleaved")
 
 
 @dataclass
@@ -112,9 +121,12 @@ class Workload:
                             for i in range(start, start + self.global_batch)])
 
     def config(self, stages: int, schedule: str | None, split: list[int] | None) -> Config:
+        chunked = schedule == "interleaved"  # two chunks per rank, even layers (no split)
         return Config(model=self.model,
                       parallel=ParallelConfig(pipeline_parallel=stages, schedule=schedule,
-                                              layer_split=split if stages > 1 else None),
+                                              layer_split=split if stages > 1 and not chunked
+                                              else None,
+                                              virtual_pipeline_parallel=2 if chunked else None),
                       optimizer=self.optimizer,
                       training=TrainingConfig(micro_batch_size=self.micro_batch,
                                               global_batch_size=self.global_batch,
@@ -326,7 +338,7 @@ def build_trainer(name: str, workload: Workload, split, rank: int, world: int, d
         schedule = None if name == "one_process" else name
         return MegatronTrainer(workload, split, rank, world, schedule, device)
     import peers
-    if name in ("torch_1f1b", "torch_gpipe"):
+    if name.startswith("torch_"):
         return peers.TorchPipeliningTrainer(workload, split, rank, world, name[len("torch_"):],
                                             device)
     return peers.DeepSpeedTrainer(workload, split, rank, world, device)
@@ -615,15 +627,23 @@ def format_table(summaries: list[RunSummary], baseline: float | None,
     return "\n".join(lines)
 
 
+def measured_bubbles(summary: RunSummary) -> list[float]:
+    """Per stage: the share of the measured time it did not compute (forward, backward, B, W)."""
+    return [1.0 - shares.get("forward", 0.0) - shares.get("backward", 0.0)
+            for shares in summary.median_time_shares()]
+
+
 def format_time_shares(summaries: list[RunSummary]) -> str:
-    """Where each stage of our runs spent the measured time (median share over the repeats)."""
+    """Where each stage of our runs spent the measured time (median share over the repeats), and
+    the measured bubble (the time a stage did not compute)."""
     lines = ["time per stage by action (median share of the measured time over the repeats):"]
     for s in summaries:
         for stage, shares in enumerate(s.median_time_shares()):
             parts = ", ".join(f"{name} {share:.1%}" for name, share in
                               sorted(shares.items(), key=lambda item: -item[1]))
             rest = 1.0 - sum(shares.values())
-            lines.append(f"  {s.name:<11} stage {stage}: {parts}, other {rest:.1%}")
+            lines.append(f"  {s.name:<11} stage {stage}: {parts}, other {rest:.1%}; not "
+                         f"computing {measured_bubbles(s)[stage]:.1%}")
     return "\n".join(lines)
 
 
@@ -744,6 +764,11 @@ def parse_workload(args) -> tuple[Workload, list[str], list[int] | None]:
              f"{args.num_attention_heads}")
     if args.num_layers < STAGES:
         fail(f"--num-layers {args.num_layers} must be at least {STAGES} (one per stage)")
+    chunked = [n for n in args.runs.split(",") if n.strip() in ("interleaved",
+                                                                "torch_interleaved_1f1b")]
+    if chunked and (args.num_layers % (2 * STAGES) or m % STAGES):
+        fail(f"--runs {','.join(chunked)}: two chunks per rank need --num-layers a multiple of "
+             f"{2 * STAGES} (got {args.num_layers}) and m a multiple of {STAGES} (got {m})")
     names = [n.strip() for n in args.runs.split(",") if n.strip()]
     unknown = [n for n in names if n not in RUNS]
     if unknown or not names:
@@ -828,6 +853,7 @@ def main(argv=None) -> list[RunSummary]:
                             "peak_memory_bytes": s.peak_memory_bytes,
                             "first_batch_loss": s.first_loss,
                             **({"time_shares_per_stage": s.median_time_shares(),
+                                "not_computing_per_stage": measured_bubbles(s),
                                 "time_shares_per_repeat": s.time_shares}
                                if s.time_shares else {})} for s in summaries]}
         Path(args.json).write_text(json.dumps(record, indent=2) + "\n")

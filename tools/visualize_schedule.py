@@ -5,6 +5,8 @@
     python tools/visualize_schedule.py --compare 2bw,flush,gpipe --output compare.png
     python tools/visualize_schedule.py --compare 2bw,pipedream,flush --output versions.png
     python tools/visualize_schedule.py --schedule 2bw --text
+    python tools/visualize_schedule.py --compare flush,zb-h1,interleaved --microbatches 8 \
+        --batches 1 --virtual-pipeline-model-parallel-size 2 --output vanilla.png
 
 Boxes are coloured by weight version (forward solid, backward light and hatched) and numbered by
 microbatch; a black tick marks the step that creates a version; grey is idle time (the bubble).
@@ -29,6 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--pipeline-stages", type=int, default=4, help="p (default 4)")
     parser.add_argument("--microbatches", type=int, default=4, help="m per batch (default 4)")
     parser.add_argument("--batches", type=int, default=3, help="batches (iterations) to draw")
+    parser.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=2,
+                        dest="chunks", help="interleaved: model chunks per stage (default 2)")
     parser.add_argument("--forward-time", type=float, default=1.0, help="units per forward")
     parser.add_argument("--backward-time", type=float, default=2.0, help="units per backward")
     parser.add_argument("--output", help="PNG file to write")
@@ -63,11 +67,14 @@ def main(argv=None) -> None:
                          f"got {getattr(args, flag)}")
     if args.forward_time <= 0 or args.backward_time <= 0:
         fail("--forward-time and --backward-time must be positive")
-    shapes = [ScheduleShape(name, args.pipeline_stages, args.microbatches, args.batches)
+    if args.chunks < 2:
+        fail(f"--virtual-pipeline-model-parallel-size must be at least 2, got {args.chunks}")
+    shapes = [ScheduleShape(name, args.pipeline_stages, args.microbatches, args.batches,
+                            args.chunks if name == "interleaved" else 1)
               for name in schedule_names(args)]
     try:
-        lists = [schedules.build_schedule(s.schedule, s.stages, s.microbatches, s.batches)
-                 for s in shapes]
+        lists = [schedules.build_schedule(s.schedule, s.stages, s.microbatches, s.batches, 0,
+                                          s.chunks) for s in shapes]
     except ValueError as error:  # e.g. 1F1B schedules need m >= p
         fail(f"--pipeline-stages {args.pipeline_stages} --microbatches {args.microbatches}: {error}")
     if args.text:

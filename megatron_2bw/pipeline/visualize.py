@@ -2,7 +2,8 @@
 
 The boxes come from `schedules.build_schedule` replayed by `schedules.timeline`: the very action lists
 the runtime executes, so the picture cannot drift from the code. Colour = weight version, solid =
-forward, light hatched = backward, the number = microbatch, a black tick = a step creating a version.
+forward, light hatched = backward (split: B light hatched, W light dotted), the number = microbatch
+(".c" its model chunk where a rank holds several), a black tick = a step creating a version.
 """
 from __future__ import annotations
 
@@ -19,20 +20,27 @@ class ScheduleShape:
     stages: int
     microbatches: int
     batches: int
+    chunks: int = 1  # interleaved: model chunks per rank
 
     def title(self) -> str:
         names = {"2bw": "PipeDream-2BW", "flush": "PipeDream-Flush (1F1B)", "gpipe": "GPipe",
                  "pipedream": "PipeDream (weight stashing, p - s versions on stage s)",
-                 "pipedream-vs": "PipeDream with vertical sync (p versions per stage)"}
+                 "pipedream-vs": "PipeDream with vertical sync (p versions per stage)",
+                 "zb-h1": "ZB-H1 (zero bubble: backward split into B and W)",
+                 "interleaved": f"interleaved 1F1B (v = {self.chunks} chunks per stage)"}
         return (f"{names[self.schedule]}: p = {self.stages} stages, m = {self.microbatches} "
                 f"microbatches per batch, {self.batches} batches")
 
 
 def timed_schedule(shape: ScheduleShape, forward_time: float = 1.0,
                    backward_time: float = 2.0) -> list[list[S.TimedAction]]:
-    actions = S.build_schedule(shape.schedule, shape.stages, shape.microbatches, shape.batches)
-    durations = {S.FORWARD: forward_time, S.BACKWARD: backward_time}
-    return S.timeline(actions, lambda stage, a: durations.get(a.kind, 0.0))
+    """The lists replayed with these durations per stage (a chunk takes 1/v of them; a split
+    backward's B and W take half each)."""
+    actions = S.build_schedule(shape.schedule, shape.stages, shape.microbatches, shape.batches,
+                               0, shape.chunks)
+    durations = {S.FORWARD: forward_time, S.BACKWARD: backward_time,
+                 S.BACKWARD_INPUT: backward_time / 2, S.BACKWARD_WEIGHT: backward_time / 2}
+    return S.timeline(actions, lambda stage, a: durations.get(a.kind, 0.0) / shape.chunks)
 
 
 def makespan(timed: list[list[S.TimedAction]]) -> float:
@@ -63,6 +71,7 @@ def draw_timeline(ax, timed: list[list[S.TimedAction]], title: str, end: float |
     from matplotlib.patches import Rectangle
     end = makespan(timed) if end is None else end
     height = 0.8
+    chunked = any(t.action.chunk for row in timed for t in row)
     for stage, row in enumerate(timed):
         y = stage - height / 2
         ax.add_patch(Rectangle((0, y), makespan(timed), height, facecolor=IDLE_COLOUR, edgecolor="none"))
@@ -71,11 +80,13 @@ def draw_timeline(ax, timed: list[list[S.TimedAction]], title: str, end: float |
             if a.kind in S.COMPUTE_KINDS:
                 colour = version_colour(a.version)
                 forward = a.kind == S.FORWARD
+                hatch = None if forward else "..." if a.kind == S.BACKWARD_WEIGHT else "///"
                 ax.add_patch(Rectangle((t.start, y), t.end - t.start, height,
                                        facecolor=colour if forward else _lighter(colour),
                                        edgecolor=colour if not forward else "white",
-                                       hatch=None if forward else "///", linewidth=0.8))
-                ax.text((t.start + t.end) / 2, stage, str(a.microbatch), ha="center", va="center",
+                                       hatch=hatch, linewidth=0.8))
+                label = str(a.microbatch) + (f".{a.chunk}" if chunked else "")
+                ax.text((t.start + t.end) / 2, stage, label, ha="center", va="center",
                         fontsize=7, color="white" if forward else "black",
                         fontweight="bold" if forward else "normal")
         steps: dict[float, list[int]] = {}  # a drained segment end steps several batches at once
@@ -95,8 +106,9 @@ def draw_timeline(ax, timed: list[list[S.TimedAction]], title: str, end: float |
         ax.spines[side].set_visible(False)
 
 
-def _legend(fig, versions: list[int]) -> None:
-    """Two rows (forward above backward), one column per version, then idle and step."""
+def _legend(fig, versions: list[int], split: bool = False) -> None:
+    """Two rows (forward above backward), one column per version, then idle and step (and the
+    weight-gradient pass W where a backward is split)."""
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
     handles = []
@@ -105,6 +117,9 @@ def _legend(fig, versions: list[int]) -> None:
         handles += [Patch(facecolor=colour, label=f"forward, weight version v{v}"),
                     Patch(facecolor=_lighter(colour), edgecolor=colour, hatch="///",
                           label=f"backward, weight version v{v}")]
+    if split:
+        handles.append(Patch(facecolor="white", edgecolor="grey", hatch="...",
+                             label="W: weight gradient (split backward)"))
     handles += [Patch(facecolor=IDLE_COLOUR, label="idle (bubble)"),
                 Line2D([], [], color="black", linewidth=2, label="step creating version vN")]
     fig.legend(handles=handles, loc="lower center", ncol=len(versions) + 1, fontsize=8,
@@ -128,6 +143,7 @@ def plot_schedules(shapes: list[ScheduleShape], output: str, forward_time: float
     for ax, shape, t in zip(axes[:, 0], shapes, timed):
         draw_timeline(ax, t, shape.title(), end)
         ax.set_xlabel(f"time in units (a forward takes {forward_time:g}, a backward {backward_time:g})")
-    _legend(fig, versions)
+    _legend(fig, versions, any(a.action.kind == S.BACKWARD_WEIGHT
+                               for rows in timed for row in rows for a in row))
     fig.tight_layout(rect=(0, legend_inches / fig_height, 1, 1))
     fig.savefig(output, dpi=130)
