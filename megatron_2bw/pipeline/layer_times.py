@@ -41,11 +41,17 @@ class _Clock:
 
 @dataclass
 class StageTimes:
-    """Seconds summed since the last reset, and the microbatches they cover."""
+    """Seconds per microbatch since the last reset: the median over the microbatches, so that a
+    rank descheduled now and then (processors shared with other work) does not count as slow."""
     layer_forward_s: dict[int, float] = field(default_factory=dict)  # global layer index -> s
     layer_backward_s: dict[int, float] = field(default_factory=dict)
-    stage_forward_s: float = 0.0
+    stage_forward_s: float = 0.0  # the whole module's forward
     microbatches: int = 0
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2] if ordered else 0.0
 
 
 class LayerTimes:
@@ -114,14 +120,12 @@ class LayerTimes:
 
     # -- reading ---------------------------------------------------------------------------
     def collect(self) -> StageTimes:
-        """The sums since the last reset (at a drained point: every backward has ended)."""
-        times = StageTimes()
-        for layer, start, end in self._forward:
-            times.layer_forward_s[layer] = times.layer_forward_s.get(layer, 0.0) + \
-                self.clock.seconds(start, end)
-        for layer, start, end in self._backward:
-            times.layer_backward_s[layer] = times.layer_backward_s.get(layer, 0.0) + \
-                self.clock.seconds(start, end)
-        times.stage_forward_s = sum(self.clock.seconds(a, b) for a, b in self._stage)
-        times.microbatches = len(self._stage)
-        return times
+        """The medians since the last reset (at a drained point: every backward has ended)."""
+        def medians(marks) -> dict[int, float]:
+            calls: dict[int, list[float]] = {}
+            for layer, start, end in marks:
+                calls.setdefault(layer, []).append(self.clock.seconds(start, end))
+            return {layer: _median(values) for layer, values in calls.items()}
+        return StageTimes(medians(self._forward), medians(self._backward),
+                          _median([self.clock.seconds(a, b) for a, b in self._stage]),
+                          len(self._stage))

@@ -85,14 +85,13 @@ def measured_costs(config: Config, measurements: list[StageTimes]) -> LayerCosts
     forward, backward = [0.0] * layers, [0.0] * layers
     extra = [0.0] * len(split)
     for times in measurements:
-        n = max(times.microbatches, 1)
         for layer, seconds in times.layer_forward_s.items():
-            forward[layer] = max(forward[layer], seconds / n)
+            forward[layer] = max(forward[layer], seconds)
         for layer, seconds in times.layer_backward_s.items():
-            backward[layer] = max(backward[layer], seconds / n)
+            backward[layer] = max(backward[layer], seconds)
         if times.layer_forward_s:
             stage = next(s for s, r in enumerate(ranges) if min(times.layer_forward_s) in r)
-            beyond = (times.stage_forward_s - sum(times.layer_forward_s.values())) / n
+            beyond = times.stage_forward_s - sum(times.layer_forward_s.values())
             extra[stage] = max(extra[stage], 3 * max(beyond, 0.0))
     for stage, r in enumerate(ranges):
         for layer in list(r)[:plan[stage]]:
@@ -183,7 +182,8 @@ def _transfer(obj, source: int, destination: int, rank: int, what: str, device):
         return received[0]
     except Exception as error:  # noqa: BLE001 - the peer's failure, named
         raise RepartitionError(f"{what}: the transfer with rank {peer} failed ({error}); "
-                               f"rank {peer} stopped during the migration") from error
+                               f"rank {peer} stopped during the migration (nothing was written: the "
+                               f"last checkpoint stays as it was)") from error
 
 
 def migrate(stage, split, recompute, build):

@@ -121,8 +121,8 @@ def test_measured_costs_take_recomputation_out_of_the_backward():
     config = tiny_config(p=2, layers=4)
     config.parallel.layer_split = [3, 1]
     config.recompute = RecomputeConfig(num_layers_per_stage=[1, 0])
-    stage0 = StageTimes({0: 2.0, 1: 2.0, 2: 2.0}, {0: 6.0, 1: 4.0, 2: 4.0}, 8.0, 2)
-    stage1 = StageTimes({3: 6.0}, {3: 12.0}, 6.0, 2)
+    stage0 = StageTimes({0: 1.0, 1: 1.0, 2: 1.0}, {0: 3.0, 1: 2.0, 2: 2.0}, 4.0, 2)
+    stage1 = StageTimes({3: 3.0}, {3: 6.0}, 3.0, 2)
     costs = measured_costs(config, [stage0, stage1])
     assert costs.forward_s == (1.0, 1.0, 1.0, 3.0)
     assert costs.backward_s == (2.0, 2.0, 2.0, 6.0)

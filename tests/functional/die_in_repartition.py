@@ -1,0 +1,22 @@
+"""pretrain_gpt.py with one rank dying (os._exit) in the middle of a layer migration
+(fault-injection for tests): DIE_RANK=0 torchrun ... tests/functional/die_in_repartition.py <flags>"""
+import os
+import runpy
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+
+from megatron_2bw.pipeline import repartition  # noqa: E402
+original = repartition._transfer
+
+
+def dying_transfer(obj, source, destination, rank, what, device):
+    if rank == int(os.environ["DIE_RANK"]):
+        os._exit(9)
+    return original(obj, source, destination, rank, what, device)
+
+
+repartition._transfer = dying_transfer
+sys.argv[0] = os.path.join(ROOT, "pretrain_gpt.py")
+runpy.run_path(sys.argv[0], run_name="__main__")
