@@ -83,6 +83,9 @@ def build_stage(config: Config, layout: ParallelLayout, device: torch.device, ti
                               ranges[stage], layout.is_first_stage, layout.is_last_stage,
                               config.training.seed, config.recompute,
                               layout.group("context"), device)
+    if config.training.torch_compile:
+        from megatron_2bw.models.compile import compile_transformer_layers
+        compile_transformer_layers(model)
     schedule = par.pipeline_schedule
     versions = WeightVersions(model, working_dtype(config), grad_dtype(config),
                               single_version=schedule != "2bw")
