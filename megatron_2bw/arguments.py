@@ -262,6 +262,9 @@ def build_parser(description: str = "", extra_args_provider=None) -> argparse.Ar
     _flag(g, "--empty-unused-memory-level", "training", "empty_unused_memory_level", type=int,
           choices=[0, 1, 2], help="CUDA: empty the cache after each step (1), also after "
                                   "evaluation (2)")
+    _bool_flag(g, "--torch-compile", "training", "torch_compile",
+               "compile each transformer layer with torch.compile (every weight version of a "
+               "layer shares its compiled graph)")
     _bool_flag(g, "--deterministic-mode", "training", "deterministic_mode",
                "torch.use_deterministic_algorithms(True)")
     _bool_flag(g, "--skip-train", "training", "skip_train",

@@ -245,6 +245,7 @@ class TrainingConfig:
     skip_train: bool = False  # evaluate the (loaded) weights on the validation and test sets only
     # GPT: the batch's loss is the mean over all its tokens, not the mean of microbatch means
     calculate_per_token_loss: bool = False
+    torch_compile: bool = False  # torch.compile each transformer layer (models/compile.py)
 
 
 @dataclass

@@ -111,6 +111,9 @@ def build_stage(config: Config, layout: ParallelLayout, device: torch.device, ti
                                   ranges[stage], layout.is_first_stage, layout.is_last_stage,
                                   config.training.seed, stage_recompute(config.recompute, stage),
                                   layout.group("context"), device)
+    if config.training.torch_compile:
+        from megatron_2bw.models.compile import compile_transformer_layers
+        compile_transformer_layers(model)
     rule = VersionRule(par.pipeline_schedule, par.pipeline_parallel, stage)
     versions = WeightVersions(model, working_dtype(config), grad_dtype(config), rule=rule,
                               predicted_versions=par.delay_compensation == "predict")

@@ -1,0 +1,29 @@
+"""--torch-compile: 2BW's weight versions share each layer's compiled graph (a swap recompiles
+nothing) and the compiled pipeline trains as the eager one. Compiling takes tens of seconds on
+a small CPU, so these carry the `compile` marker, outside the default run (pytest.ini);
+`make gpu-check` runs them, and `pytest -m compile` alone."""
+import pytest
+import torch
+
+from megatron_2bw.distributed.forked import run_forked
+from tests.pipeline.harness import full_weights, max_difference, tiny_config, train_on_ranks
+
+pytestmark = pytest.mark.compile
+
+
+def _train(rank: int, world: int, compiled: bool):
+    import torch._dynamo
+    torch._dynamo.config.error_on_recompile = True  # a recompilation per swap fails the run
+    config = tiny_config(p=2, layers=2, optimizer="adam", lr=1e-3, global_batch=4)
+    config.training.torch_compile = compiled
+    return train_on_ranks(rank, world, config, 4)
+
+
+def test_2bw_versions_share_the_compiled_layers_and_train_as_eager():
+    eager = run_forked(2, _train, False, timeout=600)
+    compiled = run_forked(2, _train, True, timeout=600)
+    last_stage = -1  # the rank holding the loss
+    for (batch, _, _, got), (_, _, _, want) in zip(compiled[last_stage]["results"],
+                                                   eager[last_stage]["results"]):
+        assert got["lm loss"] == pytest.approx(want["lm loss"], rel=1e-5), batch
+    assert max_difference(full_weights(compiled), full_weights(eager), 101) < 1e-5
