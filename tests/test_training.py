@@ -171,3 +171,19 @@ def test_ctrl_c_twice_within_the_window_is_one_interrupt_and_later_aborts(monkey
     with request:  # training ends: the handlers found at the start are back
         pass
     assert installed[signal.SIGINT] == signal.default_int_handler
+
+
+def test_ctrl_c_before_training_ends_the_process_with_one_line(monkeypatch, capsys):
+    def interrupted():
+        raise KeyboardInterrupt
+    exits = []
+    monkeypatch.setattr(training, "exit_process", exits.append)
+    monkeypatch.setattr(training, "_FAILURE_CONTEXT", {})
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py"])
+    monkeypatch.delenv("RANK", raising=False)
+    training.run_and_report(interrupted)
+    assert exits == [training.INTERRUPTED_EXIT_CODE]
+    assert capsys.readouterr().err == "pretrain_gpt.py: interrupted\n"  # no traceback
+    monkeypatch.setenv("RANK", "1")
+    training.run_and_report(interrupted)
+    assert capsys.readouterr().err == ""  # one line for the job: rank 0's

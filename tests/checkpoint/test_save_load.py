@@ -164,3 +164,27 @@ def test_a_damaged_model_file_is_named_with_its_rank(tmp_path, damage):
     with pytest.raises(CheckpointError, match=rf"rank 0 .*{path}: cannot be read \(.*\): the file "
                        r"is damaged or truncated"):
         load_checkpoint(_stage(pretrain_flags(1, 1, 10)), str(tmp_path))
+
+
+def _load_reporting(rank, world, flags, root):
+    from megatron_2bw.checkpoint import CheckpointError as Refused
+    from tests.pipeline.harness import stage_on_rank
+    _, stage = stage_on_rank(rank, world, config_from_flags(flags))
+    try:
+        load_checkpoint(stage, root)
+    except Refused as error:
+        return str(error)
+    return "loaded"
+
+
+def test_a_damaged_file_of_one_rank_stops_every_rank_and_none_reports_loaded(tmp_path, capfd):
+    from tests.checkpoint.helpers import save_random_checkpoint
+    from tests.distributed_helpers import run_ranks
+    save_random_checkpoint(tmp_path, "gpt", 1, 2)
+    path = tmp_path / "iter_0000007" / "mp_rank_00_001" / "model_optim_rng.pt"
+    path.write_bytes(path.read_bytes()[:100])
+    messages = run_ranks(2, _load_reporting, pretrain_flags(1, 2, 8), str(tmp_path), timeout=300)
+    assert messages[0] == messages[1], messages  # the same line on every rank, none waits
+    assert messages[0].startswith("loading the checkpoint failed on rank 1 (tp=0/1, dp=0/1, "
+                                  f"pp=1/2): {path}: cannot be read"), messages[0]
+    assert "loaded checkpoint" not in capfd.readouterr().out
