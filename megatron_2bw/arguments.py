@@ -863,6 +863,7 @@ def validate_for_world(config: Config, world_size: int) -> int:
                  f"--train-samples {tr.train_samples} is less than one "
                  + (f"first global batch ({first})" if growing else f"--global-batch-size {first}"))
         tr.train_iters = batch_schedule(tr).iterations_for_samples(tr.train_samples)
+    _validate_pipedream(config)  # also for configs built without the command line
     schedule = config.parallel.pipeline_schedule
     if schedule == "interleaved":
         _validate_virtual_stages(config)

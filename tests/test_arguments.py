@@ -384,3 +384,10 @@ def test_bf16_accumulates_and_reduces_gradients_in_fp32_unless_told(flags, fp32_
     from megatron_2bw.training import grad_dtype
     config, _ = parse_config([*TINY, *flags])
     assert (grad_dtype(config) == torch.float32) == fp32_gradients
+
+
+def test_pipedream_with_tied_embeddings_is_refused_for_any_built_config():
+    config, _ = parse_config([*TINY, *PIPEDREAM, "--untie-embeddings-and-output-weights"])
+    config.model.untie_embeddings_and_output_weights = False
+    with pytest.raises(ConfigError, match="pipedream needs --untie-embeddings-and-output-weights"):
+        validate_for_world(config, 2)

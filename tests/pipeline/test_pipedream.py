@@ -152,3 +152,10 @@ def test_stage_zero_stash_at_four_stages_matches_the_estimate():
     pipedream, two_bw = stashes["pipedream"], stashes["2bw"]
     assert pipedream["live"] == 4 and two_bw["live"] == 2
     assert 2.9 * two_bw["held"] < pipedream["held"] < 3.1 * two_bw["held"]
+
+
+def test_one_stage_pipedream_is_vanilla_training():
+    """p = 1: no delay (the rule gives version k), so Flush's weights, bit for bit."""
+    c = config("adam", 1, schedule="pipedream")
+    flushed = config("adam", 1, schedule="flush")
+    assert max_difference(run(1, c), run(1, flushed), VOCAB) == 0.0
