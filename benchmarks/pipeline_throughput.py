@@ -90,6 +90,8 @@ RUNS = {
 }
 OURS = ("one_process", "gpipe", "flush", "2bw", "pipedream", "zb-h1", "interleaved")
 
+CHUNKED_RUNS = ("interleaved", "torch_interleaved_1f1b")  # two model chunks per rank
+
 
 @dataclass
 class Workload:
@@ -709,7 +711,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="batches timed per run, as one segment (2BW fills and drains once); at "
                         "least 2 (tokens/s runs from the first's end to the last's)")
     b.add_argument("--repeats", type=int, default=3, help="interleaved rounds (median, min-max)")
-    b.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated subset of {','.join(RUNS)}")
+    b.add_argument("--runs", help=f"comma-separated subset of {','.join(RUNS)} (default: every "
+                                  f"run the model takes: the two-chunk runs need layers and m "
+                                  f"to split into 2 x {STAGES} chunks and groups of {STAGES})")
     b.add_argument("--no-bind-cores", action="store_true",
                    help="leave ranks unbound (default: rank r of every run, peers included, on "
                         "core r, as --bind-cores-to-rank does in training)")
@@ -764,9 +768,11 @@ def parse_workload(args) -> tuple[Workload, list[str], list[int] | None]:
              f"{args.num_attention_heads}")
     if args.num_layers < STAGES:
         fail(f"--num-layers {args.num_layers} must be at least {STAGES} (one per stage)")
-    chunked = [n for n in args.runs.split(",") if n.strip() in ("interleaved",
-                                                                "torch_interleaved_1f1b")]
-    if chunked and (args.num_layers % (2 * STAGES) or m % STAGES):
+    chunks_fit = args.num_layers % (2 * STAGES) == 0 and m % STAGES == 0
+    if args.runs is None:
+        args.runs = ",".join(n for n in RUNS if chunks_fit or n not in CHUNKED_RUNS)
+    chunked = [n for n in args.runs.split(",") if n.strip() in CHUNKED_RUNS]
+    if chunked and not chunks_fit:
         fail(f"--runs {','.join(chunked)}: two chunks per rank need --num-layers a multiple of "
              f"{2 * STAGES} (got {args.num_layers}) and m a multiple of {STAGES} (got {m})")
     names = [n.strip() for n in args.runs.split(",") if n.strip()]

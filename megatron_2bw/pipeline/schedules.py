@@ -485,23 +485,24 @@ def _microbatches(actions: list[list[Action]]) -> set[int]:
     return {a.microbatch for stage_list in actions for a in stage_list if a.kind == FORWARD}
 
 def _check_transfer_order(actions: list[list[Action]]) -> None:
-    """Transfers carry no microbatch number: between two stages, the receives of each kind must
-    come in the order of the sends they match."""
+    """Transfers carry no microbatch number: from one stage to another, the receives must come in
+    the order of the sends they match, both kinds together (under interleaving at p = 2 a rank
+    pair carries both, and NCCL matches a pair's transfers in posting order, tags aside)."""
     stages = len(actions)
-    sent: dict[tuple[int, int, str], list] = {}
-    received: dict[tuple[int, int, str], list] = {}
+    sent: dict[tuple[int, int], list] = {}
+    received: dict[tuple[int, int], list] = {}
     for s, stage_list in enumerate(actions):
         for a in stage_list:
             if a.kind in (SEND_ACT, SEND_GRAD):
                 dst = (s + 1 if a.kind == SEND_ACT else s - 1) % stages
-                sent.setdefault((s, dst, a.kind), []).append((a.microbatch, a.chunk))
+                sent.setdefault((s, dst), []).append((a.kind, a.microbatch, a.chunk))
             elif a.kind in (RECV_ACT, RECV_GRAD):
                 src, kind, chunk = _peer(s, a.kind, a.chunk, stages)
-                received.setdefault((src, s, kind), []).append((a.microbatch, chunk))
-    for (src, dst, kind), order in received.items():
-        if sent.get((src, dst, kind), []) != order:
-            raise ScheduleError(f"stage {dst} receives its {kind} transfers from stage {src} in "
-                                f"another order than stage {src} sends them")
+                received.setdefault((src, s), []).append((kind, a.microbatch, chunk))
+    for (src, dst), order in received.items():
+        if sent.get((src, dst), []) != order:
+            raise ScheduleError(f"stage {dst} receives its transfers from stage {src} in another "
+                                f"order than stage {src} sends them")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -623,7 +623,8 @@ def time_per_batch_lower_bound(stages: list[StageCost], schedule: str, microbatc
       (half each per microbatch, once m - p + 1 microbatches are past the warm-up);
     - Flush and GPipe: a batch also holds the path "microbatch 0 reaches stage k, stage k runs all
       its microbatches, the last gradient returns to stage 0", then stage 0's reduce, background
-      collectives and step.
+      collectives and step (interleaved: the path's hops are chunks, 1/v of a stage; zb-h1: the
+      forwards' way alone, stage k's deferred W passes may overlap the gradient's way back).
     The search replays candidates in the order of this bound."""
     m, p = microbatches, len(stages)
     own = [st.forward_s + st.backward_s for st in stages]
@@ -636,9 +637,9 @@ def time_per_batch_lower_bound(stages: list[StageCost], schedule: str, microbatc
     if schedule not in NEVER_DRAINED:
         first = stages[0]
         # the fill before stage k and the drain after it: a forward and a backward per stage
-        # before it (interleaved: of a chunk; zb-h1: the gradient's way back is B alone)
-        fill = [st.forward_s + st.backward_s * (INPUT_GRADIENT_SHARE if schedule == "zb-h1"
-                                                else 1.0) for st in stages]
+        # before it (interleaved: of a chunk); zb-h1: the forwards alone (stage k's deferred W
+        # passes may overlap the gradient's way back)
+        fill = [st.forward_s + (0.0 if schedule == "zb-h1" else st.backward_s) for st in stages]
         path = max(m * own[k] + sum(fill[:k]) / chunks for k in range(p))
         bound = max(bound, path + first.reduce_s + first.reduce_background_s
                     + first.tied_async_s + first.reduce_async_s + first.step_s)

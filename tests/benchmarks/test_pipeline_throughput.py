@@ -11,7 +11,7 @@ from tests.benchmarks import load_benchmark
 from tests.virtual_clock import VirtualClock
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length",
+TINY = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length",
         "16", "--vocab-size", "128", "--micro-batch-size", "2", "--global-batch-size", "4",
         "--warmup-batches", "1", "--measured-batches", "2", "--repeats", "1",
         "--idle-timeout", "0", "--retries", "0",  # a busy test machine is fine for a smoke test
@@ -26,8 +26,8 @@ def test_every_run_trains_the_same_model_and_reports(tmp_path, capsys):
     summaries = bench.main(TINY + ["--json", str(json_path), "--plot", str(png_path)])
     record = json.loads(json_path.read_text())
     names = [run["name"] for run in record["runs"]]
-    assert names == ["one_process", "gpipe", "flush", "2bw", "torch_1f1b", "torch_gpipe",
-                     "deepspeed"]
+    assert names == ["one_process", "gpipe", "flush", "2bw", "zb-h1", "interleaved", "torch_1f1b",
+                     "torch_gpipe", "torch_interleaved_1f1b", "torch_zero_bubble", "deepspeed"]
     for run in record["runs"]:
         assert run["tokens_per_s"] > 0 and run["segment_tokens_per_s"] > 0
         assert len(run["peak_memory_bytes"]) == (1 if run["name"] == "one_process" else 2)
@@ -37,7 +37,7 @@ def test_every_run_trains_the_same_model_and_reports(tmp_path, capsys):
     losses = [s.first_loss for s in summaries]
     assert all(abs(loss - losses[0]) < 1e-4 for loss in losses), losses
     assert record["runs"][0]["speedup_vs_one_process"] == pytest.approx(1.0)
-    assert sum(record["layer_split"]) == 2 and record["ideal_speedup"] > 1.0
+    assert sum(record["layer_split"]) == 4 and record["ideal_speedup"] > 1.0
     assert png_path.read_bytes()[:8] == PNG_SIGNATURE
     table = capsys.readouterr().out
     assert all(name in table for name in names) and "ideal speed-up" in table

@@ -23,6 +23,9 @@ from megatron_2bw.checkpoint.reshard import read_full_state, write_full_state
 from megatron_2bw.config import RecomputeConfig
 from megatron_2bw.pipeline import schedules as S
 from megatron_2bw.pipeline.interleaved import warmup_forwards
+from megatron_2bw.planner.cost import StageCost, time_per_batch_lower_bound
+from megatron_2bw.planner.memory import estimate_stage_memory
+from megatron_2bw.planner.simulator import compiled_schedule, simulate
 from tests.distributed_helpers import run_ranks
 from megatron_2bw.training import run_segment
 from tests.pipeline.harness import (full_weights, gpt_feed, max_difference, rank_weights,
@@ -314,3 +317,39 @@ def test_interleaved_checkpoints_name_layers_globally_and_reshard(tmp_path):
     write_full_state(read_full_state(single, show_progress=False), rechunked, 1, 2, chunks=2)
     resumed = run_ranks(2, _load_and_train, config("interleaved", chunks=2, p=2), rechunked, 1)
     assert max_difference(_true_vocabulary(full_weights(resumed)), straight, VOCAB) < 1e-5
+
+
+# -- the planner's simulator and memory estimate -------------------------------------------------
+
+def test_the_simulator_replays_split_backwards_and_chunks():
+    """Forward 1, backward 2 (B 1.1 + W 0.9), p = 4, m = 8, no communication: Flush takes
+    (m + p - 1) x 3 per batch; ZB-H1 and interleaved (chunks of half the time) less, at the
+    in-flight counts of the lists (chunk-microbatches for interleaved), and never below m x 3 plus
+    the fill a lower bound names."""
+    durations = [StageCost(1.0, 2.0, 0.0, 0.0, 0.0, 0.0, 0.0)] * 4
+    flush = simulate(compiled_schedule("flush", 4, 8, 3), durations)
+    zb = simulate(compiled_schedule("zb-h1", 4, 8, 3), durations)
+    interleaved = simulate(compiled_schedule("interleaved", 4, 8, 3, 2), durations)
+    assert flush.time_per_batch == pytest.approx(11 * 3.0)
+    assert 8 * 3.0 < zb.time_per_batch < 0.85 * flush.time_per_batch
+    assert 8 * 3.0 < interleaved.time_per_batch < 0.9 * flush.time_per_batch
+    assert zb.peak_inflight_microbatches == [4] * 4
+    assert interleaved.peak_inflight_microbatches == [
+        S.max_in_flight("interleaved", 4, 8, s, 2) for s in range(4)]
+    for schedule, chunks, result in (("zb-h1", 1, zb), ("interleaved", 2, interleaved)):
+        assert time_per_batch_lower_bound(durations, schedule, 8, chunks) <= \
+            result.time_per_batch + 1e-9
+
+
+def test_the_memory_estimate_counts_each_schedules_activations():
+    def activations(schedule, stage, chunks=None):
+        c = tiny_config(p=4, schedule=schedule, layers=8)
+        c.parallel.virtual_pipeline_parallel = chunks
+        return estimate_stage_memory(c.model, c.parallel, c.precision, c.recompute, "adam", 2, 8,
+                                     1, stage).activations
+    assert activations("zb-h1", 3) == pytest.approx(4 * activations("flush", 3))
+    assert activations("zb-h1", 0) == pytest.approx(activations("flush", 0))
+    # interleaved, stage 0: (v-1) p + 2p - 1 = 11 chunk-microbatches of half the stage
+    assert activations("interleaved", 1, 2) == pytest.approx(
+        S.max_in_flight("interleaved", 4, 8, 1, 2) / 2 / 3 * activations("flush", 1))
+    assert activations("interleaved", 0, 2) == pytest.approx(11 / 2 / 4 * activations("flush", 0))

@@ -24,7 +24,7 @@ def test_ranked_table_json_and_plot(tmp_path, capsys):
     assert "16 x p3.16xlarge" in table and "bottleneck" in table
     rows = json.loads(out_json.read_text())["configs"]
     assert len(rows) == len(plans)
-    assert {row["schedule"] for row in rows} == {"2bw", "flush", "gpipe"}
+    assert {row["schedule"] for row in rows} == {"2bw", "flush", "gpipe", "zb-h1", "interleaved"}
     assert rows[0]["fits"] and rows[0] == plans[0].to_json()
     fitting = [r["throughput_samples_per_s"] for r in rows if r["fits"] and r["simulated"]]
     assert fitting == sorted(fitting, reverse=True)

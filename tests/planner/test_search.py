@@ -22,7 +22,13 @@ def test_candidates_respect_every_constraint():
         assert 32 % (c.micro_batch_size * c.data_parallel) == 0
         if c.schedule != "gpipe":
             assert c.microbatches(32) >= c.pipeline_parallel
-    assert {c.schedule for c in pool if c.pipeline_parallel > 1} == {"2bw", "flush", "gpipe"}
+    assert {c.schedule for c in pool if c.pipeline_parallel > 1} == {"2bw", "flush", "gpipe",
+                                                                     "zb-h1", "interleaved"}
+    for c in pool:  # interleaved: two chunks of whole layers, m in groups of p
+        assert (c.chunks == 2) == (c.schedule == "interleaved")
+        if c.schedule == "interleaved":
+            assert c.microbatches(32) % c.pipeline_parallel == 0
+            assert MODEL.num_layers % (2 * c.pipeline_parallel) == 0
     assert {c.schedule for c in pool if c.pipeline_parallel == 1} == {"flush"}
     assert {c.recompute for c in pool} == {None, "selective", "full"}
     pinned = candidates(MODEL, 16, P3, 32, SearchSpace(tensor_parallel=(2,), micro_batch_sizes=(1,),
