@@ -9,10 +9,13 @@ segment (what draining every segment costs), and the repartitioned run, which st
 split 3,1. The repartitioned run measures its layers (pipeline/layer_times.py) and moves layers
 with the runtime's own code (pipeline/repartition.Repartitioner) after its second segment.
 
-Phase 2 makes layers 0 and 1 heavier from then on (vPipe's architecture-search case): each of
-their forwards waits --heavy-ms more and each backward twice that (a wait, standing for a layer
-that grew; the other layers compute as before). The static copies keep their splits; the
-repartitioned run measures again and moves again after the phase's second segment.
+Every layer's forward also waits --layer-wait-ms and its backward twice that: on a machine whose
+processors are shared with other work, compute times alone vary from segment to segment by more
+than the differences between splits; a wait is a cost of known size that the ranks do not compete
+for (0 leaves the layers' compute alone). Phase 2 makes layers 0 and 1 heavier from then on
+(vPipe's architecture-search case): each of their forwards waits --heavy-ms more and each backward
+twice that. The static copies keep their splits; the repartitioned run measures again and moves
+again after the phase's second segment.
 
 Reported per phase: samples/s of each copy (median over its segments and their range), the
 repartitioned run before and after its move against the best static split, the time of the move
@@ -53,8 +56,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=6, help="segments per copy and phase")
     parser.add_argument("--move-after", type=int, default=2,
                         help="the repartitioned run decides after this many segments per phase")
-    parser.add_argument("--heavy-ms", type=float, default=6.0)
-    parser.add_argument("--hidden-size", type=int, default=256)
+    parser.add_argument("--layer-wait-ms", type=float, default=10.0)
+    parser.add_argument("--heavy-ms", type=float, default=20.0)
+    parser.add_argument("--hidden-size", type=int, default=64)
     parser.add_argument("--json", default=str(ROOT / "docs" / "repartition.json"))
     parser.add_argument("--plot", default=str(ROOT / "docs" / "images" / "repartition.png"))
     return parser.parse_args(argv)
@@ -72,23 +76,26 @@ def bench_config(args, split: str) -> Config:
                   training=TrainingConfig(micro_batch_size=2, global_batch_size=8, seed=1234))
 
 
-class HeavyLayers:
-    """Layers HEAVY_LAYERS wait `seconds` more in each forward and twice that in each backward
-    while `on` (hooks re-installed on every rebuilt stage)."""
+class LayerWaits:
+    """Every layer waits `base` seconds in each forward and twice that in each backward; layers
+    HEAVY_LAYERS `heavy` more while `heavy_on` (hooks re-installed on every rebuilt stage)."""
 
-    def __init__(self, seconds: float):
-        self.seconds, self.on = seconds, False
+    def __init__(self, base: float, heavy: float):
+        self.base, self.heavy, self.heavy_on = base, heavy, False
 
     def install(self, stage) -> None:
         for name, layer in stage.model.transformer.layers.items():
-            if int(name) in HEAVY_LAYERS:
-                layer.register_forward_hook(self._forward)
+            layer.register_forward_hook(self._forward(int(name)))
 
-    def _forward(self, module, args, output):
-        if not self.on or torch._C._current_graph_task_id() != -1:  # not again in recomputation
-            return
-        time.sleep(self.seconds)
-        output.register_hook(lambda grad: time.sleep(2 * self.seconds))
+    def _forward(self, layer: int):
+        def hook(module, args, output):
+            if torch._C._current_graph_task_id() != -1:  # not again in recomputation
+                return
+            seconds = self.base + (self.heavy if self.heavy_on and layer in HEAVY_LAYERS else 0)
+            if seconds:
+                time.sleep(seconds)
+                output.register_hook(lambda grad: time.sleep(2 * seconds))
+        return hook
 
 
 def feed_for(config: Config):
@@ -106,7 +113,7 @@ def feed_for(config: Config):
 def worker(rank: int, world: int, args) -> dict:
     layout = ParallelLayout(world, 1, 2, rank)
     layout.build_groups(5.0)
-    heavy = HeavyLayers(args.heavy_ms / 1000)
+    heavy = LayerWaits(args.layer_wait_ms / 1000, args.heavy_ms / 1000)
 
     def build(config):
         stage = build_stage(config, layout, torch.device("cpu"), None)
@@ -123,7 +130,7 @@ def worker(rank: int, world: int, args) -> dict:
     samples_per_iteration = copies[DYNAMIC].config.training.global_batch_size
     segments, moves = [], []
     for phase in (1, 2):
-        heavy.on = phase == 2
+        heavy.heavy_on = phase == 2
         repartitioner.times.reset()  # measure the model as it is now
         names = [*STATIC, DYNAMIC] + ([UNDRAINED] if phase == 1 else [])
         for round_ in range(args.rounds):
@@ -185,6 +192,7 @@ def summarize(result: dict, args) -> dict:
                 copies["2,2"]["median"] / copies[UNDRAINED]["median"]
     return {"setup": {"segment_iterations": args.segment_iterations, "rounds": args.rounds,
                       "move_after": args.move_after, "heavy_ms": args.heavy_ms,
+                      "layer_wait_ms": args.layer_wait_ms,
                       "hidden_size": args.hidden_size, "layers": 4, "stages": 2,
                       "schedule": "2bw", "global_batch": 8, "micro_batch": 2,
                       "heavy_layers": list(HEAVY_LAYERS)},
