@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: quickstart test test-fast clean-venv
+.PHONY: quickstart test test-fast clean-venv gpu-check
 
 $(STAMP): requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,3 +23,9 @@ test: $(STAMP)
 
 clean-venv:
 	rm -rf $(VENV)
+
+# On a machine with a CUDA GPU, with the python at hand (no venv, no network): the tests marked
+# gpu and compile, then the GPU benchmark at GPT 125M and 1.3B (docs/gpu.md). Without a GPU it
+# says so and exits 0.
+gpu-check:
+	$(PYTHON) tools/gpu_check.py
