@@ -19,7 +19,7 @@ TORCH_INDEX ?= $(word 2,$(RECORDED_CHOICE))
 # Reinstalling with the same version from another index (a CPU build for a CUDA one) needs --force-reinstall.
 TORCH_INSTALL_ARGS := $(if $(TORCH_INDEX),--force-reinstall --index-url $(TORCH_INDEX),)
 
-.PHONY: install quickstart test flags-doc clean-venv FORCE
+.PHONY: install quickstart test flags-doc gpu-check clean-venv FORCE
 
 # Rewritten only when the torch choice differs from the recorded one, so that a new choice
 # (and only a new one) reruns the installation below.
@@ -46,3 +46,9 @@ flags-doc: $(STAMP)
 
 clean-venv:
 	rm -rf $(VENV)
+
+# On a machine with a CUDA GPU, with the python at hand (no venv, no network): the tests marked
+# gpu and compile, then the GPU benchmark at GPT 125M and 1.3B (docs/gpu.md). Without a GPU it
+# says so and exits 0.
+gpu-check:
+	$(PYTHON) tools/gpu_check.py

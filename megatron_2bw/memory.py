@@ -129,7 +129,10 @@ class MemoryTracker:
 
         hook = nn.modules.module.register_module_forward_hook(on_forward)
         try:
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            # compiled layers (--torch-compile) run this counted microbatch eagerly: the hooks
+            # see every saved tensor, and the compiled graphs never trace (and re-trace) them
+            with torch.compiler.set_stance("force_eager"), \
+                    torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 yield
         finally:
             hook.remove()

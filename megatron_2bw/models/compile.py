@@ -5,7 +5,9 @@ versions of its weights. torch.compile inlines nn.Modules and lifts their parame
 inputs (torch._dynamo.config.inline_inbuilt_nn_modules, on by default since torch 2.5), guarding
 on their shapes and dtypes, not on which tensor object is installed: every version of a layer
 runs the same compiled graph, with no recompilation per swap. Where that setting is off, a swap
-would recompile (or fall back to eager), so the flag is refused there.
+would recompile (or fall back to eager), so the flag is refused there. The memory tracker counts
+the first microbatch of each shape eagerly (torch.compiler.set_stance, torch >= 2.6), so its
+saved-tensor hooks are never traced into the graphs.
 
 Only the layers are compiled: the embeddings, the head and the loss run eagerly (the
 vocabulary-parallel cross entropy is a custom autograd function with collectives), and
@@ -23,8 +25,8 @@ from megatron_2bw.config import ConfigError
 def check_compile_supported() -> None:
     dynamo = getattr(torch, "_dynamo", None)
     inlined = dynamo is not None and getattr(dynamo.config, "inline_inbuilt_nn_modules", False)
-    if not inlined:
-        raise ConfigError(f"--torch-compile needs torch >= 2.5 with "
+    if not inlined or not hasattr(torch.compiler, "set_stance"):
+        raise ConfigError(f"--torch-compile needs torch >= 2.6 with "
                           f"torch._dynamo.config.inline_inbuilt_nn_modules on (torch "
                           f"{torch.__version__} here): the weight versions' parameter swaps "
                           f"would recompile the layers")

@@ -177,8 +177,7 @@ class GradientUpdater:
         denominator = self.loss_tokens.pop(batch) if self.per_token_loss else microbatches
         # the metrics' sums and their denominator, summed over the data-parallel replicas: the
         # batch mean as Megatron reports it, and under per_token_loss the tokens the step divides by
-        totals = torch.stack([torch.as_tensor(x, dtype=torch.float64, device=v.device)
-                              for x in (*sums.values(), denominator)])
+        totals = torch.stack([_float64_on(v.device, x) for x in (*sums.values(), denominator)])
         metrics_work = None
         if (sums or self.per_token_loss) and replicated:
             metrics_work = all_reduce(totals, self.data_group, async_op=True)
@@ -339,3 +338,11 @@ class GradientUpdater:
         self.version_scales = {k: s for k, s in self.version_scales.items() if k >= oldest_needed}
         if v.alias:  # the master gradients are the accumulation buffer itself
             v.main_grad_buffer.zero_()
+
+
+def _float64_on(device: torch.device, value) -> torch.Tensor:
+    """A float64 scalar on the device: a tensor converted there, a number filled in by a kernel
+    (torch.tensor(number, device=cuda) would be a blocking host-to-device copy)."""
+    if torch.is_tensor(value):
+        return value.to(device=device, dtype=torch.float64)
+    return torch.full((), float(value), dtype=torch.float64, device=device)

@@ -364,8 +364,9 @@ class WeightVersions:
     @torch.no_grad()
     def full_master(self, dst: int | None = None) -> list[torch.Tensor] | None:
         """The full fp32 master weights in parameter order. Sharded: a collective over the
-        data-parallel group that gathers them on global rank `dst` (every rank if None) and returns
-        None elsewhere; unsharded: the master tensors themselves."""
+        data-parallel group that gathers them on global rank `dst` (in host memory; on every
+        rank's device if None) and returns None elsewhere; unsharded: the master tensors
+        themselves."""
         if not self.sharded:
             return list(self.master)
         shard = torch.cat(self.master_regions)
@@ -450,16 +451,28 @@ class WeightVersions:
 
 
 def gather_shards(shard: torch.Tensor, layout: FlatLayout, group, dst: int | None):
-    """The full flat tensor from every rank's equal-sized shard: on global rank `dst` (None: on
-    every rank); None on the other ranks."""
+    """The full flat tensor from every rank's equal-sized shard: on global rank `dst` in host
+    memory (for a checkpoint), None on the other ranks; with `dst` None on every rank's device.
+
+    To `dst` the shards stream one at a time through one shard-sized buffer on its device into
+    host memory, so the full state never sits on one device (the point of sharding it)."""
     d = group_size(group)
     if dst is None:
         gathered = torch.empty(d * shard.numel(), dtype=shard.dtype, device=shard.device)
         _all_gather(gathered, shard, group=group)
         return layout.unshard(list(gathered.chunk(d)))
-    shards = [torch.empty_like(shard) for _ in range(d)] if dist.get_rank() == dst else None
-    dist.gather(shard, shards, dst=dst, group=group)
-    return None if shards is None else layout.unshard(shards)
+    if dist.get_rank() != dst:
+        dist.send(shard, dst, group=group)
+        return None
+    buffer, on_host = None, []
+    for member in dist.get_process_group_ranks(group):
+        if member == dst:
+            on_host.append(shard.to("cpu", copy=True))
+            continue
+        buffer = torch.empty_like(shard) if buffer is None else buffer
+        dist.recv(buffer, member, group=group)
+        on_host.append(buffer.to("cpu", copy=True))
+    return layout.unshard(on_host)
 
 
 def _accumulate_into(main_grad: torch.Tensor):
