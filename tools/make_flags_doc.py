@@ -103,8 +103,9 @@ def render() -> str:
             flag = action.option_strings[0]
             names = ", ".join(f"`{name}`" for name in action.option_strings)
             status, meaning = _status(flag, action.help or "")
-            lines.append(f"| {names} | {_cell(_value(action))} | {_default(action, fields, defaults)}"
-                         f" | {status} | {_cell(meaning)} |")
+            default = _default(action, fields, defaults)
+            lines.append(f"| {names} | {_cell(_value(action))} | {default} | {status} | "
+                         f"{_cell(meaning)} |")
         lines.append("")
     return "\n".join(lines)
 

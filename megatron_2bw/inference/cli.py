@@ -37,7 +37,8 @@ def add_sampling_arguments(parser) -> None:
     group = parser.add_argument_group("sampling")
     group.add_argument("--greedy", action="store_true", help="take the most likely token")
     group.add_argument("--temperature", type=float, default=1.0)
-    group.add_argument("--top-k", type=int, default=0, help="sample among the k most likely (0: all)")
+    group.add_argument("--top-k", type=int, default=0,
+                       help="sample among the k most likely (0: all)")
     group.add_argument("--top-p", type=float, default=0.0,
                        help="sample within the nucleus of probability p (0: all)")
     group.add_argument("--iteration", type=int, default=None,
@@ -115,7 +116,8 @@ def run_server(argv=None, ready=None) -> None:
     try:
         server = make_server(generator, args.host, args.port)
     except OSError as error:
-        raise ConfigError(f"--host {args.host} --port {args.port}: cannot listen ({error})") from None
+        raise ConfigError(f"--host {args.host} --port {args.port}: cannot listen "
+                          f"({error})") from None
     host, port = server.server_address[:2]
     print(f" serving {args.load} (iteration {text_model.iteration}) on http://{host}:{port}/api",
           flush=True)
