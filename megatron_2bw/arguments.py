@@ -763,6 +763,7 @@ def validate_for_world(config: Config, world_size: int) -> int:
                  f"--train-samples {tr.train_samples} is less than one "
                  + (f"first global batch ({first})" if growing else f"--global-batch-size {first}"))
         tr.train_iters = batch_schedule(tr).iterations_for_samples(tr.train_samples)
+    _validate_pipedream(config)  # also for configs built without the command line
     schedule = config.parallel.pipeline_schedule
     if schedule in ("2bw", "flush") and p > 1:
         _require(m >= p, f"--pipeline-schedule {schedule} needs at least as many microbatches per "

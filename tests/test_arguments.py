@@ -368,3 +368,10 @@ def test_pipedream_fp16_with_a_static_scale_or_vertical_sync_is_accepted():
         config, _ = parse_config([*TINY, *PIPEDREAM, "--untie-embeddings-and-output-weights",
                                   "--fp16", *extra])
         assert config.precision.fp16
+
+
+def test_pipedream_with_tied_embeddings_is_refused_for_any_built_config():
+    config, _ = parse_config([*TINY, *PIPEDREAM, "--untie-embeddings-and-output-weights"])
+    config.model.untie_embeddings_and_output_weights = False
+    with pytest.raises(ConfigError, match="pipedream needs --untie-embeddings-and-output-weights"):
+        validate_for_world(config, 2)

@@ -196,31 +196,40 @@ def test_validator_rejects_too_many_live_pipedream_versions():
         S.validate(no_release, "pipedream", 1)
 
 
-def test_validator_rejects_gradient_buffer_misuse():
-    actions = S.build_schedule("2bw", 2, 2, 3)
+def _moved_after(stage_list, moved, anchor):
+    """`stage_list` with the first action matching `moved` put right after the first matching
+    `anchor`, and the anchor's position."""
+    result = list(stage_list)
+    action = result.pop(next(i for i, a in enumerate(result) if moved(a)))
+    position = next(i for i, a in enumerate(result) if anchor(a))
+    result.insert(position + 1, action)
+    return result, position
+
+
+def _is(kind, **fields):
+    return lambda a: a.kind == kind and all(getattr(a, k) == v for k, v in fields.items())
+
+
+@pytest.mark.parametrize("schedule,p,m,stage,moved,anchor,rule", [
     # the reduce of batch 0 moved after batch 1's first backward on stage 1
-    stage1 = list(actions[1])
-    reduce0 = next(i for i, a in enumerate(stage1) if a.kind == S.REDUCE_GRADS and a.batch == 0)
-    action = stage1.pop(reduce0)
-    first_b1 = next(i for i, a in enumerate(stage1) if a.kind == S.BACKWARD and a.microbatch == 2)
-    stage1.insert(first_b1 + 1, action)
-    with pytest.raises(S.ScheduleError, match=rf"stage 1, action {first_b1} \(B2@v0\): gradient "
-                                              rf"buffer: backward of batch 1 writes the buffer "
-                                              rf"before batch 0's gradients were reduced"):
-        S.validate([actions[0], stage1], "2bw", 2)
+    ("2bw", 2, 2, 1, _is(S.REDUCE_GRADS, batch=0), _is(S.BACKWARD, microbatch=2),
+     r"\(B2@v0\): gradient buffer: backward of batch 1 writes the buffer before batch 0's "
+     r"gradients were reduced"),
     # with m = 4 PipeDream's first stage needs version 1 only at batch 4, so its step of batch 0
     # could slide: moved after the reduce of batch 1, it would lose batch 0's gradients
-    pipedream = S.build_schedule("pipedream", 4, 4, 6)
-    stage0 = list(pipedream[0])
-    step0 = next(i for i, a in enumerate(stage0) if a.kind == S.STEP and a.batch == 0)
-    action = stage0.pop(step0)
-    reduce1 = next(i for i, a in enumerate(stage0) if a.kind == S.REDUCE_GRADS and a.batch == 1)
-    stage0.insert(reduce1 + 1, action)
-    with pytest.raises(S.ScheduleError, match=rf"stage 0, action {reduce1} \(reduce_grads\(b1\)\): "
-                                              rf"gradient buffer: batch 1's reduction reuses the "
-                                              rf"master gradients before batch 0's step"):
-        S.validate([stage0, *pipedream[1:]], "pipedream", 4)
-    # a batch never stepped
+    ("pipedream", 4, 4, 0, _is(S.STEP, batch=0), _is(S.REDUCE_GRADS, batch=1),
+     r"\(reduce_grads\(b1\)\): gradient buffer: batch 1's reduction reuses the master "
+     r"gradients before batch 0's step"),
+], ids=["reduce-after-next-backward", "step-after-next-reduce"])
+def test_validator_rejects_gradient_buffer_misuse(schedule, p, m, stage, moved, anchor, rule):
+    actions = S.build_schedule(schedule, p, m, 6)
+    actions[stage], position = _moved_after(actions[stage], moved, anchor)
+    with pytest.raises(S.ScheduleError, match=rf"stage {stage}, action {position} {rule}"):
+        S.validate(actions, schedule, m)
+
+
+def test_validator_rejects_a_batch_never_stepped():
+    actions = S.build_schedule("2bw", 2, 2, 3)
     dropped = [[a for a in stage if not (a.kind == S.STEP and a.batch == 2)] for stage in actions]
     with pytest.raises(S.ScheduleError, match="stage 0: batch 2 is never stepped"):
         S.validate(dropped, "2bw", 2)
