@@ -168,7 +168,7 @@ def test_the_memory_estimate_counts_the_compensation_state(precision, mode, dist
     compensated = run_ranks(2, _startup_report, config)
     for before, line in zip(plain, compensated):
         estimated, held = line.split("; held at start ")
-        for kind in ("params", "grads", "optimizer state", "2bw stash"):
+        for kind in ("params", "grads", "optimizer state", "version stash"):
             number = re.compile(re.escape(kind) + r" ([0-9.]+)")
             assert number.search(held).group(1) == number.search(estimated).group(1), line
         grew = {kind: float(re.search(re.escape(kind) + r" ([0-9.]+)", line.split("; held")[1])
