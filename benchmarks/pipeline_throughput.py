@@ -74,10 +74,12 @@ RUNS = {
     "gpipe": (STAGES, "megatron_2bw GPipe"),
     "flush": (STAGES, "megatron_2bw PipeDream-Flush"),
     "2bw": (STAGES, "megatron_2bw PipeDream-2BW"),
+    "pipedream": (STAGES, "megatron_2bw PipeDream (weight stashing)"),
     "torch_1f1b": (STAGES, "torch.distributed.pipelining Schedule1F1B"),
     "torch_gpipe": (STAGES, "torch.distributed.pipelining ScheduleGPipe"),
     "deepspeed": (STAGES, "DeepSpeed PipelineEngine (1F1B)"),
 }
+OURS = ("one_process", "gpipe", "flush", "2bw", "pipedream")
 
 
 @dataclass
@@ -320,7 +322,7 @@ class MegatronTrainer:
 
 
 def build_trainer(name: str, workload: Workload, split, rank: int, world: int, device):
-    if name in ("one_process", "gpipe", "flush", "2bw"):
+    if name in OURS:
         schedule = None if name == "one_process" else name
         return MegatronTrainer(workload, split, rank, world, schedule, device)
     import peers
@@ -634,7 +636,7 @@ def plot(summaries: list[RunSummary], baseline: float | None, output: str, title
     medians = [s.median for s in summaries]
     errors = [[m - min(s.tokens_per_s) for m, s in zip(medians, summaries)],
               [max(s.tokens_per_s) - m for m, s in zip(medians, summaries)]]
-    ours = ("one_process", "gpipe", "flush", "2bw")
+    ours = OURS
     colours = ["#7f7f7f" if n == "one_process" else "#2ca02c" if n in ours else "#9467bd"
                for n in names]
     bars = speed_ax.bar(names, medians, yerr=errors, capsize=4, color=colours)
@@ -677,6 +679,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "gradient traffic per microbatch, so two busy cores contend less")
     g.add_argument("--global-batch-size", type=int, default=16,
                    help="micro batch x m (one data-parallel replica); default m = 2")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
+                   help="an output layer of its own (pipedream needs it)")
     g.add_argument("--pipeline-layer-split", type=str,
                    help="layers per stage, e.g. 5,3 (default: the best split for measured times)")
     b = parser.add_argument_group("measurement")
@@ -744,6 +748,9 @@ def parse_workload(args) -> tuple[Workload, list[str], list[int] | None]:
     unknown = [n for n in names if n not in RUNS]
     if unknown or not names:
         fail(f"--runs expects a comma-separated subset of {','.join(RUNS)}, got {args.runs!r}")
+    if "pipedream" in names and not args.untie_embeddings_and_output_weights:
+        fail("--runs pipedream needs --untie-embeddings-and-output-weights (its stages would read "
+             "two versions of the tied word embeddings)")
     split = None
     if args.pipeline_layer_split:
         try:
@@ -758,7 +765,8 @@ def parse_workload(args) -> tuple[Workload, list[str], list[int] | None]:
             fail(f"--{flag} {path}: directory {Path(path).parent} does not exist")
     model = ModelConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
                         num_attention_heads=args.num_attention_heads, seq_length=args.seq_length,
-                        vocab_size=args.vocab_size, hidden_dropout=0.0, attention_dropout=0.0)
+                        vocab_size=args.vocab_size, hidden_dropout=0.0, attention_dropout=0.0,
+                        untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights)
     workload = Workload(model, args.micro_batch_size, args.global_batch_size, args.warmup_batches,
                         args.measured_batches, time_shares=args.time_shares)
     return workload, names, split

@@ -122,7 +122,10 @@ def build_parser(description: str = "", extra_args_provider=None) -> argparse.Ar
     _flag(g, "--context-parallel-size", "parallel", "context_parallel", type=int,
           help="GPT: split every sequence over this many ranks of each data-parallel replica "
                "(default 1); attention gathers the keys and values of the whole sequence")
-    _flag(g, "--pipeline-schedule", "parallel", "schedule", choices=["2bw", "flush", "gpipe"])
+    _flag(g, "--pipeline-schedule", "parallel", "schedule",
+          choices=["2bw", "flush", "gpipe", "pipedream"])
+    _bool_flag(g, "--vertical-sync", "parallel", "vertical_sync", "pipedream: every stage runs "
+               "a batch on the weight version the first stage used (a uniform delay of p - 1)")
     _flag(g, "--pipeline-layer-split", "parallel", "layer_split", type=str,
           help="layers per stage, e.g. 5,7,7,5")
     _flag(g, "--pipeline-repartition-interval", "parallel", "repartition_interval", type=int,
@@ -638,6 +641,24 @@ def _validate_context_parallel(config: Config) -> None:
              f"{cp} or --auto-parallel")
 
 
+def _validate_pipedream(config: Config) -> None:
+    """What PipeDream's per-stage versions cannot compose with."""
+    par, m, prec = config.parallel, config.model, config.precision
+    if par.vertical_sync:
+        _require(par.schedule == "pipedream", f"--vertical-sync applies to --pipeline-schedule "
+                                              f"pipedream only, got {par.pipeline_schedule}")
+    if par.schedule != "pipedream" or par.pipeline_parallel == 1:
+        return
+    _require(m.untie_embeddings_and_output_weights and m.model_type == "gpt",
+             "--pipeline-schedule pipedream needs --untie-embeddings-and-output-weights (GPT): "
+             "the first and last stage would read different versions of the tied word embeddings")
+    if not par.vertical_sync:
+        _require(not (prec.fp16 and prec.loss_scale is None),
+                 "--pipeline-schedule pipedream --fp16 needs a static --loss-scale or "
+                 "--vertical-sync: without vertical sync each stage decides its steps alone, so "
+                 "a dynamic loss scale would differ between the stages")
+
+
 def _require(condition: bool, message: str):
     if not condition:
         raise ConfigError(message)
@@ -701,6 +722,7 @@ def validate(config: Config, require_data: bool = True) -> None:
     _validate_batch_schedule(tr)
     _validate_megatron_schedules(opt)
     _validate_run_loop(tr, config.logging)
+    _validate_pipedream(config)
     _require(opt.clip_grad >= 0, f"--clip-grad must be >= 0 (0 disables), got {opt.clip_grad}")
     if config.recompute.granularity == "full":
         _require(config.recompute.method is not None or
@@ -760,6 +782,7 @@ def validate_for_world(config: Config, world_size: int) -> int:
                  f"--train-samples {tr.train_samples} is less than one "
                  + (f"first global batch ({first})" if growing else f"--global-batch-size {first}"))
         tr.train_iters = batch_schedule(tr).iterations_for_samples(tr.train_samples)
+    _validate_pipedream(config)  # also for configs built without the command line
     schedule = config.parallel.pipeline_schedule
     if schedule in ("2bw", "flush") and p > 1:
         _require(m >= p, f"--pipeline-schedule {schedule} needs at least as many microbatches per "

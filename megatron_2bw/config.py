@@ -117,7 +117,8 @@ class ParallelConfig:
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
     context_parallel: int = 1  # cp ranks split each sequence (GPT); part of the data-parallel ranks
-    schedule: str | None = None  # "2bw" | "flush" | "gpipe"; None picks 2bw when p > 1
+    schedule: str | None = None  # "2bw" | "flush" | "gpipe" | "pipedream"; None: 2bw when p > 1
+    vertical_sync: bool = False  # pipedream: every stage reads the first stage's version
     layer_split: list[int] | None = None  # layers per stage
     distributed_backend: str | None = None  # None: nccl with CUDA, gloo otherwise
     timeout_minutes: float = 10.0
@@ -136,7 +137,8 @@ class ParallelConfig:
     @property
     def pipeline_schedule(self) -> str:
         if self.schedule is not None:
-            return self.schedule
+            return "pipedream-vs" if self.schedule == "pipedream" and self.vertical_sync \
+                else self.schedule
         return "2bw" if self.pipeline_parallel > 1 else "flush"
 
 

@@ -42,7 +42,8 @@ def optimizer_state_tensors(optimizer) -> list[torch.Tensor]:
 def static_breakdown(versions, optimizer) -> dict[str, int]:
     """Bytes of the stage's static state by kind, named like the planner's StageMemory fields:
     params (master weights + one working copy), grads (accumulation buffer + master gradients),
-    optimizer (its state), versions_stash (2BW's other working copy)."""
+    optimizer (its state), versions_stash (the working copies beyond the first: 2BW's second,
+    PipeDream's p - s - 1 more)."""
     copies = versions.working_copies()
     return {
         "params": storage_bytes(versions.master_regions + [copies[0].flat]),

@@ -37,7 +37,7 @@ from megatron_2bw.optim.optimizer import build_torch_optimizer
 from megatron_2bw.planner.memory import estimate_stage_memory
 from megatron_2bw.pipeline.executor import StageExecutor
 from megatron_2bw.pipeline.partition import layer_ranges, stage_recompute
-from megatron_2bw.pipeline.schedules import stage_actions, stage_receives
+from megatron_2bw.pipeline.schedules import VersionRule, stage_actions, stage_receives
 from megatron_2bw.pipeline.update import GradientUpdater, StepResult
 from megatron_2bw.pipeline.weights import WeightVersions
 from megatron_2bw.tensor_parallel.random import seed_everything
@@ -83,16 +83,17 @@ def build_stage(config: Config, layout: ParallelLayout, device: torch.device, ti
                               ranges[stage], layout.is_first_stage, layout.is_last_stage,
                               config.training.seed, stage_recompute(config.recompute, stage),
                               layout.group("context")).to(device)
-    schedule = par.pipeline_schedule
-    versions = WeightVersions(model, working_dtype(config), grad_dtype(config),
-                              single_version=schedule != "2bw")
+    rule = VersionRule(par.pipeline_schedule, par.pipeline_parallel, stage)
+    versions = WeightVersions(model, working_dtype(config), grad_dtype(config), rule=rule)
     optimizer = build_optimizer(config, versions.master, versions.names, layout)
     scaler = build_loss_scaler(config.precision)
     train = config.training
     updater = GradientUpdater(
         versions, optimizer, scaler,
         lambda groups, b: apply_schedule(groups, b, config.optimizer, train), config.optimizer,
-        layout.group("data"), layout.group("embedding"), layout.group("model"),
+        layout.group("data"), layout.group("embedding"),
+        # the ranks that decide a step together (norm, overflow): the stage alone under PipeDream
+        layout.group("model") if rule.global_step_decisions else layout.group("tensor"),
         layout.group("tensor"), par.ddp_bucket_size, par.timeout_minutes, timers,
         check_for_nan=train.check_for_nan_in_loss_and_grad,
         log_params_norm=config.logging.log_params_norm,
@@ -142,7 +143,7 @@ def startup_memory_report(stage: Stage) -> str:
     measured = static_breakdown(stage.versions, stage.optimizer)
     mib = 2.0 ** 20
     names = {"params": "params", "grads": "grads", "optimizer": "optimizer state",
-             "versions_stash": "2bw stash", "activations": "activations", "workspace": "workspace"}
+             "versions_stash": "version stash", "activations": "activations", "workspace": "workspace"}
     estimated = " | ".join(f"{label} {getattr(estimate, key) / mib:.2f}"
                            for key, label in names.items())
     held = " | ".join(f"{names[key]} {value / mib:.2f}" for key, value in measured.items())

@@ -333,3 +333,45 @@ def test_openai_gelu_is_an_architecture_switch_of_the_gelu_mlp():
     assert config.model.openai_gelu and config.model.gelu_approximation == "tanh"
     with pytest.raises(ConfigError, match="--swiglu's MLP has none: give one of them"):
         parse_config([*TINY, "--openai-gelu", "--swiglu"])
+
+
+PIPEDREAM = ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "pipedream"]
+
+
+def test_pipedream_flags_fill_the_config():
+    config, _ = parse_config([*TINY, *PIPEDREAM, "--untie-embeddings-and-output-weights",
+                              "--vertical-sync"])
+    assert config.parallel.pipeline_schedule == "pipedream-vs"
+    config, _ = parse_config([*TINY, *PIPEDREAM, "--untie-embeddings-and-output-weights"])
+    assert config.parallel.pipeline_schedule == "pipedream"
+    # one microbatch per update (m = 1 < p) is PipeDream's own setting: no m >= p rule
+    config.training.global_batch_size = 2
+    assert validate_for_world(config, 2) == 1
+
+
+@pytest.mark.parametrize("extra,expected", [
+    (["--vertical-sync"], "--vertical-sync applies to --pipeline-schedule pipedream only, got flush"),
+    (PIPEDREAM, "--pipeline-schedule pipedream needs --untie-embeddings-and-output-weights"),
+    ([*PIPEDREAM, "--untie-embeddings-and-output-weights", "--fp16"],
+     "--pipeline-schedule pipedream --fp16 needs a static --loss-scale or --vertical-sync"),
+])
+def test_pipedream_combinations_refused_in_one_line(extra, expected):
+    result = subprocess.run([sys.executable, "pretrain_gpt.py", *TINY, *extra], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and expected in lines[0], result.stderr
+
+
+def test_pipedream_fp16_with_a_static_scale_or_vertical_sync_is_accepted():
+    for extra in (["--loss-scale", "1024"], ["--vertical-sync"]):
+        config, _ = parse_config([*TINY, *PIPEDREAM, "--untie-embeddings-and-output-weights",
+                                  "--fp16", *extra])
+        assert config.precision.fp16
+
+
+def test_pipedream_with_tied_embeddings_is_refused_for_any_built_config():
+    config, _ = parse_config([*TINY, *PIPEDREAM, "--untie-embeddings-and-output-weights"])
+    config.model.untie_embeddings_and_output_weights = False
+    with pytest.raises(ConfigError, match="pipedream needs --untie-embeddings-and-output-weights"):
+        validate_for_world(config, 2)

@@ -3,6 +3,7 @@
     python tools/visualize_schedule.py --schedule 2bw --pipeline-stages 4 --microbatches 4 \\
         --batches 3 --output schedule.png
     python tools/visualize_schedule.py --compare 2bw,flush,gpipe --output compare.png
+    python tools/visualize_schedule.py --compare 2bw,pipedream,flush --output versions.png
     python tools/visualize_schedule.py --schedule 2bw --text
 
 Boxes are coloured by weight version (forward solid, backward light and hatched) and numbered by

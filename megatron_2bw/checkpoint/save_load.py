@@ -25,7 +25,6 @@ import torch.distributed as dist
 
 from megatron_2bw.config import Config, ConfigError
 from megatron_2bw.pipeline.partition import layer_ranges
-from megatron_2bw.pipeline.schedules import version_for_batch
 from megatron_2bw.tensor_parallel.random import rng_state_dict
 
 FORMAT = "megatron_2bw/2"
@@ -328,8 +327,8 @@ def load_checkpoint(stage, root: str, iteration: int | None = None) -> dict | No
         v.reset(0)
         print_once(layout, f" loaded weights of {root} (iteration {iteration}) for fine-tuning")
         return None
-    schedule = stage.config.parallel.pipeline_schedule
-    needed = {version_for_batch(schedule, iteration), iteration}  # 2BW: batch N uses version N-1
+    # every version from the one batch N reads (2BW: N-1; PipeDream: N-(p-1-s)) to the newest
+    needed = range(v.version_for_batch(iteration), iteration + 1)
     saved_versions = {int(k): t for k, t in state["versions"].items()}
     v.reset(iteration, {version: [saved_versions.get(version, state["model"])[n] for n in v.names]
                         for version in needed})

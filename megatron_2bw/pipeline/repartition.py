@@ -34,7 +34,6 @@ from megatron_2bw.checkpoint.save_load import optimizer_state_by_index, stage_st
 from megatron_2bw.config import Config
 from megatron_2bw.pipeline.layer_times import LayerTimes, StageTimes
 from megatron_2bw.pipeline.partition import layer_ranges
-from megatron_2bw.pipeline.schedules import version_for_batch
 from megatron_2bw.planner.stage_plan import LayerCosts, StagePlan, evaluate_plan, plan_stages
 from megatron_2bw.tensor_parallel.random import load_rng_state_dict, rng_state_dict
 
@@ -249,8 +248,8 @@ def load_stage(stage, state: dict, iteration: int) -> None:
                                f"received no state for {missing[:3]}")
     v.load_full_master([state["model"][n] for n in v.names])
     saved = {int(version): tensors for version, tensors in state["versions"].items()}
-    schedule = stage.config.parallel.pipeline_schedule
-    live = set(saved) | {version_for_batch(schedule, iteration), iteration}
+    # every version from the one the next batch reads on this stage to the newest
+    live = set(saved) | set(range(v.version_for_batch(iteration), iteration + 1))
     v.reset(iteration, {version: [saved.get(version, state["model"])[n] for n in v.names]
                         for version in sorted(live)})
     names_of = {id(m): name for name, m in zip(v.names, v.master)}

@@ -15,6 +15,17 @@ Schedules (p stages, m microbatches per batch, batches numbered from 0):
           others' wait for, before the later stages need theirs).
 - "flush" PipeDream-Flush: 1F1B drained after every batch; batch b uses version b (vanilla).
 - "gpipe" GPipe: all forwards of a batch, then all backwards, drained after every batch.
+- "pipedream" PipeDream (weight stashing): 2BW's never-drained 1F1B sequence, but batch b on stage s
+          of p uses version max(0, b - (p-1-s)): the newest version a stage has when the batch
+          reaches it with one microbatch per batch (m = 1, PipeDream's own setting, allowed here),
+          so stage s stashes up to p - s versions. With m > 1 a batch accumulates m microbatches
+          per update under the same rule. Steps are deferred like 2BW's (until the version is
+          needed or the gradient buffer is). Its step decisions (clipping norm, overflow) are each
+          stage's own: a global one would stall, since stage s > 0 needs version b+1 before the
+          first stage has computed its gradient of batch b (see pipeline/update.py).
+- "pipedream-vs" PipeDream with vertical sync (--pipeline-schedule pipedream --vertical-sync):
+          every stage uses the version the first stage uses, max(0, b - (p-1)): a uniform delay of
+          p - 1 updates, so global step decisions complete in the background as under 2BW.
 A training run is cut into segments (at evaluation and checkpoint points); each segment is one call
 with `first_batch` and `batches`, ends drained, and leaves every step of its batches done. The
 weight-version rule depends only on batch indices, so segmenting never changes the arithmetic.
@@ -29,7 +40,9 @@ SEND_ACT, RECV_ACT, SEND_GRAD, RECV_GRAD = "send_act", "recv_act", "send_grad", 
 REDUCE_GRADS, STEP, RELEASE_VERSION = "reduce_grads", "step", "release_version"
 COMPUTE_KINDS = (FORWARD, BACKWARD)
 COMM_KINDS = (SEND_ACT, RECV_ACT, SEND_GRAD, RECV_GRAD)
-SCHEDULES = ("2bw", "flush", "gpipe")
+SCHEDULES = ("2bw", "flush", "gpipe", "pipedream", "pipedream-vs")
+# one 1F1B sequence over every batch of a segment, steps deferred until their version is needed
+NEVER_DRAINED = ("2bw", "pipedream", "pipedream-vs")
 
 
 @dataclass(frozen=True)
@@ -54,8 +67,51 @@ class ScheduleError(ValueError):
     """An action list breaks a rule; the message names the stage, position and rule."""
 
 
-def version_for_batch(schedule: str, batch: int) -> int:
-    return max(batch - 1, 0) if schedule == "2bw" else batch
+def update_delay(schedule: str, stage: int = 0, stages: int = 1) -> int:
+    """How many updates behind the newest weights a stage's batches run: batch b reads version
+    max(0, b - delay)."""
+    if schedule == "2bw":
+        return 1
+    if schedule == "pipedream":
+        return stages - 1 - stage
+    if schedule == "pipedream-vs":
+        return stages - 1
+    return 0
+
+
+def version_for_batch(schedule: str, batch: int, stage: int = 0, stages: int = 1) -> int:
+    """The weight version batch `batch` reads on `stage` of `stages` (forward and backward alike)."""
+    return max(batch - update_delay(schedule, stage, stages), 0)
+
+
+def live_versions(schedule: str, stages: int = 1, stage: int = 0) -> int:
+    """The most weight versions `stage` holds at once (the validator checks it): the delay plus
+    one, from the version its oldest batch in flight reads to the newest: 1 for the flushed
+    schedules, 2 for 2BW, p - s for PipeDream, p on every stage under vertical sync."""
+    return update_delay(schedule, stage, stages) + 1
+
+
+@dataclass(frozen=True)
+class VersionRule:
+    """The weight-version rule of one stage: which version each batch reads and how many
+    versions the stage holds at most (what WeightVersions allocates)."""
+    schedule: str
+    stages: int = 1
+    stage: int = 0
+
+    def version_for_batch(self, batch: int) -> int:
+        return version_for_batch(self.schedule, batch, self.stage, self.stages)
+
+    @property
+    def live_versions(self) -> int:
+        return live_versions(self.schedule, self.stages, self.stage)
+
+    @property
+    def global_step_decisions(self) -> bool:
+        """Whether a step waits for every stage's gradient norm (clipping, overflow): all but
+        plain PipeDream, whose later stages need a new version before the first stage's gradient
+        of that update exists."""
+        return self.schedule != "pipedream" or self.stages == 1
 
 
 def max_in_flight(schedule: str, stages: int, microbatches: int, stage: int) -> int:
@@ -82,10 +138,14 @@ def stage_actions(schedule: str, stages: int, microbatches: int, batches: int, s
     first, last = stage == 0, stage == stages - 1
     m = microbatches
     end_batch = first_batch + batches
-    pending_steps: list[int] = []  # 2bw: batches whose step is deferred
+    pending_steps: list[int] = []  # never-drained schedules: batches whose step is deferred
+    deferred = schedule in NEVER_DRAINED
+
+    def version_of_batch(b: int) -> int:
+        return version_for_batch(schedule, b, stage, stages)
 
     def version(k: int) -> int:
-        return version_for_batch(schedule, k // m)
+        return version_of_batch(k // m)
 
     def flush_pending_steps():
         while pending_steps:
@@ -93,7 +153,7 @@ def stage_actions(schedule: str, stages: int, microbatches: int, batches: int, s
             yield Action(STEP, version=b + 1, batch=b)
 
     def steps_due_before_forward(k: int):
-        if schedule == "2bw" and pending_steps and k // m >= pending_steps[0] + 2:
+        if deferred and pending_steps and version(k) > pending_steps[0]:
             yield from flush_pending_steps()
 
     def forward(k: int):
@@ -114,9 +174,9 @@ def stage_actions(schedule: str, stages: int, microbatches: int, batches: int, s
             yield from end_of_batch(k // m)
 
     def end_of_batch(b: int):
-        v = version_for_batch(schedule, b)
-        if schedule == "2bw":
-            if version_for_batch(schedule, b + 1) != v:
+        v = version_of_batch(b)
+        if deferred:
+            if version_of_batch(b + 1) != v:
                 yield Action(RELEASE_VERSION, version=v)
             yield from flush_pending_steps()  # reduce_grads(b) needs the gradient buffer
             yield Action(REDUCE_GRADS, batch=b)
@@ -137,7 +197,7 @@ def stage_actions(schedule: str, stages: int, microbatches: int, batches: int, s
             yield from steps_due_before_forward(k + warmup)
             yield from backward(k)
 
-    if schedule == "2bw":
+    if deferred:
         yield from one_f_one_b(list(range(first_batch * m, end_batch * m)))
         yield from flush_pending_steps()
     else:
@@ -242,18 +302,28 @@ def _fail(stage: int, position: int, action: Action, rule: str):
 
 def validate(actions: list[list[Action]], schedule: str, microbatches: int,
              first_batch: int = 0) -> None:
-    """Check every rule of a pipeline schedule without processes; raise ScheduleError if broken."""
+    """Check every rule of a pipeline schedule without processes; raise ScheduleError naming the
+    stage, the position and the rule if one is broken. Besides the data flow, per stage:
+    - weights: every forward and backward names the schedule's version for its batch, a
+      microbatch's backward the version of its forward, and only live versions; at most
+      live_versions(schedule, p, stage) are live at once (the segment starts with the versions
+      its first batches read, up to the newest, first_batch);
+    - the gradient buffer: a batch's gradients are reduced before the next batch's first
+      backward writes the buffer, after every backward of the batch; a batch's step comes after
+      its reduction, and before the next batch's reduction reuses the master gradients;
+      every batch of the segment is reduced and stepped by its end."""
     stages = len(actions)
     m = microbatches
-    versions_of_microbatch: dict[int, int] = {}
+    batches = range(first_batch, first_batch + (len(_microbatches(actions)) + m - 1) // m)
     for s, stage_list in enumerate(actions):
         first, last = s == 0, s == stages - 1
         limit = max_in_flight(schedule, stages, m, s)
+        version_limit = live_versions(schedule, stages, s)
         forwarded, backwarded, received_act, received_grad = set(), set(), set(), set()
-        alive = {version_for_batch(schedule, first_batch)}
-        if schedule == "2bw":
-            alive.add(version_for_batch(schedule, first_batch + 1))
+        alive = set(range(version_for_batch(schedule, first_batch, s, stages), first_batch + 1))
+        forward_version: dict[int, int] = {}
         reduced: set[int] = set()
+        stepped: set[int] = set()
         for i, a in enumerate(stage_list):
             k = a.microbatch
             if a.kind == FORWARD:
@@ -269,6 +339,10 @@ def validate(actions: list[list[Action]], schedule: str, microbatches: int,
                     _fail(s, i, a, "backward without a preceding forward, or twice")
                 if not last and k not in received_grad:
                     _fail(s, i, a, "backward before its gradient was received from the next stage")
+                unreduced = [b for b in range(first_batch, k // m) if b not in reduced]
+                if unreduced:
+                    _fail(s, i, a, f"gradient buffer: backward of batch {k // m} writes the buffer "
+                                   f"before batch {unreduced[0]}'s gradients were reduced")
                 backwarded.add(k)
             elif a.kind == RECV_ACT:
                 if first:
@@ -286,31 +360,49 @@ def validate(actions: list[list[Action]], schedule: str, microbatches: int,
                 batch_ks = range(a.batch * m, (a.batch + 1) * m)
                 if not all(x in backwarded for x in batch_ks):
                     _fail(s, i, a, "gradients reduced before every backward of the batch")
+                unstepped = [b for b in range(first_batch, a.batch) if b not in stepped]
+                if unstepped:
+                    _fail(s, i, a, f"gradient buffer: batch {a.batch}'s reduction reuses the "
+                                   f"master gradients before batch {unstepped[0]}'s step "
+                                   f"consumed them")
                 reduced.add(a.batch)
             elif a.kind == STEP:
                 if a.batch not in reduced:
                     _fail(s, i, a, "step before the batch's gradients were reduced")
                 if a.version != a.batch + 1:
                     _fail(s, i, a, "step of batch b must create version b+1")
+                stepped.add(a.batch)
                 alive.add(a.version)
             elif a.kind == RELEASE_VERSION:
                 if a.version not in alive:
                     _fail(s, i, a, "release of a version that is not alive")
                 alive.discard(a.version)
             if a.kind in COMPUTE_KINDS:
-                expected = version_for_batch(schedule, k // m)
+                expected = version_for_batch(schedule, k // m, s, stages)
                 if a.version != expected:
-                    _fail(s, i, a, f"{schedule} must use version {expected} for microbatch {k}")
+                    _fail(s, i, a, f"{schedule} must use version {expected} for microbatch {k} "
+                                   f"on stage {s}")
+                if a.kind == BACKWARD and forward_version.get(k) != a.version:
+                    _fail(s, i, a, f"weight stashing: the backward of microbatch {k} names version "
+                                   f"{a.version}, its forward version {forward_version.get(k)}")
+                forward_version.setdefault(k, a.version)
                 if a.version not in alive:
                     _fail(s, i, a, f"version {a.version} is not alive (not created yet or released)")
-                if versions_of_microbatch.setdefault(k, a.version) != a.version:
-                    _fail(s, i, a, f"microbatch {k} uses two weight versions")
-            if schedule == "2bw" and len(alive) > 2:
-                _fail(s, i, a, f"2bw holds {len(alive)} weight versions (at most 2)")
+            if len(alive) > version_limit:
+                _fail(s, i, a, f"{schedule} holds {len(alive)} weight versions on stage {s} (at "
+                               f"most {version_limit})")
         missing = forwarded - backwarded
         if missing:
             raise ScheduleError(f"stage {s}: microbatches {sorted(missing)} never run backward")
+        for b in batches:
+            if b not in reduced or b not in stepped:
+                raise ScheduleError(f"stage {s}: batch {b} is never "
+                                    f"{'reduced' if b not in reduced else 'stepped'}")
     timeline(actions)  # raises on deadlock or an unmatched send
+
+
+def _microbatches(actions: list[list[Action]]) -> set[int]:
+    return {a.microbatch for stage_list in actions for a in stage_list if a.kind == FORWARD}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -17,8 +17,13 @@ step(b): wait for those, then decide for every stage alike: skip (fp16 overflow 
   version, the loss scale backs off) or unscale + clip + optimizer step, and create weight version b+1.
   Outside fp16 a non-finite norm stops the job (--check-for-nan-in-loss-and-grad; every rank sees
   the same norm, so every rank raises) or, with the check off, skips the step as an overflow.
-Under 2BW the schedule puts step(b) just before version b+1 is first needed, so cross-stage waiting
-costs no bubble: a stage r > 0 starts its norm before its first backward of batch b+1, which the
+`model_group` is the group that decides a step together: the whole model, or under plain PipeDream
+(schedules.VersionRule.global_step_decisions) the stage's tensor-parallel group: there stage s > 0
+needs version b+1 before the first stage has computed its gradient of batch b, so a global norm
+would stall the pipeline; each stage clips by its own gradients' norm (as PipeDream's runtime did)
+and reports that norm, and dynamic fp16 loss scaling is refused (the stages' scales would differ).
+Under 2BW (and PipeDream's vertical sync) the schedule puts step(b) just before version b+1 is first
+needed, so cross-stage waiting costs no bubble: a stage r > 0 starts its norm before its first backward of batch b+1, which the
 first stage's backward of the same microbatch, and so its step(b), has to wait for. Under
 Flush/GPipe step(b) follows reduce(b) directly, as in a flushed pipeline.
 

@@ -21,7 +21,9 @@ class ScheduleShape:
     batches: int
 
     def title(self) -> str:
-        names = {"2bw": "PipeDream-2BW", "flush": "PipeDream-Flush (1F1B)", "gpipe": "GPipe"}
+        names = {"2bw": "PipeDream-2BW", "flush": "PipeDream-Flush (1F1B)", "gpipe": "GPipe",
+                 "pipedream": "PipeDream (weight stashing, p - s versions on stage s)",
+                 "pipedream-vs": "PipeDream with vertical sync (p versions per stage)"}
         return (f"{names[self.schedule]}: p = {self.stages} stages, m = {self.microbatches} "
                 f"microbatches per batch, {self.batches} batches")
 

@@ -6,11 +6,13 @@ schedule's actions name, and the gradient-accumulation buffer.
   are the leaves autograd sees. `install(v)` puts version v's leaves into the module (swapping
   Parameter objects, never their storage), so a microbatch's backward differentiates exactly the
   weights its forward used.
-- `create(v)` fills a copy from the master weights after a step. 2BW allocates its second copy up
-  front and then reuses the storage of released versions, so it holds exactly two working copies:
-  one more than Flush, in the working precision only.
-- In fp32 2BW the master weights are the newest version's own working copy (sharded: this
-  rank's part of it), not a third fp32 copy: `prepare_step` first moves them to the free copy (a
+- `create(v)` fills a copy from the master weights after a step. A stage holds at most
+  `rule.live_versions` working copies (VersionRule in pipeline/schedules.py: 1 for Flush and GPipe,
+  2 for 2BW, p - s on stage s of PipeDream, p under its vertical sync), allocated up front; a
+  released version's storage is reused for the next one, so no schedule copies more than its
+  rule needs. The optimizer state exists once, for the master (newest) weights.
+- In fp32 with several versions (2BW, PipeDream) the master weights are the newest version's own
+  working copy (sharded: this rank's part of it), not one more fp32 copy: `prepare_step` first moves them to the free copy (a
   copy pass, which the new version would cost anyway), unless the schedule has just released
   their own copy, which the step then updates in place (the last stage's case: no copy at all).
 - Gradients of every version accumulate into one flat buffer (`main_grad_buffer`, views per
@@ -36,7 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron_2bw.distributed.comm import group_rank, group_size
-from megatron_2bw.pipeline.schedules import version_for_batch
+from megatron_2bw.pipeline.schedules import VersionRule
 
 # torch 2.13 renamed the tensor-in/tensor-out collectives; the old names still exist, but warn
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -141,11 +143,18 @@ def _world_size() -> int:
 
 
 class WeightVersions:
+    """The weight versions of one stage under `rule` (or, shorter, `single_version`: True for
+    Flush's rule, False for 2BW's)."""
+
     def __init__(self, module: nn.Module, working_dtype: torch.dtype, grad_dtype: torch.dtype,
-                 single_version: bool):
+                 single_version: bool | None = None, rule: VersionRule | None = None):
+        if rule is None:
+            rule = VersionRule("flush" if single_version in (None, True) else "2bw")
         self.module = module
         self.working_dtype = working_dtype
-        self.single_version = single_version
+        self.rule = rule
+        self.capacity = rule.live_versions  # working copies held (at most)
+        self.single_version = self.capacity == 1
         named = list(module.named_parameters())
         self.names = [name for name, _ in named]
         self.specs = [p.spec for _, p in named]
@@ -157,7 +166,7 @@ class WeightVersions:
         self.layout = FlatLayout.build([p.numel() for _, p in named],
                                        [s.tied for s in self.specs], _world_size())
         fp32 = working_dtype == torch.float32 and grad_dtype == torch.float32
-        self.alias = single_version and fp32
+        self.alias = self.single_version and fp32
         self.device = named[0][1].device
         self.data_group = None  # set by shard()
         self.main_grad_buffer = self._zeros(self.layout.total, grad_dtype)
@@ -178,7 +187,7 @@ class WeightVersions:
         self._point_master_grads_at(master_grad_flat)
         self.versions: dict[int, WorkingCopy] = {0: first}
         self._free: list[WorkingCopy] = []
-        self._add_spare_copy()
+        self._add_spare_copies()
         self.install(0)
 
     # -- flat storage ------------------------------------------------------------------------
@@ -280,10 +289,11 @@ class WeightVersions:
                 leaf.grad = grad
         self._point_master_grads_at(gradients)
 
-    def _add_spare_copy(self) -> None:
-        """2BW's second working copy, allocated at start so the stage holds from the first step
+    def _add_spare_copies(self) -> None:
+        """The working copies beyond the live ones, up to the rule's capacity (2BW's second,
+        PipeDream's p - s - 1 more), allocated at start so the stage holds from the first step
         what it holds at its peak (and an out-of-memory shows at once)."""
-        if not self.single_version and self.distinct_versions + len(self._free) < 2:
+        while self.distinct_versions + len(self._free) < self.capacity:
             self._free.append(self._new_copy())
 
     def working_copies(self) -> list[WorkingCopy]:
@@ -372,8 +382,9 @@ class WeightVersions:
         return len({id(leaves) for leaves in self.versions.values()})
 
     def version_for_batch(self, batch: int) -> int:
-        """The version a batch's forwards and backwards use (2BW: the one before last)."""
-        return version_for_batch("flush" if self.single_version else "2bw", batch)
+        """The version a batch's forwards and backwards use on this stage (2BW: the one before
+        last; PipeDream: p - 1 - s before the newest)."""
+        return self.rule.version_for_batch(batch)
 
     def install(self, version: int) -> None:
         if version not in self.versions:
@@ -405,7 +416,7 @@ class WeightVersions:
     @torch.no_grad()
     def reset(self, newest: int, saved: dict[int, list[torch.Tensor]] | None = None) -> None:
         """Re-create the versions after the master weights were loaded: the saved working tensors
-        of each version (a checkpoint's two 2BW versions), or version `newest` from the master.
+        of each version (a checkpoint's stashed versions), or version `newest` from the master.
         The working copies are reused, not allocated again."""
         pool = list({id(c): c for c in self.versions.values()}.values()) + self._free
         self.versions, self._free = {}, []
@@ -427,7 +438,7 @@ class WeightVersions:
                 self._fill_from_master(copy)
                 self.versions[newest] = copy
             self._free = pool
-            self._add_spare_copy()
+            self._add_spare_copies()
         self.install(self.newest)
 
 

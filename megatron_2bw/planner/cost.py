@@ -47,6 +47,7 @@ from functools import lru_cache
 from megatron_2bw.config import ModelConfig, ParallelConfig, PrecisionConfig
 from megatron_2bw.distributed.layout import ParallelLayout
 from megatron_2bw.pipeline.partition import layer_ranges
+from megatron_2bw.pipeline.schedules import NEVER_DRAINED
 from megatron_2bw.planner.hardware import HardwareSpec
 from megatron_2bw.planner.memory import (dtype_bytes, grad_buffer_bytes,
                                          stage_parameters, stage_tensor_partial_grad_parameters)
@@ -64,7 +65,7 @@ class Candidate:
     data_parallel: int
     micro_batch_size: int
     recompute: str | None  # None | "selective" | "full"
-    schedule: str  # "2bw" | "flush" | "gpipe"
+    schedule: str  # "2bw" | "flush" | "gpipe" | "pipedream"
     layer_split: tuple[int, ...] | None = None  # layers per stage; None: the runtime's even split
     # per stage, how many of its first layers recompute in full (stage_plan.py); recompute None
     recompute_layers: tuple[int, ...] | None = None
@@ -418,7 +419,7 @@ def stage_costs(model: ModelConfig, hardware: HardwareSpec, costs: ComputeCosts,
     # 2BW the newest version's; the master gradients are separate unless fp32 Flush/GPipe, and
     # in fp32 2BW, unsharded, they trade storage with the buffer (WeightVersions)
     fp32 = e == 4 and g == 4
-    fp32_versions = fp32 and candidate.schedule == "2bw"
+    fp32_versions = fp32 and candidate.schedule in NEVER_DRAINED
     separate_master_grads = not fp32 or fp32_versions
     swaps_gradients = fp32_versions and shards == 1
     layer_counts = list(candidate.layer_split) if candidate.layer_split else \
@@ -581,7 +582,7 @@ def paper_breakdown(stages: list[StageCost], schedule: str, microbatches: int) -
     compute = stages[k].forward_s + stages[k].backward_s
     p2p = max(link(k), link(k - 1))
     data_parallel = max(st.reduce_s + st.reduce_background_s + st.step_s for st in stages)
-    if schedule == "2bw":
+    if schedule in NEVER_DRAINED:
         return {"compute": m * compute, "p2p": m * p2p,
                 "data_parallel": max(data_parallel - m * (compute + p2p), 0.0), "bubble": 0.0}
     return {"compute": m * compute, "p2p": m * p2p, "data_parallel": data_parallel,
@@ -611,7 +612,7 @@ def time_per_batch_lower_bound(stages: list[StageCost], schedule: str, microbatc
         pair = max(own[s] + own[s + 1] + stages[s].send_act_s + stages[s + 1].send_grad_s
                    for s in range(p - 1)) / 2
         bound = max(bound, (m - p + 1) * pair)
-    if schedule != "2bw":
+    if schedule not in NEVER_DRAINED:
         first = stages[0]
         path = max(m * own[k] + sum(own[:k]) for k in range(p))
         bound = max(bound, path + first.reduce_s + first.reduce_background_s

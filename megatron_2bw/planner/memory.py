@@ -38,7 +38,7 @@ import torch
 from megatron_2bw.config import ModelConfig, ParallelConfig, PrecisionConfig, RecomputeConfig
 from megatron_2bw.distributed.comm import ShardShapeGroup
 from megatron_2bw.pipeline.partition import layer_ranges, stage_recompute
-from megatron_2bw.pipeline.schedules import max_in_flight
+from megatron_2bw.pipeline.schedules import live_versions, max_in_flight
 from megatron_2bw.planner.hardware import HardwareSpec
 
 OPTIMIZER_STATE_BYTES = {"adam": 8, "sgd": 4}  # per fp32 parameter: Adam's m and v, SGD momentum
@@ -337,7 +337,7 @@ def estimate_stage_memory(model: ModelConfig, parallel: ParallelConfig, precisio
     first, last = stage == 0, stage == p - 1
     P = stage_parameters(model, t, layers, first, last)
     e, g = dtype_bytes(precision), grad_buffer_bytes(precision)
-    versions = 2 if schedule == "2bw" else 1
+    versions = live_versions(schedule, p, stage)  # working copies: 2BW 2, PipeDream p - s
     shards = data_parallel if parallel.use_distributed_optimizer else 1
     # weights.py: in fp32 the master weights are (part of) a working copy (2BW's newest), and
     # the master gradients the accumulation buffer unless a second version accumulates

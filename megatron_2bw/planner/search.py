@@ -22,7 +22,10 @@ from dataclasses import dataclass, field
 from tqdm import tqdm
 
 from megatron_2bw.config import Config, ModelConfig, ParallelConfig, PrecisionConfig, RecomputeConfig
-from megatron_2bw.pipeline.schedules import SCHEDULES
+from megatron_2bw.pipeline.schedules import SCHEDULES, VersionRule
+
+# what --pipeline-schedule offers (PipeDream's vertical sync is a flag of its own, not planned)
+PLANNED_SCHEDULES = tuple(s for s in SCHEDULES if s != "pipedream-vs")
 from megatron_2bw.planner.cost import (RECOMPUTE_OPTIONS, Candidate, CoreSharing, StageCost,
                                        balanced_split, bottleneck_label, busiest_stage,
                                        core_sharing, layer_costs, paper_breakdown, stage_costs,
@@ -45,7 +48,7 @@ class SearchSpace:
     pipeline_parallel: tuple[int, ...] | None = None
     micro_batch_sizes: tuple[int, ...] | None = None
     recompute: tuple[str | None, ...] = RECOMPUTE_OPTIONS
-    schedules: tuple[str, ...] = SCHEDULES
+    schedules: tuple[str, ...] = PLANNED_SCHEDULES
     layer_split: tuple[int, ...] | None = None  # pinned layers per stage (pins p too)
     balance_layers: bool = True  # otherwise the runtime's even split (when no split is pinned)
     # where a configuration without recomputation does not fit: the split and per-stage
@@ -115,8 +118,8 @@ def candidates(model: ModelConfig, world_size: int, hardware: HardwareSpec, glob
                space: SearchSpace | None = None) -> list[Candidate]:
     """Every valid configuration: t inside a node and splitting the model (`splits_model`); p at
     most the layers; d = world / (t p) dividing the global batch; micro batch sizes dividing the
-    per-replica batch; 2BW and Flush need at least p microbatches per batch; one schedule at p = 1
-    (`schedules_for`)."""
+    per-replica batch; 2BW and Flush need at least p microbatches per batch; PipeDream needs
+    untied embeddings; one schedule at p = 1 (`schedules_for`)."""
     space = space or SearchSpace()
     per_node = hardware.devices_per_node
     result = []
@@ -139,6 +142,9 @@ def candidates(model: ModelConfig, world_size: int, hardware: HardwareSpec, glob
                 for schedule in schedules_for(p, space.schedules):
                     if schedule in ("2bw", "flush") and m < p:
                         continue
+                    if schedule == "pipedream" and not (
+                            model.untie_embeddings_and_output_weights and model.model_type == "gpt"):
+                        continue  # the first and last stage would read two versions of one matrix
                     for recompute in space.recompute:
                         result.append(Candidate(t, p, d, b, recompute, schedule,
                                                 space.layer_split))
@@ -287,7 +293,8 @@ class _Planner:
             shape = (c.schedule, c.pipeline_parallel, m)
             if shape not in self._schedules:
                 self._schedules[shape] = compiled_schedule(*shape, SIMULATED_BATCHES)
-            result = simulate(self._schedules[shape], item.durations, sharing=item.sharing)
+            result = simulate(self._schedules[shape], item.durations, sharing=item.sharing,
+                              stage_local_steps=not VersionRule(*shape[:2]).global_step_decisions)
             seconds, bubble = result.time_per_batch, result.bubble_fraction
             breakdown, bottleneck = result.breakdown, result.bottleneck
         else:

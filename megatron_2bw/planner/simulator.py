@@ -5,7 +5,8 @@ occupy the stage; a data-parallel average left running by reduce_grads must be i
 stage's next backward or step, which marks the stage's reduce as done. A send never blocks its stage: the transfer starts when the link to
 the neighbour is free (transfers on a link queue) and lands after the transfer time; a receive
 waits for it. A step waits until every stage has reduced the batch (the grad-norm all-reduce spans
-the model group) plus the stage's background collectives.
+the model group) plus the stage's background collectives; under plain PipeDream
+(`stage_local_steps`) for its own stage's reduce only (each stage decides its steps alone).
 
 Two replays of the same rules: with a processor per rank each stage runs ahead on its own clock
 (fast: the planner replays many candidates for large clusters); where ranks share a node's
@@ -66,8 +67,9 @@ class _Replay:
     """The state both replays share, and the rules for transfers, receives and steps."""
 
     def __init__(self, compiled: Compiled, durations: list[StageCost], microbatches: int,
-                 reduces: list[int]):
+                 reduces: list[int], stage_local_steps: bool = False):
         p = len(compiled)
+        self.stage_local_steps = stage_local_steps
         self.compiled, self.durations, self.m = compiled, durations, microbatches
         self.position = [0] * p
         self.act_arrival: list[dict[int, tuple[float, float]]] = [{} for _ in range(p)]
@@ -134,11 +136,12 @@ class _Replay:
 
     def step_ready(self, s: int, batch: int, t: float) -> float | None:
         """When a step reached at time t can run; None until every stage's reduce is placed."""
-        p, durations = len(self.durations), self.durations
-        if any(batch not in self.reduce_end[x] for x in range(p)):
+        durations = self.durations
+        deciding = [s] if self.stage_local_steps else range(len(durations))
+        if any(batch not in self.reduce_end[x] for x in deciding):
             return None
         cost = durations[s]
-        ready = max(self.reduce_end[x][batch] for x in range(p)) + cost.reduce_async_s
+        ready = max(self.reduce_end[x][batch] for x in deciding) + cost.reduce_async_s
         if self.tied_first:  # the first stage adds its norm part at its own step, once the
             if s == 0:  # tied-embedding sum has arrived
                 self.step_arrival.setdefault(batch, t)
@@ -369,9 +372,10 @@ def _replay_sharing_processors(replay: _Replay, sharing: CoreSharing) -> None:
 
 def simulate(actions: list[list[S.Action]] | Compiled, durations: list[StageCost],
              activation_bytes: list[float] | None = None,
-             sharing: CoreSharing | None = None) -> SimResult:
+             sharing: CoreSharing | None = None, stage_local_steps: bool = False) -> SimResult:
     """Replay every stage's actions with `durations` (one StageCost per stage); `sharing`: how the
-    ranks share their nodes' processors, if they do."""
+    ranks share their nodes' processors, if they do; `stage_local_steps`: each stage's step waits
+    for its own reduce only (schedules.VersionRule.global_step_decisions false: PipeDream)."""
     compiled = actions if actions and actions[0] and isinstance(actions[0][0], tuple) \
         else compile_actions(actions)
     p = len(compiled)
@@ -383,7 +387,7 @@ def simulate(actions: list[list[S.Action]] | Compiled, durations: list[StageCost
         raise ValueError("simulate needs at least 3 batches to measure a steady time per batch")
     m = forwards // len(reduces)
 
-    replay = _Replay(compiled, durations, m, reduces)
+    replay = _Replay(compiled, durations, m, reduces, stage_local_steps)
     if sharing is None:
         _replay_own_processors(replay)
     else:

@@ -130,7 +130,7 @@ def test_startup_report_shows_the_estimate_and_what_the_stage_holds(precision, d
     for rank, line in enumerate(lines):
         estimated, held = line.split("; held at start ")
         assert line.startswith(f" [rank {rank}] stage 0 memory (MiB): estimated params ")
-        for kind in ("params", "grads", "optimizer state", "2bw stash"):
+        for kind in ("params", "grads", "optimizer state", "version stash"):
             number = re.compile(re.escape(kind) + r" ([0-9.]+)")
             assert float(number.search(held).group(1)) > 0
             assert number.search(held).group(1) == number.search(estimated).group(1), line

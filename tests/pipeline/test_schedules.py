@@ -138,3 +138,93 @@ def test_render_keeps_two_digit_labels_apart():
     labels = re.findall(r"[FB]\d+v\d+", text.splitlines()[0])
     assert "F10v1" in labels and "B9v1" in labels  # not run together as F10v1B9v1
     assert not re.search(r"v\d+[FB]", text)
+
+
+@pytest.mark.parametrize("schedule", ["pipedream", "pipedream-vs"])
+@pytest.mark.parametrize("stages,microbatches", [(2, 1), (4, 1), (4, 2), (3, 5), (1, 1)])
+def test_pipedream_versions_follow_the_per_stage_rule(schedule, stages, microbatches):
+    """Batch b on stage s reads max(0, b - (p-1-s)) (vertical sync: max(0, b - (p-1))), forward
+    and backward alike; with enough batches each stage holds exactly its bound of versions."""
+    m, batches = microbatches, 3 * stages + 2
+    actions = S.build_schedule(schedule, stages, m, batches)
+    S.validate(actions, schedule, m)
+    for s, stage_list in enumerate(actions):
+        delay = stages - 1 if schedule == "pipedream-vs" else stages - 1 - s
+        for a in stage_list:
+            if a.kind in S.COMPUTE_KINDS:
+                assert a.version == max(0, a.microbatch // m - delay), (s, str(a))
+        alive, peak = {0}, 1
+        for a in stage_list:
+            alive |= {a.version} if a.kind == S.STEP else set()
+            alive -= {a.version} if a.kind == S.RELEASE_VERSION else set()
+            peak = max(peak, len(alive))
+        assert peak == S.live_versions(schedule, stages, s) == delay + 1
+
+
+def test_pipedream_steps_after_every_microbatch_without_a_drain():
+    actions = S.build_schedule("pipedream", 4, 1, 8)
+    for stage, stage_list in enumerate(actions):
+        compute = [a.kind[0] for a in stage_list if a.kind in S.COMPUTE_KINDS]
+        warmup = 4 - stage - 1
+        steady = compute[warmup:len(compute) - warmup]
+        assert compute[:warmup] == ["f"] * warmup and steady == ["f", "b"] * (len(steady) // 2)
+        assert [a.batch for a in stage_list if a.kind == S.STEP] == list(range(8))
+
+
+
+
+def test_validator_rejects_a_backward_on_another_version_than_its_forward():
+    actions = S.build_schedule("pipedream", 2, 1, 4)
+    index = next(i for i, a in enumerate(actions[0])
+                 if a.kind == S.BACKWARD and a.microbatch == 2)
+    broken = _replace(actions, 0, index, version=2)  # the forward read version 1
+    with pytest.raises(S.ScheduleError, match=r"stage 0, action \d+ \(B2@v2\): pipedream must use "
+                                              r"version 1"):
+        S.validate(broken, "pipedream", 1)
+    # a schedule whose rule it is still breaks weight stashing: forward on 1, backward on 2
+    forward = next(i for i, a in enumerate(actions[0]) if a.kind == S.FORWARD and a.microbatch == 2)
+    broken = _replace(_replace(actions, 0, forward, version=2), 0, index, version=1)
+    with pytest.raises(S.ScheduleError, match=rf"stage 0, action {forward} \(F2@v2\)"):
+        S.validate(broken, "pipedream", 1)
+
+
+def test_validator_rejects_too_many_live_pipedream_versions():
+    actions = S.build_schedule("pipedream", 4, 1, 8)
+    no_release = [[a for a in stage if a.kind != S.RELEASE_VERSION] for stage in actions]
+    with pytest.raises(S.ScheduleError, match=r"stage 0, action \d+ \(step\(b3->v4\)\): pipedream "
+                                              r"holds 5 weight versions on stage 0 \(at most 4\)"):
+        S.validate(no_release, "pipedream", 1)
+
+
+def _moved_after(stage_list, moved, anchor):
+    """`stage_list` with the first action matching `moved` put right after the first matching
+    `anchor`, and the anchor's position."""
+    result = list(stage_list)
+    action = result.pop(next(i for i, a in enumerate(result) if moved(a)))
+    position = next(i for i, a in enumerate(result) if anchor(a))
+    result.insert(position + 1, action)
+    return result, position
+
+
+def test_validator_rejects_gradient_buffer_misuse():
+    actions = S.build_schedule("2bw", 2, 2, 3)
+    # the reduce of batch 0 moved after batch 1's first backward on stage 1
+    stage1, first_b1 = _moved_after(actions[1], lambda a: a.kind == S.REDUCE_GRADS and a.batch == 0,
+                                    lambda a: a.kind == S.BACKWARD and a.microbatch == 2)
+    with pytest.raises(S.ScheduleError, match=rf"stage 1, action {first_b1} \(B2@v0\): gradient "
+                                              rf"buffer: backward of batch 1 writes the buffer "
+                                              rf"before batch 0's gradients were reduced"):
+        S.validate([actions[0], stage1], "2bw", 2)
+    # with m = 4 PipeDream's first stage needs version 1 only at batch 4, so its step of batch 0
+    # could slide: moved after the reduce of batch 1, it would lose batch 0's gradients
+    pipedream = S.build_schedule("pipedream", 4, 4, 6)
+    stage0, reduce1 = _moved_after(pipedream[0], lambda a: a.kind == S.STEP and a.batch == 0,
+                                   lambda a: a.kind == S.REDUCE_GRADS and a.batch == 1)
+    with pytest.raises(S.ScheduleError, match=rf"stage 0, action {reduce1} \(reduce_grads\(b1\)\): "
+                                              rf"gradient buffer: batch 1's reduction reuses the "
+                                              rf"master gradients before batch 0's step"):
+        S.validate([stage0, *pipedream[1:]], "pipedream", 4)
+    # a batch never stepped
+    dropped = [[a for a in stage if not (a.kind == S.STEP and a.batch == 2)] for stage in actions]
+    with pytest.raises(S.ScheduleError, match="stage 0: batch 2 is never stepped"):
+        S.validate(dropped, "2bw", 2)

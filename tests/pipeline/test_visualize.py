@@ -77,7 +77,7 @@ def test_cli_writes_png_and_text(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--compare", "2bw,pipedream", "--text"], "--compare expects"),
+    (["--compare", "2bw,no-such-schedule", "--text"], "--compare expects"),
     (["--pipeline-stages", "4", "--microbatches", "2", "--text"], "m=2 < p=4"),
     (["--batches", "0", "--text"], "--batches must be a positive integer"),
     (["--output", "/no/such/dir/x.png"], "does not exist"),
