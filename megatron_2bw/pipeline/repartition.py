@@ -23,6 +23,7 @@ disk: a failure half-way ends the job naming the rank, and the last checkpoint s
 from __future__ import annotations
 
 import copy
+import os
 import time
 from dataclasses import dataclass
 
@@ -99,21 +100,19 @@ def measured_costs(config: Config, measurements: list[StageTimes]) -> LayerCosts
 
 
 def memory_budget(config: Config, device: torch.device, microbatches: int, data: int):
-    """fewest_recomputed for the search: the device's usable memory on GPUs; on CPU (no device
-    limit) the current layout's fullest stage, so that a move never raises the peak."""
-    from megatron_2bw.planner.memory import ALLOCATOR_EFFICIENCY, estimate_stage_memory
+    """fewest_recomputed for the search: each stage's estimate (planner/memory.py) within the
+    device's memory (GPUs) or the node's memory shared by its local ranks (CPUs)."""
+    from megatron_2bw.distributed.launch import local_world_size
+    from megatron_2bw.planner.memory import ALLOCATOR_EFFICIENCY
     from megatron_2bw.planner.stage_plan import memory_bound
     c = config
-    args = (c.model, c.parallel, c.precision, c.optimizer.optimizer, c.training.micro_batch_size,
-            microbatches, data)
     if device.type == "cuda":
-        limit = torch.cuda.get_device_properties(device).total_memory * ALLOCATOR_EFFICIENCY
+        total = torch.cuda.get_device_properties(device).total_memory
     else:
-        limit = max(estimate_stage_memory(c.model, c.parallel, c.precision, c.recompute,
-                                          c.optimizer.optimizer, c.training.micro_batch_size,
-                                          microbatches, data, s).total
-                    for s in range(c.parallel.pipeline_parallel))
-    return memory_bound(*args, limit)
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / local_world_size()
+    return memory_bound(c.model, c.parallel, c.precision, c.optimizer.optimizer,
+                        c.training.micro_batch_size, microbatches, data,
+                        total * ALLOCATOR_EFFICIENCY)
 
 
 @dataclass(frozen=True)
