@@ -76,6 +76,22 @@ def bench_config(args, split: str) -> Config:
                   training=TrainingConfig(micro_batch_size=2, global_batch_size=8, seed=1234))
 
 
+class _Wait(torch.autograd.Function):
+    """Identity that waits `seconds` in forward and twice that in backward: a layer that costs
+    more, inside the span layer_times.py measures."""
+
+    @staticmethod
+    def forward(ctx, x, seconds):
+        ctx.seconds = seconds
+        time.sleep(seconds)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(2 * ctx.seconds)
+        return grad, None
+
+
 class LayerWaits:
     """Every layer waits `base` seconds in each forward and twice that in each backward; layers
     HEAVY_LAYERS `heavy` more while `heavy_on` (hooks re-installed on every rebuilt stage)."""
@@ -90,11 +106,9 @@ class LayerWaits:
     def _forward(self, layer: int):
         def hook(module, args, output):
             if torch._C._current_graph_task_id() != -1:  # not again in recomputation
-                return
+                return None
             seconds = self.base + (self.heavy if self.heavy_on and layer in HEAVY_LAYERS else 0)
-            if seconds:
-                time.sleep(seconds)
-                output.register_hook(lambda grad: time.sleep(2 * seconds))
+            return _Wait.apply(output, seconds) if seconds else None
         return hook
 
 

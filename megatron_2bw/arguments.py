@@ -593,6 +593,11 @@ def _validate_stage_plans(config: Config) -> None:
              f"{par.repartition_interval}")
     _require(par.repartition_min_gain >= 0, f"--pipeline-repartition-min-gain must be >= 0, got "
                                             f"{par.repartition_min_gain}")
+    _require(not (par.repartition_interval and par.schedule == "pipedream"
+                  and not par.vertical_sync),
+             "--pipeline-repartition-interval with --pipeline-schedule pipedream needs "
+             "--vertical-sync: without it a layer's staleness depends on its stage, and a layer "
+             "moved to an earlier stage would need older weight versions than its stage kept")
     plan = recompute.num_layers_per_stage
     if plan is None:
         return

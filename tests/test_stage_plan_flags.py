@@ -41,6 +41,9 @@ def test_flags_fill_the_config():
     (["--pipeline-repartition-interval", "0"],
      "--pipeline-repartition-interval must be a positive integer, got 0"),
     (["--pipeline-repartition-min-gain", "-1"], "--pipeline-repartition-min-gain must be >= 0"),
+    (["--pipeline-repartition-interval", "5", "--pipeline-schedule", "pipedream",
+      "--untie-embeddings-and-output-weights"],
+     "--pipeline-repartition-interval with --pipeline-schedule pipedream needs --vertical-sync"),
 ])
 def test_bad_plans_name_the_flag(extra, expected):
     if expected is None:  # a valid plan for that split

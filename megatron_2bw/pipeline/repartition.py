@@ -23,6 +23,7 @@ disk: a failure half-way ends the job naming the rank, and the last checkpoint s
 from __future__ import annotations
 
 import copy
+import os
 import time
 from dataclasses import dataclass
 
@@ -34,7 +35,6 @@ from megatron_2bw.checkpoint.save_load import optimizer_state_by_index, stage_st
 from megatron_2bw.config import Config
 from megatron_2bw.pipeline.layer_times import LayerTimes, StageTimes
 from megatron_2bw.pipeline.partition import layer_ranges
-from megatron_2bw.pipeline.schedules import version_for_batch
 from megatron_2bw.planner.stage_plan import LayerCosts, StagePlan, evaluate_plan, plan_stages
 from megatron_2bw.tensor_parallel.random import load_rng_state_dict, rng_state_dict
 
@@ -100,21 +100,19 @@ def measured_costs(config: Config, measurements: list[StageTimes]) -> LayerCosts
 
 
 def memory_budget(config: Config, device: torch.device, microbatches: int, data: int):
-    """fewest_recomputed for the search: the device's usable memory on GPUs; on CPU (no device
-    limit) the current layout's fullest stage, so that a move never raises the peak."""
-    from megatron_2bw.planner.memory import ALLOCATOR_EFFICIENCY, estimate_stage_memory
+    """fewest_recomputed for the search: each stage's estimate (planner/memory.py) within the
+    device's memory (GPUs) or the node's memory shared by its local ranks (CPUs)."""
+    from megatron_2bw.distributed.launch import local_world_size
+    from megatron_2bw.planner.memory import ALLOCATOR_EFFICIENCY
     from megatron_2bw.planner.stage_plan import memory_bound
     c = config
-    args = (c.model, c.parallel, c.precision, c.optimizer.optimizer, c.training.micro_batch_size,
-            microbatches, data)
     if device.type == "cuda":
-        limit = torch.cuda.get_device_properties(device).total_memory * ALLOCATOR_EFFICIENCY
+        total = torch.cuda.get_device_properties(device).total_memory
     else:
-        limit = max(estimate_stage_memory(c.model, c.parallel, c.precision, c.recompute,
-                                          c.optimizer.optimizer, c.training.micro_batch_size,
-                                          microbatches, data, s).total
-                    for s in range(c.parallel.pipeline_parallel))
-    return memory_bound(*args, limit)
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / local_world_size()
+    return memory_bound(c.model, c.parallel, c.precision, c.optimizer.optimizer,
+                        c.training.micro_batch_size, microbatches, data,
+                        total * ALLOCATOR_EFFICIENCY)
 
 
 @dataclass(frozen=True)
@@ -249,8 +247,8 @@ def load_stage(stage, state: dict, iteration: int) -> None:
                                f"received no state for {missing[:3]}")
     v.load_full_master([state["model"][n] for n in v.names])
     saved = {int(version): tensors for version, tensors in state["versions"].items()}
-    schedule = stage.config.parallel.pipeline_schedule
-    live = set(saved) | {version_for_batch(schedule, iteration), iteration}
+    # every version from the one the next batch reads on this stage to the newest
+    live = set(saved) | set(range(v.version_for_batch(iteration), iteration + 1))
     v.reset(iteration, {version: [saved.get(version, state["model"])[n] for n in v.names]
                         for version in sorted(live)})
     names_of = {id(m): name for name, m in zip(v.names, v.master)}

@@ -1,7 +1,9 @@
 """Live layer migration changes where a layer runs, never the arithmetic: a run that moves layers
 after 2 of 4 batches ends with the weights and losses, bit for bit (fp32), of the same run started
-with the final split (Flush and 2BW; t = 2; d = 2 with the distributed optimizer), and a
-checkpoint saved after the move loads at another layout. The decision logic on measured costs."""
+with the final split (Flush, 2BW and PipeDream; t = 2; d = 2 with the distributed optimizer), and a
+checkpoint saved after the move loads at another layout. (PipeDream with vertical sync: every stage
+reads the same version; without it a layer's staleness depends on its stage, and repartitioning is
+refused.) The decision logic on measured costs."""
 import pytest
 import torch
 
@@ -57,6 +59,9 @@ CASES = {  # name: (config kwargs, world, split before, split after, recompute a
     "2bw": (dict(p=2, schedule="2bw"), 2, [3, 1], [2, 2], [0, 0]),
     "flush-t2-recompute": (dict(t=2, p=2, schedule="flush"), 4, [3, 1], [1, 3], [1, 2]),
     "2bw-d2-distributed-optimizer": (dict(p=2, schedule="2bw"), 4, [1, 3], [3, 1], [0, 0]),
+    "pipedream-vertical-sync": (dict(p=2, schedule="pipedream",
+                                     untie_embeddings_and_output_weights=True),
+                                2, [3, 1], [1, 3], [0, 0]),
 }
 
 
@@ -67,6 +72,7 @@ def test_a_migrated_run_equals_the_final_split_from_the_start(case):
                          **kwargs)
     config.parallel.layer_split = before
     config.parallel.use_distributed_optimizer = "distributed" in case
+    config.parallel.vertical_sync = "vertical-sync" in case
     moved = run_ranks(world, _train, config, after, recompute)
     reference = run_ranks(world, _train, with_plan(config, after, recompute))
     a, b = full_weights(moved), full_weights(reference)
