@@ -28,7 +28,7 @@ MODEL=(--num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length 128
        --max-position-embeddings 128)
 rm -rf "$CHECKPOINT_DIR"
 # one rank per GPU: with fewer GPUs than ranks the pipeline runs on the CPU instead
-GPUS=$(python -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)")
+GPUS=$(python -c "import torch; print(torch.cuda.device_count() * torch.cuda.is_available())")
 if [ "$GPUS" -gt 0 ] && [ "$GPUS" -lt "$NPROC" ]; then
     echo "quickstart: $GPUS GPU(s) for $NPROC ranks: running the $NPROC-stage pipeline on the CPU"
     export CUDA_VISIBLE_DEVICES=
