@@ -278,8 +278,8 @@ def describe_layer(name: str, row: dict) -> str:
     if not row["fits"]:
         return f"{name} layer b={row['micro_batch_size']}: does not fit"
     kept = row["activation_bytes"]
-    memory = "" if kept is None else \
-        f", activations {kept / 2 ** 20:.0f} MiB{_relative(kept, row['predicted_activation_bytes'])}"
+    memory = "" if kept is None else (f", activations {kept / 2 ** 20:.0f} MiB"
+                                      f"{_relative(kept, row['predicted_activation_bytes'])}")
     return (f"{name} layer b={row['micro_batch_size']}: forward {row['forward_s'] * 1e3:.2f} ms"
             f"{_relative(row['forward_s'], row['predicted_forward_s'])}, backward "
             f"{row['backward_s'] * 1e3:.2f} ms"
@@ -355,7 +355,8 @@ def main(argv=None) -> dict:
         peer = entry.get("transformers GPT-2 peer")
         for run_name in ("ours eager", "ours compiled"):
             if entry.get(run_name) and peer:
-                entry[run_name]["versus_peer"] = entry[run_name]["tokens_per_s"] / peer["tokens_per_s"]
+                ours = entry[run_name]["tokens_per_s"]
+                entry[run_name]["versus_peer"] = ours / peer["tokens_per_s"]
         for run_name, result in entry.items():
             lines.append(describe(f"gpt-{name}", run_name, result, peak))
             print(lines[-1], flush=True)

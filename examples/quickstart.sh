@@ -52,7 +52,7 @@ EVAL_AND_LOGGING_ARGS=(--log-interval 20 --eval-interval 100 --eval-iters 4
 
 rm -rf "$CHECKPOINT_DIR"
 # one rank per GPU: with fewer GPUs than ranks the pipeline runs on the CPU instead
-GPUS=$(python -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)")
+GPUS=$(python -c "import torch; print(torch.cuda.device_count() * torch.cuda.is_available())")
 if [ "$GPUS" -gt 0 ] && [ "$GPUS" -lt "$GPUS_PER_NODE" ]; then
     echo "quickstart: $GPUS GPU(s) for $GPUS_PER_NODE ranks: running the $GPUS_PER_NODE-stage pipeline on the CPU"
     export CUDA_VISIBLE_DEVICES=

@@ -174,7 +174,8 @@ class PrecisionConfig:
         --accumulate-allreduce-grads-in-fp32, and under --bf16 unless --grad-reduce-in-bf16
         (Megatron-LM's defaults: bf16 gradients lose too much when summed over microbatches and
         replicas; fp16's, loss-scaled, stay in fp16 unless asked)."""
-        return self.accumulate_allreduce_grads_in_fp32 or (self.bf16 and not self.grad_reduce_in_bf16)
+        return self.accumulate_allreduce_grads_in_fp32 or (self.bf16
+                                                           and not self.grad_reduce_in_bf16)
 
     @property
     def working_dtype_name(self) -> str:

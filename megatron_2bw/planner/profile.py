@@ -106,17 +106,29 @@ class Profile(Protocol):
 
 @dataclass(frozen=True)
 class _Work:
-    """Matmul FLOPs, bytes moved by memory-bound kernels, and kernels launched."""
+    """Matmul FLOPs, bytes moved by memory-bound kernels, kernels launched, and GEMMs timed on
+    their own roofline: (FLOPs, bytes of their operands) each."""
     flops: float = 0.0
     bytes: float = 0.0
     kernels: float = 0.0
+    gemms: tuple[tuple[float, float], ...] = ()
 
     def __add__(self, other: "_Work") -> "_Work":
         return _Work(self.flops + other.flops, self.bytes + other.bytes,
-                     self.kernels + other.kernels)
+                     self.kernels + other.kernels, self.gemms + other.gemms)
 
     def __mul__(self, factor: float) -> "_Work":
-        return _Work(self.flops * factor, self.bytes * factor, self.kernels * factor)
+        return _Work(self.flops * factor, self.bytes * factor, self.kernels * factor,
+                     tuple((f * factor, b * factor) for f, b in self.gemms))
+
+
+def gemm(rows: float, inner: float, columns: float, element_bytes: int) -> _Work:
+    """One [rows x inner] @ [inner x columns] product: 2 rows inner columns FLOPs, its operands
+    and result read and written once (a kernel; its backward's two products have the same FLOPs
+    and operand bytes)."""
+    return _Work(kernels=1, gemms=((2.0 * rows * inner * columns,
+                                    element_bytes * (rows * inner + inner * columns
+                                                     + rows * columns)),))
 
 
 def linear_flops_per_token(model: ModelConfig) -> float:
@@ -143,8 +155,22 @@ class AnalyticProfile:
         self.bytes_per_s = hardware.memory_bandwidth * hardware.efficiency
 
     def seconds(self, work: _Work) -> float:
-        return (work.flops / self.flops_per_s + work.bytes / self.bytes_per_s
+        """FLOPs at the attainable rate, memory-bound bytes at the bandwidth, and each GEMM on
+        the roofline: bound by its FLOPs or by its operands' bytes, whichever takes longer, so a
+        GEMM of few rows (a small micro batch) or a narrow one (a small hidden size, a large t)
+        runs below the peak, as measured GPUs do."""
+        gemms = sum(max(f / self.flops_per_s, b / self.bytes_per_s) for f, b in work.gemms)
+        return (work.flops / self.flops_per_s + work.bytes / self.bytes_per_s + gemms
                 + work.kernels * self.hardware.kernel_overhead_s)
+
+    def layer_gemms(self, t: int, b: int) -> _Work:
+        """The four linears of a layer on one rank of t: QKV (h to qkv/t), the dense projection
+        (attention width/t to h), fc1 (h to f1/t), fc2 (f/t to h), each over all s b tokens."""
+        m, e = self.model, self.e
+        sb, h = m.seq_length * b, m.hidden_size
+        fc1 = 2 * m.ffn_hidden_size if m.swiglu else m.ffn_hidden_size
+        return (gemm(sb, h, m.qkv_size / t, e) + gemm(sb, m.attention_size / t, h, e)
+                + gemm(sb, h, fc1 / t, e) + gemm(sb, m.ffn_hidden_size / t, h, e))
 
     # per-piece work, one microbatch of b on one rank of t
     def attention_core(self, t: int, b: int) -> _Work:
@@ -201,7 +227,6 @@ class AnalyticProfile:
         m, e = self.model, self.e
         h, f, sb = m.hidden_size, m.ffn_hidden_size, m.seq_length * b
         attention_width = m.attention_size  # of q, k repeated to every head, and the context
-        linears = sb * linear_flops_per_token(m) / t
         # replicated: 2 x (bias if any, dropout + mask, residual) (2e + 2e + 1 + 3e each); the
         # column-parallel biases are added inside their matmuls; s/t tokens of them (and of the
         # norms) under --sequence-parallel
@@ -211,11 +236,12 @@ class AnalyticProfile:
         # sharded: q/k copies for the core (scaled, or batch-contiguous for the unfused one) and
         # the context layout copy (6e), GELU over f (2e) or SwiGLU's silu (2e) and product (3e)
         sharded = (6 * e * sb * attention_width + (5 if m.swiglu else 2) * e * sb * f) / t
-        # kernels besides the core and the norms: 4 linears, 2 x (bias, dropout, residual), GELU
-        # (or silu and product), the layout copy
-        kernels = 4 + 2 * (2 + m.add_bias_linear) + (2 if m.swiglu else 1) + 1
-        work = (_Work(linears, replicated + sharded, kernels) + self.norm(local_sbh) * 2
-                + self.attention_layout(t, b) + self.attention_core(t, b))
+        # kernels besides the linears (layer_gemms), the core and the norms: 2 x (bias, dropout,
+        # residual), GELU (or silu and product), the layout copy
+        kernels = 2 * (2 + m.add_bias_linear) + (2 if m.swiglu else 1) + 1
+        work = (self.layer_gemms(t, b) + _Work(0.0, replicated + sharded, kernels)
+                + self.norm(local_sbh) * 2 + self.attention_layout(t, b)
+                + self.attention_core(t, b))
         if m.qk_layernorm:  # over this rank's queries and keys, the whole sequence
             work += self.norm(sb * attention_width / t) + \
                 self.norm(sb * m.query_groups * m.head_dim / t)

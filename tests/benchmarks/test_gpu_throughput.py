@@ -12,7 +12,8 @@ gpu_throughput = load_benchmark("gpu_throughput")
 def test_tiny_smoke_run_reports_throughput_mfu_memory_and_layer_figures(tmp_path):
     path = tmp_path / "gpu.json"
     report = gpu_throughput.main(["--tiny", "--no-compile", "--peak-tflops", "2.0", "--warmup",
-                                  "1", "--iterations", "1", "--microbatches", "1", "--json", str(path)])
+                                  "1", "--iterations", "1", "--microbatches", "1",
+                                  "--json", str(path)])
     assert json.loads(path.read_text()) == json.loads(json.dumps(report))
     tiny = report["models"]["tiny"]
     layers, h, s, vocab = 2, 64, 64, 512

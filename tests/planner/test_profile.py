@@ -9,11 +9,11 @@ import torch
 
 from megatron_2bw.config import Config, ModelConfig, PrecisionConfig, TrainingConfig
 from megatron_2bw.planner import profile as profile_module
-from megatron_2bw.planner.hardware import HardwareSpec
+from megatron_2bw.planner.hardware import HardwareSpec, load_hardware
 from megatron_2bw.planner.memory import (MASK_BYTES, layer_activation_bytes, layer_parameters,
                                          unfused_attention)
 from megatron_2bw.planner.profile import (AnalyticProfile, MeasuredProfile,
-                                          attention_flops_per_token, linear_flops_per_token,
+                                          attention_flops_per_token, gemm, linear_flops_per_token,
                                           measure_costs, measure_costs_at_once,
                                           measure_costs_per_copy, measure_turn_taking,
                                           measured_profile, profiling_processes,
@@ -39,20 +39,26 @@ HARDWARE = HardwareSpec(name="toy", devices_per_node=8, nodes=1, memory_per_devi
 @pytest.mark.parametrize("model, a, width", [(MODEL, 4, 64), (WIDE_HEADS, 4, 128),
                                              (UNEVEN_HEADS, 6, 96)],
                          ids=["gpt2", "wide-heads", "uneven-heads"])
-def test_analytic_layer_time_is_flops_over_peak_plus_bytes_over_bandwidth(model, a, width, t):
+def test_analytic_layer_time_is_each_gemm_on_its_roofline_plus_bytes_over_bandwidth(model, a,
+                                                                                    width, t):
     """The attention is `width` (a heads x head size) wide where it is not h (--kv-channels): QKV
     projects h to 3 x width, the dense projection width back to h, the scores and their product
     with V multiply over it, and so do the q/k copies and the context's layout copy (6e); the
-    norms, biases, dropouts and residuals (replicated) and the MLP stay h-wide."""
+    norms, biases, dropouts and residuals (replicated) and the MLP stay h-wide. Each linear takes
+    the longer of its FLOPs at the attainable rate and its operands' bytes at the bandwidth."""
     b, s, h, f, e = 2, 32, 64, 256, 4
-    flops = (2 * b * s * (4 * width * h + 2 * h * f) + 4 * b * s * s * width) / t
+    sb = s * b
+    linears = [(h, 3 * width / t), (width / t, h), (h, f / t), (f / t, h)]  # (inner, columns)
+    gemms = sum(max(2 * sb * k * n / 0.5e12, e * (sb * k + k * n + sb * n) / 0.5e11)
+                for k, n in linears)
+    flops = 4 * b * s * s * width / t  # the attention core's
     moved = (18 * e + 2) * s * b * h + (6 * e * s * b * width + 2 * e * s * b * f) / t + \
         (8 * e + 1) * a * s * s * b / t
     costs = AnalyticProfile(model, PrecisionConfig(), HARDWARE).costs(t, b)
-    assert costs.layer_forward_s == pytest.approx(flops / 0.5e12 + moved / 0.5e11)
+    assert costs.layer_forward_s == pytest.approx(gemms + flops / 0.5e12 + moved / 0.5e11)
     accumulation = (4 + 2 * 4) * layer_parameters(model, t)  # read 2 buffers, write 1 (fp32)
-    assert costs.layer_backward_s == pytest.approx(2 * flops / 0.5e12 + (2 * moved + accumulation)
-                                                   / 0.5e11)
+    assert costs.layer_backward_s == pytest.approx(
+        2 * gemms + 2 * flops / 0.5e12 + (2 * moved + accumulation) / 0.5e11)
     assert costs.layer_activation_bytes == layer_activation_bytes(model, t, b, e)
     # bf16: the bf16 peak, 2-byte activations
     half = AnalyticProfile(model, PrecisionConfig(bf16=True), HARDWARE).costs(t, b)
@@ -668,3 +674,35 @@ def test_a_profile_measures_turn_taking_once_and_caches_it(tmp_path, monkeypatch
     again = measured_profile(MODEL, PrecisionConfig(), cpu, [1, 2], tmp_path, rounds=1,
                              turn_taking_processors=2)
     assert len(turns) == 1 and again.costs(1, 1).turn_taking_overhead == pytest.approx(0.1)
+
+
+def test_analytic_efficiency_rises_with_micro_batch_and_hidden_size_on_an_h100():
+    """On the roofline a layer's achieved FLOP/s rises with the micro batch (more rows per GEMM,
+    launches amortised) and with the hidden size (higher arithmetic intensity), below the
+    attainable peak, as measured GPUs behave; not a constant fraction of the peak."""
+    hardware = load_hardware("h100-sxm-1gpu")
+    bf16 = PrecisionConfig(bf16=True)
+    attainable = hardware.flops_for("bfloat16") * hardware.efficiency
+
+    def efficiency(hidden: int, micro: int, seq: int = 512) -> float:
+        model = ModelConfig(num_layers=24, hidden_size=hidden, num_attention_heads=hidden // 64,
+                            seq_length=seq, vocab_size=50257)
+        costs = AnalyticProfile(model, bf16, hardware).costs(1, micro)
+        flops = 3 * micro * seq * (linear_flops_per_token(model) + attention_flops_per_token(model))
+        return flops / (costs.layer_forward_s + costs.layer_backward_s) / attainable
+
+    for hidden in (768, 2048):
+        by_micro = [efficiency(hidden, b) for b in (1, 2, 4, 8, 16)]
+        assert by_micro == sorted(by_micro) and by_micro[0] < by_micro[-1] < 1.0, by_micro
+    for micro in (1, 8):
+        by_hidden = [efficiency(h, micro) for h in (256, 768, 2048, 4096)]
+        assert by_hidden == sorted(by_hidden) and by_hidden[-1] > 1.5 * by_hidden[0], by_hidden
+    # a narrow, few-row GEMM is bound by its operands' bytes, a wide one by its FLOPs
+    profile = AnalyticProfile(ModelConfig(num_layers=1, hidden_size=4096, num_attention_heads=32,
+                                          seq_length=1, vocab_size=8), bf16, hardware)
+    [(flops, moved)] = gemm(1, 4096, 4096, 2).gemms
+    assert profile.seconds(gemm(1, 4096, 4096, 2)) == pytest.approx(
+        moved / (hardware.memory_bandwidth * hardware.efficiency) + hardware.kernel_overhead_s)
+    [(flops, moved)] = gemm(8192, 4096, 4096, 2).gemms
+    assert profile.seconds(gemm(8192, 4096, 4096, 2)) == pytest.approx(
+        flops / attainable + hardware.kernel_overhead_s)
