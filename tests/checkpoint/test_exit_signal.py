@@ -51,8 +51,8 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
 
 def _start(tmp_path, *extra):
     log = tmp_path / "log.txt"
-    command = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node", "2",
-               str(REPO / "pretrain_gpt.py"),
+    command = [str(Path(sys.executable).parent / "torchrun"), "--standalone",
+               "--nproc-per-node", "2", str(REPO / "pretrain_gpt.py"),
                *pretrain_flags(1, 2, 100_000, "--global-batch-size", "4", *extra)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
            "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "120"}

@@ -143,8 +143,8 @@ def test_a_resume_with_another_lr_schedule_is_refused_unless_a_flag_says_which_w
     kept = _stage(longer + ["--use-checkpoint-opt_param-scheduler"])
     load_checkpoint(kept, str(tmp_path))
     saved = config_from_flags(pretrain_flags(1, 1, 10))
-    assert [learning_rate(k, kept.config.optimizer, kept.config.training) for k in range(3, 12)] == \
-        [learning_rate(k, saved.optimizer, saved.training) for k in range(3, 12)]
+    continued = [learning_rate(k, kept.config.optimizer, kept.config.training) for k in range(3, 12)]
+    assert continued == [learning_rate(k, saved.optimizer, saved.training) for k in range(3, 12)]
     overridden = _stage(longer + ["--lr", "5e-4", "--override-opt_param-scheduler"])
     load_checkpoint(overridden, str(tmp_path))
     assert overridden.config.optimizer.lr == 5e-4

@@ -105,7 +105,7 @@ def run_tool(nproc: int, args: list[str], log: Path) -> str:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     with open(log, "w") as output:
         process = subprocess.run(command, stdout=output, stderr=subprocess.STDOUT, env=env,
-                                 cwd=REPO, timeout=240)
+                                 cwd=REPO, timeout=900)
     assert process.returncode == 0, log.read_text()[-4000:]
     return log.read_text()
 

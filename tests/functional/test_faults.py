@@ -99,7 +99,8 @@ def test_torchrun_summary_names_the_rank_and_the_one_line_error_last():
     assert job.returncode != 0
     cause = _root_cause(output)
     assert cause["exitcode"].startswith("2 "), output
-    assert cause["traceback"].startswith("pretrain_gpt.py: error: --save /proc/version/ckpt"), output
+    assert cause["traceback"].startswith("pretrain_gpt.py: error: --save /proc/version/ckpt"), \
+        output
     assert "To enable traceback" not in output
     last = [line for line in output.splitlines() if line.strip() and set(line.strip()) != {"="}]
     assert last[-1].strip().startswith("traceback : pretrain_gpt.py: error: --save"), output

@@ -49,7 +49,7 @@ def test_masked_lm_loss_falls_on_a_sentencepiece_corpus(tmp_path):
                "--data-cache-path", str(tmp_path / "cache"), *tokenizer]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     process = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO,
-                             timeout=240)
+                             timeout=900)
     output = process.stdout + process.stderr
     assert process.returncode == 0, output[-4000:]
     logged = [(int(i), float(lm), float(sop)) for i, lm, sop in LOG_LINE.findall(output)]
