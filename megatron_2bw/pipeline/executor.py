@@ -1,6 +1,9 @@
 """Runs one stage's schedule actions with real tensors: one loop, one branch per action kind.
 
-The same action lists drive the validator, the planner's simulator and the schedule picture.
+The same action lists drive the validator, the planner's simulator and the schedule picture. A rank
+holding several model chunks (interleaved) runs each action on its chunk and keys its tensors by
+(chunk, microbatch); a split backward runs B (input gradient, sent on at once) and W (weight
+gradients) as two actions (split_backward.py).
 """
 from __future__ import annotations
 

@@ -353,3 +353,17 @@ def test_the_memory_estimate_counts_each_schedules_activations():
     assert activations("interleaved", 1, 2) == pytest.approx(
         S.max_in_flight("interleaved", 4, 8, 1, 2) / 2 / 3 * activations("flush", 1))
     assert activations("interleaved", 0, 2) == pytest.approx(11 / 2 / 4 * activations("flush", 0))
+
+
+def _evaluate(rank: int, world: int, config) -> dict:
+    layout, stage = stage_on_rank(rank, world, config)
+    sums, weight = stage.executor.evaluate(4, gpt_feed(config, layout))
+    return {"sums": sums, "weight": weight}
+
+
+def test_interleaved_evaluation_matches_one_process():
+    """Forward-only through the chunks in the interleaved order: the last rank's loss sums."""
+    single = run_ranks(1, _evaluate, config())[0]
+    chunked = run_ranks(2, _evaluate, config("interleaved", chunks=2, p=2))[1]
+    assert chunked["weight"] == single["weight"] == 4.0
+    assert chunked["sums"]["lm loss"] == pytest.approx(single["sums"]["lm loss"], abs=1e-5)
