@@ -21,7 +21,7 @@ JOB = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
 def _run(script, extra, env=None):
     command = [TORCHRUN, "--nproc-per-node", "2", "--master-port", str(free_port()), script, *JOB,
                *extra]
-    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=240,
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=400,
                           env={**os.environ, **(env or {})})
 
 
