@@ -63,7 +63,10 @@ def test_a_stalled_receive_ends_the_job_naming_rank_stage_and_action():
 
 
 def test_kill_9_of_one_rank_ends_every_rank():
-    job = _launch(os.path.join(ROOT, "pretrain_gpt.py"), ["--train-iters", "100000"])
+    # a minute's timeout: ranks starting at different speeds on a loaded machine still meet;
+    # torchrun ends the job once a worker dies, whatever the timeout
+    job = _launch(os.path.join(ROOT, "pretrain_gpt.py"), ["--train-iters", "100000",
+                                                          "--distributed-timeout-minutes", "1"])
     lines = []
     try:
         for line in job.stdout:  # wait until training runs
