@@ -407,16 +407,17 @@ def plot(result: dict, path: str) -> None:
     best = best_runs(result["runs"])
     seconds = {row["schedule"]: row["seconds_per_sample"] for row in result["summary"]["table"]}
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
+    colors = {rule["name"]: f"C{i}" for i, rule in enumerate(result["setup"]["rules"])}
     for name, run in best.items():
         samples = [s for s, _ in run["curve"]]
         losses = [loss for _, loss in run["curve"]]
         label = f"{name} (lr {run['lr']:g})"
-        left.plot(samples, losses, label=label)
+        left.plot(samples, losses, label=label, color=colors[name])
         timings = ["flush", "gpipe"] if name == "flush" else [name]
         for timing in timings:
             right.plot([s * seconds[timing] for s in samples], losses,
-                       label=f"{timing} (lr {run['lr']:g})",
-                       linestyle="--" if timing == "gpipe" else "-")
+                       label=f"{timing} (lr {run['lr']:g})", color=colors[name],
+                       linestyle=":" if timing == "gpipe" else "-")
     for axis, xlabel in ((left, "samples"), (right, "modelled seconds (p = 4, replayed schedule)")):
         axis.set_xlabel(xlabel)
         axis.set_ylabel("validation loss")
