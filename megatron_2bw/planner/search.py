@@ -50,6 +50,7 @@ class SearchSpace:
     recompute: tuple[str | None, ...] = RECOMPUTE_OPTIONS
     schedules: tuple[str, ...] = PLANNED_SCHEDULES
     layer_split: tuple[int, ...] | None = None  # pinned layers per stage (pins p too)
+    chunks: int = 2  # interleaved: model chunks per rank
     balance_layers: bool = True  # otherwise the runtime's even split (when no split is pinned)
     # where a configuration without recomputation does not fit: the split and per-stage
     # recompute plan chosen together (stage_plan.py), as another candidate
@@ -147,9 +148,10 @@ def candidates(model: ModelConfig, world_size: int, hardware: HardwareSpec, glob
                             model.untie_embeddings_and_output_weights and model.model_type == "gpt"):
                         continue  # the first and last stage would read two versions of one matrix
                     chunks = 1
-                    if schedule == "interleaved":  # planned with two chunks per rank
-                        chunks = 2
-                        if p == 1 or m % p or space.layer_split or model.num_layers % (2 * p):
+                    if schedule == "interleaved":  # two chunks per rank unless pinned
+                        chunks = space.chunks
+                        if p == 1 or m % p or space.layer_split or \
+                                model.num_layers % (chunks * p):
                             continue
                     for recompute in space.recompute:
                         result.append(Candidate(t, p, d, b, recompute, schedule,
@@ -408,6 +410,11 @@ def pinned_search_space(config: Config, typed: set[tuple[str, str]]) -> SearchSp
         layer_split=tuple(par.layer_split) if par.layer_split else None)  # pins p as well
     if ("recompute", "granularity") in typed or config.recompute.granularity is not None:
         space = dataclasses.replace(space, recompute=(config.recompute.granularity,))
+    virtual = {("parallel", "virtual_pipeline_parallel"),
+               ("parallel", "num_layers_per_virtual_pipeline_stage")}
+    if virtual & typed:  # Megatron-LM's virtual-stage flags select interleaved, with their v
+        space = dataclasses.replace(space, schedules=("interleaved",),
+                                    chunks=par.virtual_pipeline_parallel or 2)
     if ("parallel", "schedule") in typed:
         space = dataclasses.replace(space, schedules=(par.schedule,))
     return space

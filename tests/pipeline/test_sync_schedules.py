@@ -367,3 +367,19 @@ def test_interleaved_evaluation_matches_one_process():
     chunked = run_ranks(2, _evaluate, config("interleaved", chunks=2, p=2))[1]
     assert chunked["weight"] == single["weight"] == 4.0
     assert chunked["sums"]["lm loss"] == pytest.approx(single["sums"]["lm loss"], abs=1e-5)
+
+
+def test_auto_parallel_keeps_the_typed_virtual_stages():
+    """--auto-parallel with --virtual-pipeline-model-parallel-size: the search plans interleaved
+    with that v (pinned like every typed flag), not another schedule or v."""
+    from megatron_2bw.arguments import explicit_fields
+    from megatron_2bw.planner.hardware import load_hardware
+    from megatron_2bw.planner.search import candidates, pinned_search_space
+    flags = [*TINY[:-2], "--num-layers", "8", "--pipeline-model-parallel-size", "2",
+             "--virtual-pipeline-model-parallel-size", "4", "--global-batch-size", "16"]
+    config, args = parse_config(flags)
+    space = pinned_search_space(config, explicit_fields(args))
+    assert space.schedules == ("interleaved",) and space.chunks == 4
+    pool = candidates(config.model, 8, load_hardware("dgx-a100"), 16, space)
+    assert pool and {(c.schedule, c.chunks, c.pipeline_parallel) for c in pool} == \
+        {("interleaved", 4, 2)}
