@@ -76,6 +76,7 @@ class StageExecutor:
             self._forward(a, next_microbatch(a.microbatch))
         elif a.kind == S.BACKWARD:
             self.updater.finish_data_reductions()  # a fixed point in every rank's schedule
+            self.updater.before_backward(a.microbatch // self.m, self.m)
             self._backward(a)
         elif a.kind == S.REDUCE_GRADS:
             self.updater.reduce(a.batch, self.m)

@@ -145,6 +145,7 @@ class WeightVersions:
                  single_version: bool):
         self.module = module
         self.working_dtype = working_dtype
+        self.new_copy_listeners: list = []  # called with each working copy made from now on
         self.single_version = single_version
         named = list(module.named_parameters())
         self.names = [name for name, _ in named]
@@ -197,7 +198,10 @@ class WeightVersions:
                 leaf.grad = grad  # autograd accumulates in place into the flat buffer
             else:  # e.g. bf16 weights with fp32 accumulation: add each microbatch's gradient
                 leaf.register_post_accumulate_grad_hook(_accumulate_into(grad))
-        return WorkingCopy(leaves, flat)
+        copy = WorkingCopy(leaves, flat)
+        for listener in self.new_copy_listeners:
+            listener(copy)
+        return copy
 
     def _point_master_grads_at(self, flat: torch.Tensor) -> None:
         """The (unsharded) master gradients become views of `flat`."""
