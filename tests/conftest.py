@@ -1,7 +1,17 @@
 import os
 import sys
 
+import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 torch.set_num_threads(1)
+
+
+@pytest.fixture
+def reduced_precision_math_attention():
+    """scaled_dot_product_attention's math kernel allowed fp16/bf16 softmaxes (not the default):
+    then the fp32-softmax flags take Megatron-LM's unfused attention (models/transformer.py)."""
+    torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True)
+    yield
+    torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(False)

@@ -5,7 +5,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools"))
@@ -71,15 +70,6 @@ def test_the_fp32_softmax_keeps_the_fused_attentions_plan_by_default():
     flagged = plan.main(TINY + PINNED + ["--bf16", "--attention-softmax-in-fp32"])
     assert [p.candidate for p in flagged] == [p.candidate for p in plain]
     assert [p.stage_memory for p in flagged] == [p.stage_memory for p in plain]
-
-
-@pytest.fixture
-def reduced_precision_math_attention():
-    """scaled_dot_product_attention's math kernel allowed fp16/bf16 softmaxes: then the fp32
-    softmax flags take Megatron-LM's unfused attention."""
-    torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True)
-    yield
-    torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(False)
 
 
 def test_the_attention_switches_reach_the_plan(capsys, reduced_precision_math_attention):
