@@ -335,12 +335,18 @@ def main(argv=None) -> dict:
         def make(micro, compiled=False, shape=shape):
             return gpt_config(shape, seq, vocab, micro, args.microbatches, compiled)
         entry = {}
-        runs = [("ours eager", run_ours, lambda b: make(b), micro_batches)]
+        runs = [("ours eager", run_ours, lambda b: make(b))]
         if not args.no_compile:
-            runs.append(("ours compiled", run_ours, lambda b: make(b, True), micro_batches))
+            runs.append(("ours compiled", run_ours, lambda b: make(b, True)))
         if not args.no_peer:
-            runs.append(("transformers GPT-2 peer", run_peer, lambda b: make(b), micro_batches))
-        for run_name, run, make_config, sizes in runs:
+            runs.append(("transformers GPT-2 peer", run_peer, lambda b: make(b)))
+        for run_name, run, make_config in runs:
+            sizes = micro_batches
+            if run_name == "ours compiled" and entry.get("ours eager"):
+                # compiled at the eager run's micro batch (and up from there): one compilation
+                # per size tried, not a search from the smallest
+                fitted = entry["ours eager"]["micro_batch_size"]
+                sizes = [b for b in micro_batches if b >= fitted]
             result = largest_fitting(run, make_config, sizes, device, args.warmup, args.iterations)
             if result is not None:
                 config = make_config(result["micro_batch_size"])

@@ -166,6 +166,10 @@ def build_parser(description: str = "", extra_args_provider=None) -> argparse.Ar
     _bool_flag(g, "--use-distributed-optimizer", "parallel", "use_distributed_optimizer",
                "shard fp32 master weights and optimizer state over data-parallel replicas")
     _flag(g, "--ddp-bucket-size", "parallel", "ddp_bucket_size", type=int)
+    _bool_flag(g, "--overlap-grad-reduce", "parallel", "overlap_grad_reduce",
+               "start each bucket's data-parallel all-reduce during the batch's last backward, as "
+               "soon as its gradients are in (default on GPUs; on CPUs the all-reduce starts "
+               "after the backward)")
     _bool_flag(g, "--bind-cores-to-rank", "parallel", "bind_cores_to_rank",
                "bind each local rank to its own share of the node's CPU cores (as DeepSpeed's "
                "launcher option of that name)")
@@ -358,15 +362,14 @@ def build_parser(description: str = "", extra_args_provider=None) -> argparse.Ar
 # Megatron-LM flags that name what megatron_2bw does anyway: accepted, with what happens instead
 ACCEPTED_MEGATRON_FLAGS = {
     "--log-throughput": "every log line reports tokens/s and TFLOPS",
-    "--overlap-grad-reduce": "the data-parallel gradient all-reduce overlaps the next forward "
-                             "wherever the schedule allows it (2BW)",
     "--overlap-param-gather": "with --use-distributed-optimizer the updated shards are gathered "
                               "in the step, which 2BW defers until the new version is needed",
     "--no-create-attention-mask-in-dataloader": "the model builds its attention masks itself",
     "--no-mmap-bin-files": "the .bin files are always memory-mapped (read-only, shared)",
     "--cross-entropy-loss-fusion": "the vocabulary-parallel cross entropy is one autograd "
                                    "function",
-    "--use-cpu-initialization": "weights are always initialised on the CPU from per-name seeds",
+    "--use-cpu-initialization": "weights are always drawn on the CPU from per-name seeds (in "
+                                "chunks, each rank keeping its shard on its device)",
     "--add-position-embedding": "learned absolute positions are the default",
     "--use-pytorch-profiler": "--profile always runs torch.profiler",
 }

@@ -130,6 +130,10 @@ class ParallelConfig:
     planner_profile_cache: str | None = None
     use_distributed_optimizer: bool = False
     ddp_bucket_size: int = 40_000_000  # elements per data-parallel all-reduce bucket
+    # start each bucket's all-reduce during the batch's last backward (pipeline/overlap.py);
+    # None: on GPUs (NCCL runs it beside the compute), off on CPUs (gloo's threads would take
+    # the cores the backward computes on)
+    overlap_grad_reduce: bool | None = None
     bind_cores_to_rank: bool = False  # each local rank on its own share of the node's cores
     # online repartitioning (pipeline/repartition.py): every N iterations the stages' measured
     # per-layer times choose a new layer split and recompute plan; moved if the predicted gain

@@ -130,7 +130,9 @@ def build_stage(config: Config, layout: ParallelLayout, device: torch.device, ti
         check_for_nan=train.check_for_nan_in_loss_and_grad,
         log_params_norm=config.logging.log_params_norm,
         log_num_zeros_in_grad=config.logging.log_num_zeros_in_grad,
-        per_token_loss=train.calculate_per_token_loss)
+        per_token_loss=train.calculate_per_token_loss,
+        overlap_grad_reduce=par.overlap_grad_reduce if par.overlap_grad_reduce is not None
+        else device.type == "cuda")
     updater.compensation = build_delay_compensation(versions, par.delay_compensation,
                                                     par.delay_compensation_lambda)
     microbatches = train.global_batch_size // (train.micro_batch_size * layout.data_replicas)

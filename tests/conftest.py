@@ -1,6 +1,7 @@
 import os
 import sys
 
+import pytest
 import torch
 
 # The tests run from a checkout without an install: this process imports the package from the
@@ -10,3 +11,12 @@ sys.path.insert(0, REPO_ROOT)
 os.environ["PYTHONPATH"] = os.pathsep.join(
     [REPO_ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
 torch.set_num_threads(1)
+
+
+@pytest.fixture
+def reduced_precision_math_attention():
+    """scaled_dot_product_attention's math kernel allowed fp16/bf16 softmaxes (not the default):
+    then the fp32-softmax flags take Megatron-LM's unfused attention (models/transformer.py)."""
+    torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True)
+    yield
+    torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(False)

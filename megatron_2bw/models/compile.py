@@ -37,6 +37,10 @@ def compile_transformer_layers(model: nn.Module) -> int:
     from megatron_2bw.models.transformer import TransformerLayer
     check_compile_supported()
     layers = [m for m in model.modules() if isinstance(m, TransformerLayer)]
+    # the layers share TransformerLayer.forward's code, whose compiled graphs dynamo caches up
+    # to a limit (then it runs eagerly): room for two per layer, should guards tell them apart
+    limit = torch._dynamo.config.cache_size_limit
+    torch._dynamo.config.cache_size_limit = max(limit, 2 * len(layers))
     for layer in layers:
         layer.compile()
     return len(layers)

@@ -84,6 +84,7 @@ class StageExecutor:
             self._forward(a, self._microbatch(a, next_microbatch))
         elif a.kind == S.BACKWARD:
             self.updater.finish_data_reductions()  # a fixed point in every rank's schedule
+            self.updater.before_backward(a.microbatch // self.m, self.m)
             self._backward(a)
         elif a.kind == S.BACKWARD_INPUT:
             self.updater.finish_data_reductions()

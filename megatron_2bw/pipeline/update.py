@@ -2,8 +2,10 @@
 schedule says the next version is due.
 
 reduce(b): start averaging the flat gradient buffer over the stage's data-parallel replicas in the
-  background, in the buffer's dtype: an all-reduce in buckets, or with the distributed optimizer a
-  reduce-scatter per region, so each rank keeps the average of its own shard.
+  background, in the buffer's dtype: an all-reduce in buckets, most of them already started
+  during the batch's last backward as their gradients became ready (pipeline/overlap.py), or with
+  the distributed optimizer a reduce-scatter per region, so each rank keeps the average of its
+  own shard.
 finish_data_reductions(): called before each backward, the first write to the buffer after
   reduce(b), and by step. Once the average is in, it moves the buffer into the fp32 master
   gradients (the buffer is free again for batch b+1), then starts the all-reduce of the tied
@@ -88,7 +90,8 @@ class GradientUpdater:
                  opt: OptimizerConfig, data_group, embedding_group, model_group, tensor_group,
                  bucket_elements: int, timers=None,
                  check_for_nan: bool = False, log_params_norm: bool = False,
-                 log_num_zeros_in_grad: bool = False, per_token_loss: bool = False):
+                 log_num_zeros_in_grad: bool = False, per_token_loss: bool = False,
+                 overlap_grad_reduce: bool = True):
         self.versions, self.optimizer, self.scaler = versions, optimizer, loss_scaler
         self.schedule, self.clip_grad = schedule, opt.clip_grad
         self.stop_on_nonfinite_norm = check_for_nan and versions.working_dtype != torch.float16
@@ -113,6 +116,13 @@ class GradientUpdater:
         self.loss_tokens: dict[int, torch.Tensor] = {}  # per_token_loss: batch -> its tokens
         self.overflow_injection = None  # tests: callable(batch) -> bool puts an inf in the gradient
         self.compensation = None  # --delay-compensation (pipeline/compensation.py), set after sharding
+        # the data-parallel average started bucket by bucket in the batch's last backward
+        self.backward_reducer = None
+        if overlap_grad_reduce and group_size(data_group) > 1 and not versions.sharded and \
+                not any(s.tensor_partial_grad for s in versions.specs):
+            from megatron_2bw.pipeline.overlap import BackwardBucketReducer
+            self.backward_reducer = BackwardBucketReducer(versions, data_group, bucket_elements)
+        self._backwards: dict[int, int] = {}  # batch -> backwards run of it
 
     # -- loss scaling --------------------------------------------------------------------------
     def loss_scale_for(self, batch: int) -> float:
@@ -154,6 +164,14 @@ class GradientUpdater:
         if work is not None:
             work.wait()
 
+    def before_backward(self, batch: int, microbatches: int) -> None:
+        """Called before each backward: the batch's last arms the bucket-by-bucket average."""
+        self._backwards[batch] = self._backwards.get(batch, 0) + 1
+        if self._backwards[batch] == microbatches:
+            del self._backwards[batch]
+            if self.backward_reducer is not None and self.overflow_injection is None:
+                self.backward_reducer.arm()
+
     @torch.no_grad()
     def reduce(self, batch: int, microbatches: int) -> None:
         ended_at = time.perf_counter()
@@ -170,6 +188,8 @@ class GradientUpdater:
             data_works = [reduce_scatter_tensor(buffer[a:b], buffer[start:end], op=dist.ReduceOp.AVG,
                                           group=self.data_group, async_op=True)
                           for (start, end), (a, b) in zip(v.layout.regions, v.layout.owned)]
+        elif self.backward_reducer is not None and self.backward_reducer.armed:
+            data_works = self.backward_reducer.finish()  # started during the last backward
         elif replicated:
             data_works = [all_reduce(bucket, self.data_group, op=dist.ReduceOp.AVG, async_op=True)
                           for bucket in buffer.split(self.bucket_elements)]
@@ -201,7 +221,7 @@ class GradientUpdater:
                     self._wait(work)
             except Exception as error:  # noqa: BLE001 - the caller names the stage and action
                 raise RuntimeError(f"the data-parallel gradient reduction of batch {batch}, "
-                                   f"started after its last backward, failed: {error}") from error
+                                   f"started with its last backward, failed: {error}") from error
             pending.data_works = []
             self._averaged(pending)
             timer and timer.stop()

@@ -159,6 +159,7 @@ class WeightVersions:
         self.rule = rule
         self.capacity = rule.live_versions  # working copies held (at most)
         self.single_version = self.capacity == 1
+        self.new_copy_listeners: list = []  # called with each working copy made from now on
         named = list(module.named_parameters())
         self.names = [name for name, _ in named]
         self.specs = [p.spec for _, p in named]
@@ -213,7 +214,10 @@ class WeightVersions:
                 leaf.grad = grad  # autograd accumulates in place into the flat buffer
             else:  # e.g. bf16 weights with fp32 accumulation: add each microbatch's gradient
                 leaf.register_post_accumulate_grad_hook(_accumulate_into(grad))
-        return WorkingCopy(leaves, flat)
+        copy = WorkingCopy(leaves, flat)
+        for listener in self.new_copy_listeners:
+            listener(copy)
+        return copy
 
     def _point_master_grads_at(self, flat: torch.Tensor) -> None:
         """The (unsharded) master gradients become views of `flat`."""

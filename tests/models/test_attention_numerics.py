@@ -57,14 +57,6 @@ def gpt(**overrides):
     return build_stage_model(config, None, 1, range(2), True, True, 1234)
 
 
-@pytest.fixture
-def reduced_precision_math_attention():
-    """scaled_dot_product_attention's math kernel allowed fp16/bf16 softmaxes (not the default)."""
-    torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True)
-    yield
-    torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(False)
-
-
 @pytest.mark.parametrize("flag", ["attention_softmax_in_fp32", "apply_query_key_layer_scaling"])
 @pytest.mark.parametrize("groups", [None, 2])
 def test_bf16_model_keeps_fused_attention_whose_softmax_is_fp32(flag, groups, monkeypatch):

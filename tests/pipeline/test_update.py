@@ -1,15 +1,15 @@
 """When a stage's gradients are averaged over its data-parallel replicas (pipeline/update.py):
-reduce(b) leaves the all-reduce of the gradient buffer (with the distributed optimizer, its
-reduce-scatter) running, and the stage waits for it before its next backward (under 2BW, after a
-forward has run) or at its step (Flush: right away)."""
+the all-reduce of the gradient buffer starts bucket by bucket during the batch's last backward
+(with the distributed optimizer its reduce-scatter starts at reduce(b)) and runs on, and the
+stage waits for it before its next backward (under 2BW, after a forward has run) or at its step
+(Flush: right away)."""
 import dataclasses
-import datetime
 
 import pytest
 
 from megatron_2bw.pipeline import schedules as S
 from megatron_2bw.pipeline.executor import PipelineError
-from megatron_2bw.pipeline import update
+from megatron_2bw.pipeline import overlap as overlap_module, update
 from megatron_2bw.training import run_segment
 from tests.distributed_helpers import run_ranks
 from tests.pipeline.harness import gpt_feed, stage_on_rank, tiny_config
@@ -17,12 +17,14 @@ from tests.pipeline.harness import gpt_feed, stage_on_rank, tiny_config
 STARTED, IN = "average started", "average in"
 
 
-def record_order(rank: int, world: int, schedule: str, distributed_optimizer: bool) -> list[str]:
+def record_order(rank: int, world: int, schedule: str, distributed_optimizer: bool,
+                 overlap: bool = False) -> list[str]:
     """Train 3 batches (p = 1, d = 2, m = 2); the order of the stage's actions (logged when each
     ends) and of the start and end of the gradient average."""
     config = tiny_config(p=1, schedule=schedule, optimizer="adam")
     config = dataclasses.replace(config, parallel=dataclasses.replace(
-        config.parallel, use_distributed_optimizer=distributed_optimizer))
+        config.parallel, use_distributed_optimizer=distributed_optimizer,
+        overlap_grad_reduce=overlap))
     layout, stage = stage_on_rank(rank, world, config)
     events: list[str] = []
     real_all_reduce, real_reduce_scatter = update.all_reduce, update.reduce_scatter_tensor
@@ -48,7 +50,7 @@ def record_order(rank: int, world: int, schedule: str, distributed_optimizer: bo
         events.append(STARTED)
         return RecordedWork(real_reduce_scatter(output, tensor, **options))
 
-    update.all_reduce = all_reduce  # this forked rank's module only
+    update.all_reduce = overlap_module.all_reduce = all_reduce  # this forked rank's modules
     update.reduce_scatter_tensor = reduce_scatter
     run_action = stage.executor._run_one
 
@@ -63,31 +65,41 @@ def record_order(rank: int, world: int, schedule: str, distributed_optimizer: bo
 
 @pytest.fixture(scope="module")
 def orders():
-    return {(schedule, sharded): run_ranks(2, record_order, schedule, sharded)
-            for schedule in ("2bw", "flush") for sharded in (False, True)}
+    return {(schedule, sharded, overlap): run_ranks(2, record_order, schedule, sharded, overlap)
+            for schedule in ("2bw", "flush")
+            for sharded, overlap in ((False, False), (True, False), (False, True))}
 
 
-def assert_started_at_reduce_and_waited(events: list[str], between: list[str], waiting: str):
-    """Each reduction starts inside reduce_grads (one start per bucket or region) and is waited
-    for after `between` ran, inside `waiting`."""
+def assert_started_and_waited(events: list[str], between: list[str], waiting: str,
+                              in_backward: bool):
+    """Each reduction starts (one start per bucket or region) inside the batch's last backward
+    (`in_backward`: the bucket-by-bucket all-reduce) or inside reduce_grads (the distributed
+    optimizer's reduce-scatter), and is waited for after `between` ran, inside `waiting`."""
     assert events.count(STARTED) == events.count(IN) >= 3, events
     first = events.index(STARTED)
-    starts = events.index(S.REDUCE_GRADS) - first
+    started_in = S.BACKWARD if in_backward else S.REDUCE_GRADS
+    starts = events.index(started_in, first) - first
     assert events[first:first + starts] == [STARTED] * starts
-    assert events[first + starts:first + 2 * starts + 2 + len(between)] == \
-        [S.REDUCE_GRADS, *between] + [IN] * starts + [waiting]
+    ended = [S.BACKWARD, S.REDUCE_GRADS] if in_backward else [S.REDUCE_GRADS]
+    assert events[first + starts:first + 2 * starts + len(ended) + 1 + len(between)] == \
+        [*ended, *between] + [IN] * starts + [waiting]
 
 
-@pytest.mark.parametrize("sharded", [False, True])
-def test_2bw_averages_gradients_while_the_next_forward_runs(orders, sharded):
-    for events in orders["2bw", sharded]:
-        assert_started_at_reduce_and_waited(events, [S.FORWARD], S.BACKWARD)
+LAYOUTS = pytest.mark.parametrize("sharded, overlap", [(False, False), (True, False),
+                                                      (False, True)],
+                                   ids=["after-backward", "distributed-optimizer", "overlap"])
 
 
-@pytest.mark.parametrize("sharded", [False, True])
-def test_flush_waits_for_the_average_at_its_step(orders, sharded):
-    for events in orders["flush", sharded]:
-        assert_started_at_reduce_and_waited(events, [S.RELEASE_VERSION], S.STEP)
+@LAYOUTS
+def test_2bw_averages_gradients_while_the_next_forward_runs(orders, sharded, overlap):
+    for events in orders["2bw", sharded, overlap]:
+        assert_started_and_waited(events, [S.FORWARD], S.BACKWARD, in_backward=overlap)
+
+
+@LAYOUTS
+def test_flush_waits_for_the_average_at_its_step(orders, sharded, overlap):
+    for events in orders["flush", sharded, overlap]:
+        assert_started_and_waited(events, [S.RELEASE_VERSION], S.STEP, in_backward=overlap)
 
 
 def reduce_without_the_other_replica(rank: int, world: int) -> str | None:
@@ -96,7 +108,6 @@ def reduce_without_the_other_replica(rank: int, world: int) -> str | None:
     layout, stage = stage_on_rank(rank, world, config)
     if rank == 1:
         return None
-    stage.updater.timeout = datetime.timedelta(seconds=2)
     try:
         run_segment(stage, 0, 3, gpt_feed(config, layout))
     except PipelineError as error:
@@ -107,4 +118,4 @@ def reduce_without_the_other_replica(rank: int, world: int) -> str | None:
 def test_a_reduction_that_never_completes_is_named_with_its_batch_and_the_waiting_action():
     message = run_ranks(2, reduce_without_the_other_replica, timeout=300)[0]
     assert message.startswith("stage 0 failed at B2@v0: the data-parallel gradient reduction of "
-                              "batch 0, started after its last backward, failed"), message
+                              "batch 0, started with its last backward, failed"), message

@@ -267,15 +267,6 @@ def test_layernorm_1p_norms_keep_the_gains_they_compute():
             2 * (2 * H + 2 * H // A)
 
 
-@pytest.fixture
-def reduced_precision_math_attention():
-    """scaled_dot_product_attention's math kernel allowed fp16/bf16 softmaxes: then the fp32
-    softmax flags take Megatron-LM's unfused attention."""
-    torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True)
-    yield
-    torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(False)
-
-
 def test_the_fp32_softmax_flags_keep_the_fused_attentions_bytes():
     """scaled_dot_product_attention computes its softmax in fp32 by default: the flags change
     nothing."""

@@ -64,7 +64,15 @@ def test_sequence_parallel_reaches_the_plan(capsys):
     assert " swiglu sequence-parallel, batch" in named[2]  # the layout's switches are named
 
 
-def test_the_attention_switches_reach_the_plan(capsys):
+def test_the_fp32_softmax_keeps_the_fused_attentions_plan_by_default():
+    """scaled_dot_product_attention computes the softmax in fp32: the flag changes no estimate."""
+    plain = plan.main(TINY + PINNED + ["--bf16"])
+    flagged = plan.main(TINY + PINNED + ["--bf16", "--attention-softmax-in-fp32"])
+    assert [p.candidate for p in flagged] == [p.candidate for p in plain]
+    assert [p.stage_memory for p in flagged] == [p.stage_memory for p in plain]
+
+
+def test_the_attention_switches_reach_the_plan(capsys, reduced_precision_math_attention):
     """bf16: the fp32 softmax's unfused attention stashes its scores in fp32 (more activation
     memory on each stage of the same configuration unless recomputation drops them);
     --qk-layernorm, --apply-layernorm-1p and the fp32 softmax are named in the title."""

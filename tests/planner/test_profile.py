@@ -163,15 +163,6 @@ def test_analytic_attention_layout_moves_the_heads_channels(heads, head, t):
     assert layout.bytes == pytest.approx(e * sb * (repeated + rotated) / t)
 
 
-@pytest.fixture
-def reduced_precision_math_attention():
-    """scaled_dot_product_attention's math kernel allowed fp16/bf16 softmaxes: then the fp32
-    softmax flags take Megatron-LM's unfused attention (by default they keep the fused one)."""
-    torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True)
-    yield
-    torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(False)
-
-
 def test_analytic_fp32_softmax_keeps_the_fused_attention_by_default():
     fp32_softmax = dataclasses.replace(MODEL, attention_softmax_in_fp32=True)
     bf16 = PrecisionConfig(bf16=True)
