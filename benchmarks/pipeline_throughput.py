@@ -769,8 +769,9 @@ def parse_workload(args) -> tuple[Workload, list[str], list[int] | None]:
     if args.num_layers < STAGES:
         fail(f"--num-layers {args.num_layers} must be at least {STAGES} (one per stage)")
     chunks_fit = args.num_layers % (2 * STAGES) == 0 and m % STAGES == 0
-    if args.runs is None:
-        args.runs = ",".join(n for n in RUNS if chunks_fit or n not in CHUNKED_RUNS)
+    if args.runs is None:  # the runs this model allows: chunks where layers split, untied pipedream
+        args.runs = ",".join(n for n in RUNS if (chunks_fit or n not in CHUNKED_RUNS) and
+                             (args.untie_embeddings_and_output_weights or n != "pipedream"))
     chunked = [n for n in args.runs.split(",") if n.strip() in CHUNKED_RUNS]
     if chunked and not chunks_fit:
         fail(f"--runs {','.join(chunked)}: two chunks per rank need --num-layers a multiple of "
