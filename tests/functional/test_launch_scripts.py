@@ -128,10 +128,12 @@ def test_slurm_batch_script_saves_on_time_limit_requeues_and_resumes(tmp_path):
     trained = max(i for i, _, _ in _iterations(output))
     assert 2 <= saved <= trained + 1, output[-4000:]
 
-    # The requeued job: same job id and checkpoint dir; it resumes after the saved iteration.
+    # The requeued job: same job id and checkpoint dir; it resumes after the saved iteration. It
+    # stops two iterations later, keeping the checkpoint's learning-rate schedule (--train-iters,
+    # which the decay length follows, changed).
     log = tmp_path / "requeued.log"
     env = _slurm_environment(tmp_path, TRAIN_ITERS=str(saved + 2), SLURM_RESTART_COUNT="1")
-    job = _start(["bash", sbatch], env, log)
+    job = _start(["bash", sbatch, "--use-checkpoint-opt_param-scheduler"], env, log)
     output = _finish(job, log, timeout=600)
     assert job.returncode == 0, output[-4000:]
     assert [i for i, _, _ in _iterations(output)] == [saved + 1, saved + 2], output[-4000:]
