@@ -38,7 +38,7 @@ from megatron_2bw.optim.lr_schedule import apply_schedule
 from megatron_2bw.optim.optimizer import build_torch_optimizer
 from megatron_2bw.planner.memory import estimate_stage_memory
 from megatron_2bw.pipeline.executor import StageExecutor
-from megatron_2bw.pipeline.partition import layer_ranges, stage_recompute
+from megatron_2bw.pipeline.partition import chunk_recompute, layer_ranges, stage_recompute
 from megatron_2bw.pipeline.compensation import build_delay_compensation
 from megatron_2bw.pipeline.schedules import VersionRule, stage_actions, stage_receives
 from megatron_2bw.pipeline.update import GradientUpdater, StepResult
@@ -163,11 +163,13 @@ def build_model_chunks(config: Config, layout: ParallelLayout):
     par = config.parallel
     p, v = par.pipeline_parallel, par.model_chunks
     ranges = layer_ranges(config.model.num_layers, p * v)
+    mine = [ranges[c * p + layout.stage] for c in range(v)]
+    recompute = chunk_recompute(config.recompute, layout.stage, [len(r) for r in mine])
     return ModelChunks([
         build_stage_model(config.model, layout.group("tensor"), par.tensor_parallel,
-                          ranges[c * p + layout.stage], c == 0 and layout.is_first_stage,
+                          mine[c], c == 0 and layout.is_first_stage,
                           c == v - 1 and layout.is_last_stage, config.training.seed,
-                          config.recompute, layout.group("context"))
+                          recompute[c], layout.group("context"))
         for c in range(v)])
 
 

@@ -26,6 +26,26 @@ def stage_recompute(recompute: RecomputeConfig, stage: int) -> RecomputeConfig:
     plan = recompute.num_layers_per_stage
     if plan is None:
         return recompute
-    if plan[stage] == 0:
+    return block_recompute(plan[stage])
+
+
+def block_recompute(layers: int) -> RecomputeConfig:
+    """The first `layers` layers of a module recompute in full, one by one (none: no recompute)."""
+    if layers == 0:
         return RecomputeConfig()
-    return RecomputeConfig(granularity="full", method="block", num_layers=plan[stage])
+    return RecomputeConfig(granularity="full", method="block", num_layers=layers)
+
+
+def chunk_recompute(recompute: RecomputeConfig, stage: int, chunk_layers: list[int]
+                    ) -> list[RecomputeConfig]:
+    """The recomputation of each model chunk of a pipeline rank (interleaved schedule): a per-stage
+    plan's count runs over the rank's layers in chunk order (chunk 0's first, as its activations
+    wait longest), otherwise every chunk runs the job-wide setting."""
+    plan = recompute.num_layers_per_stage
+    if plan is None:
+        return [recompute] * len(chunk_layers)
+    left, out = plan[stage], []
+    for n in chunk_layers:
+        out.append(block_recompute(min(left, n)))
+        left -= min(left, n)
+    return out

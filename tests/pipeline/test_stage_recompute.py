@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megatron_2bw.config import ParallelConfig, PrecisionConfig, RecomputeConfig
-from megatron_2bw.pipeline.partition import stage_recompute
+from megatron_2bw.pipeline.partition import chunk_recompute, stage_recompute
 from megatron_2bw.planner.memory import estimate_stage_memory
 from megatron_2bw.training import run_segment
 from tests.distributed_helpers import run_ranks
@@ -59,3 +59,27 @@ def test_the_estimate_counts_each_stage_plan():
     block = estimate_stage_memory(config.model, parallel, PrecisionConfig(),
                                   RecomputeConfig("full", "block", 2), "adam", 2, 4, 1, 0)
     assert activations([2, 0], 0) == block.activations
+
+
+def test_a_ranks_plan_runs_over_its_model_chunks_in_chunk_order():
+    plan = RecomputeConfig(num_layers_per_stage=[3, 1])
+    assert chunk_recompute(plan, 0, [2, 2]) == [RecomputeConfig("full", "block", 2),
+                                                RecomputeConfig("full", "block", 1)]
+    assert chunk_recompute(plan, 1, [2, 2]) == [RecomputeConfig("full", "block", 1),
+                                                RecomputeConfig()]
+    uniform = RecomputeConfig("full", "uniform", 1)
+    assert chunk_recompute(uniform, 1, [2, 2]) == [uniform, uniform]
+
+
+def test_interleaved_recomputes_per_stage_without_changing_the_weights():
+    def config(plan):
+        c = tiny_config(p=2, schedule="interleaved", optimizer="adam", lr=0.01, layers=8)
+        c.parallel.virtual_pipeline_parallel = 2
+        c.recompute = RecomputeConfig(num_layers_per_stage=plan)
+        return c
+    plain = sorted(run_ranks(2, _train, config(None), 2), key=lambda r: r["coords"][2])
+    recomputed = sorted(run_ranks(2, _train, config([3, 0]), 2), key=lambda r: r["coords"][2])
+    a, b = full_weights(plain), full_weights(recomputed)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert recomputed[0]["peak_activations"] < 0.85 * plain[0]["peak_activations"]
+    assert recomputed[1]["peak_activations"] == plain[1]["peak_activations"]
