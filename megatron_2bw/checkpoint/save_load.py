@@ -467,7 +467,9 @@ def _barrier(layout) -> None:
 def adopt_checkpoint_layout(config: Config, typed: set) -> tuple[set, list[str]]:
     """--load: the layer split (and, resuming, the pipeline schedule) the checkpoint was trained
     with, where no flag sets them and the pipeline size is the checkpoint's, so continuing a run
-    needs no flags repeated (nor --auto-parallel a different split). Returns `typed` with the
+    needs no flags repeated (nor --auto-parallel a different split). Under
+    --pipeline-repartition-interval the checkpoint's split and recompute plan win over typed ones:
+    the command line names the split the job started from, the checkpoint where its layers are. Returns `typed` with the
     adopted fields added (--auto-parallel keeps them pinned) and the flags adopted, for the log."""
     root, par = config.checkpoint.load, config.parallel
     if not root or not has_checkpoint(root):
@@ -476,10 +478,20 @@ def adopt_checkpoint_layout(config: Config, typed: set) -> tuple[set, list[str]]
     if saved.pipeline_parallel != par.pipeline_parallel:  # check_layout names the mismatch
         return set(typed), []
     typed, adopted = set(typed), []
-    if ("parallel", "layer_split") not in typed and saved.layer_split:
+    # a repartitioning job's typed split is where it started; it continues where its layers went
+    moved = par.repartition_interval is not None and saved.layer_split \
+        and saved.layer_split != par.layer_split
+    if (("parallel", "layer_split") not in typed or moved) and saved.layer_split:
         par.layer_split = list(saved.layer_split)
         typed.add(("parallel", "layer_split"))
-        adopted.append(f"--pipeline-layer-split {','.join(map(str, saved.layer_split))}")
+        adopted.append(f"--pipeline-layer-split {','.join(map(str, saved.layer_split))}"
+                       + (" (where repartitioning moved the layers)" if moved else ""))
+        plan = saved_config(root).recompute.num_layers_per_stage
+        if moved and plan != config.recompute.num_layers_per_stage:
+            config.recompute.num_layers_per_stage = list(plan) if plan is not None else None
+            typed.add(("recompute", "num_layers_per_stage"))
+            if plan is not None:
+                adopted.append(f"--recompute-num-layers-per-stage {','.join(map(str, plan))}")
     if ("parallel", "schedule") not in typed and not config.checkpoint.finetune \
             and saved.pipeline_schedule != par.pipeline_schedule:
         par.schedule = saved.pipeline_schedule

@@ -78,3 +78,31 @@ def test_load_continues_with_the_checkpoints_layer_split_and_schedule(tmp_path):
     assert (par.layer_split, par.pipeline_schedule) == ([3, 1], "2bw")
     par, _, flags = adopted("--pipeline-model-parallel-size", "1")  # another layout: no guess
     assert flags == [] and par.layer_split is None
+
+
+def test_a_repartitioning_job_resumes_where_its_layers_moved(tmp_path):
+    """Under --pipeline-repartition-interval the typed split is the one the job started from: the
+    checkpoint's split and recompute plan (after a migration) win; without it the typed split does."""
+    from megatron_2bw.arguments import explicit_fields
+    from megatron_2bw.checkpoint.save_load import (adopt_checkpoint_layout, write_marker,
+                                                   write_metadata)
+    layers = ["--num-layers", "4"]
+    moved = parse_config(pretrain_flags(1, 2, 10, *layers, "--pipeline-layer-split", "1,3",
+                                        "--recompute-num-layers-per-stage", "0,2"))[0]
+    os.makedirs(tmp_path / "iter_0000005")
+    write_metadata(str(tmp_path), 5, 40, moved, 1, 2, 1)
+    write_marker(str(tmp_path), 5)
+    started = ["--pipeline-layer-split", "3,1", "--recompute-num-layers-per-stage", "2,0"]
+
+    def adopted(*extra):
+        config, args = parse_config(pretrain_flags(1, 2, 20, *layers, "--load", str(tmp_path),
+                                                   *started, *extra))
+        typed, flags = adopt_checkpoint_layout(config, explicit_fields(args))
+        return config, flags
+    config, flags = adopted("--pipeline-repartition-interval", "2")
+    assert config.parallel.layer_split == [1, 3]
+    assert config.recompute.num_layers_per_stage == [0, 2]
+    assert flags[:2] == ["--pipeline-layer-split 1,3 (where repartitioning moved the layers)",
+                         "--recompute-num-layers-per-stage 0,2"]
+    config, flags = adopted()
+    assert config.parallel.layer_split == [3, 1] and not any("split" in f for f in flags)

@@ -25,17 +25,23 @@ def _run(script, extra, env=None):
                           env={**os.environ, **(env or {})})
 
 
-def test_a_bad_split_moves_at_the_first_interval():
+def test_a_bad_split_moves_at_the_first_interval_and_resumes_where_it_moved(tmp_path):
     # equal layers, measured alike on any machine (even_layer_times.py): 3,1 must move
-    job = _run("tests/functional/even_layer_times.py", [])
+    save = ["--save", str(tmp_path), "--save-interval", "4", "--train-iters", "8"]
+    job = _run("tests/functional/even_layer_times.py", [*save, "--exit-interval", "4"])
     assert job.returncode == 0, job.stdout + job.stderr
     decisions = re.findall(r"repartition at iteration (\d+): split (\S+) recompute \S+ -> split "
                            r"(\S+) recompute \S+, predicted gain ([\d.]+)%, (moved in [\d.]+ s|kept)",
                            job.stdout)
-    assert len(decisions) == 1, job.stdout  # iteration 6 is the end: no decision there
+    assert len(decisions) == 1, job.stdout  # iteration 4 is the end: no decision there
     iteration, old, new, gain, outcome = decisions[0]
     assert (iteration, old) == ("3", "3,1") and new in ("2,2", "1,3") and float(gain) >= 5
     assert outcome.startswith("moved in")
+    # the same command line continues at the moved split, not the typed 3,1
+    again = _run("tests/functional/even_layer_times.py", [*save, "--load", str(tmp_path)])
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert f"continuing with the checkpoint's --pipeline-layer-split {new}" in again.stdout
+    assert "loaded checkpoint" in again.stdout and re.search(r"iteration\s+8/\s*8", again.stdout)
 
 
 def test_a_rank_dying_in_a_migration_ends_the_job_and_keeps_the_checkpoint(tmp_path):
