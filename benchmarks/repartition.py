@@ -18,7 +18,9 @@ twice that. The static copies keep their splits; the repartitioned run measures 
 again after the phase's second segment.
 
 Reported per phase: samples/s of each copy (median over its segments and their range), the
-repartitioned run before and after its move against the best static split, the time of the move
+repartitioned run before and after its move against the best static split (as medians over the
+phase, and round by round: each segment after the move against the best split's segment of the
+same round), the time of the move
 (and the layers it moved) against one iteration, and the drain's cost.
 """
 from __future__ import annotations
@@ -191,6 +193,11 @@ def summarize(result: dict, args) -> dict:
         dynamic = [r for r in rows if r["copy"] == DYNAMIC]
         before = stats(dynamic[:args.move_after])
         after = stats(dynamic[args.move_after + 1:])  # the first segment after a move warms up
+        # the same round's segments ran minutes apart at most: their ratio cancels the drift
+        # that the medians over the whole phase keep
+        best_by_round = {r["round"]: r["samples_per_s"] for r in rows if r["copy"] == best}
+        paired = [r["samples_per_s"] / best_by_round[r["round"]]
+                  for r in dynamic[args.move_after + 1:]]
         move = next(m for m in moves if m["phase"] == phase)
         iteration_s = statistics.median(r["seconds_per_iteration"] for r in rows
                                         if r["copy"] == best)
@@ -199,6 +206,8 @@ def summarize(result: dict, args) -> dict:
             "repartitioned_before": before, "repartitioned_after": after,
             "after_vs_best": after["median"] / copies[best]["median"],
             "before_vs_best": before["median"] / copies[best]["median"],
+            "after_vs_best_by_round": {"median": statistics.median(paired), "min": min(paired),
+                                       "max": max(paired), "rounds": len(paired)},
             "move": move, "iteration_s_at_best_split": iteration_s,
             "move_vs_iteration": (move["seconds"] / iteration_s) if move["seconds"] else None}
         if UNDRAINED in copies:
@@ -252,6 +261,10 @@ def main(argv=None) -> dict:
               f"({100 * figures['before_vs_best']:.1f}% of best), "
               f"{figures['repartitioned_after']['median']:.2f} after "
               f"({100 * figures['after_vs_best']:.1f}% of best)")
+        by_round = figures["after_vs_best_by_round"]
+        print(f"  after the move against the best split in the same round: median "
+              f"{100 * by_round['median']:.1f}% ({100 * by_round['min']:.1f}-"
+              f"{100 * by_round['max']:.1f}%, {by_round['rounds']} rounds)")
         print(f"  {move['line'].strip()}")
         if move["seconds"]:
             print(f"  moved {move['layers_moved']} layer(s) in {move['seconds']:.3f} s = "
