@@ -115,8 +115,10 @@ def build_stage(config: Config, layout: ParallelLayout, device: torch.device, ti
         from megatron_2bw.models.compile import compile_transformer_layers
         compile_transformer_layers(model)
     rule = VersionRule(par.pipeline_schedule, par.pipeline_parallel, stage)
+    sharded = par.use_distributed_optimizer and layout.data > 1  # build_optimizer's test
     versions = WeightVersions(model, working_dtype(config), grad_dtype(config), rule=rule,
-                              predicted_versions=par.delay_compensation == "predict")
+                              predicted_versions=par.delay_compensation == "predict",
+                              bucket_elements=par.ddp_bucket_size if sharded else None)
     optimizer = build_optimizer(config, versions.master, versions.names, layout)
     scaler = build_loss_scaler(config.precision)
     train = config.training

@@ -68,6 +68,13 @@ class FlatLayout:
     buffers split evenly into any d shards without being laid out again. Rank r of d owns the r-th
     d-th of every region: the first and the last stage then hold the same part of the tied
     embeddings, and their all-reduce pairs shard with shard.
+
+    With `bucket_elements` (the distributed optimizer) the second region is cut further, after a
+    parameter, into regions of at least that many elements (the last one may be smaller), as
+    Megatron-LM's DistributedOptimizer lays out its buckets: each region is then a bucket whose
+    reduce-scatter gives every rank its part of it, so a bucket can be reduced as soon as its
+    parameters have their gradients (pipeline/overlap.py), and every parameter's part on a rank
+    stays one contiguous piece.
     """
     offsets: tuple[int, ...]  # per parameter (the module's order): start in the flat buffers
     numels: tuple[int, ...]
@@ -76,19 +83,26 @@ class FlatLayout:
     rank: int = 0
 
     @staticmethod
-    def build(numels: list[int], tied: list[bool], alignment: int) -> "FlatLayout":
+    def build(numels: list[int], tied: list[bool], alignment: int,
+              bucket_elements: int | None = None) -> "FlatLayout":
         offsets = [0] * len(numels)
         regions, start = [], 0
+
+        def close(end: int) -> int:
+            end = start + -(-(end - start) // alignment) * alignment
+            regions.append((start, end))
+            return end
+
         for region_is_tied in (True, False):
             end = start
             for i, n in enumerate(numels):
                 if tied[i] == region_is_tied:
                     offsets[i] = end
                     end += n
+                    if not region_is_tied and bucket_elements and end - start >= bucket_elements:
+                        start = end = close(end)
             if end > start:
-                end = start + -(-(end - start) // alignment) * alignment
-                regions.append((start, end))
-                start = end
+                start = close(end)
         return FlatLayout(tuple(offsets), tuple(numels), tuple(regions))
 
     @property
@@ -148,10 +162,12 @@ class WeightVersions:
 
     def __init__(self, module: nn.Module, working_dtype: torch.dtype, grad_dtype: torch.dtype,
                  single_version: bool | None = None, rule: VersionRule | None = None,
-                 predicted_versions: bool = False):
+                 predicted_versions: bool = False, bucket_elements: int | None = None):
         """`predicted_versions`: a new version is filled from `version_source` (weight
         prediction, pipeline/compensation.py) rather than being the master weights, so the
-        master weights keep a copy of their own also in fp32."""
+        master weights keep a copy of their own also in fp32. `bucket_elements`: the flat
+        buffers are laid out in buckets of about that many elements (FlatLayout; for the
+        distributed optimizer)."""
         if rule is None:
             rule = VersionRule("flush" if single_version in (None, True) else "2bw")
         self.module = module
@@ -169,7 +185,8 @@ class WeightVersions:
             owner_name, _, attr = name.rpartition(".")
             self._slots.append((module.get_submodule(owner_name), attr))
         self.layout = FlatLayout.build([p.numel() for _, p in named],
-                                       [s.tied for s in self.specs], _world_size())
+                                       [s.tied for s in self.specs], _world_size(),
+                                       bucket_elements)
         fp32 = working_dtype == torch.float32 and grad_dtype == torch.float32
         self.alias = self.single_version and fp32
         self.device = named[0][1].device
