@@ -86,14 +86,17 @@ class GradientUpdater:
     non-finite gradient norm outside fp16 raises instead of skipping the step (fp16 skips: an
     overflow is its loss scaler's to handle). `log_params_norm`, `log_num_zeros_in_grad`: each
     StepResult carries the norm of the weights, the zero entries of the gradients (a pass over
-    them and one small all-reduce per step)."""
+    them and one small all-reduce per step). `sharded_norm_group`: with the distributed
+    optimizer, the group of every rank of `model_group`'s replicas (data x model ranks), over
+    which the shards' sums of squares add up in one all-reduce in the background; without it
+    they are summed over `data_group` first, waiting for that."""
 
     def __init__(self, versions: WeightVersions, optimizer, loss_scaler, schedule,
                  opt: OptimizerConfig, data_group, embedding_group, model_group, tensor_group,
                  bucket_elements: int, timers=None,
                  check_for_nan: bool = False, log_params_norm: bool = False,
                  log_num_zeros_in_grad: bool = False, per_token_loss: bool = False,
-                 overlap_grad_reduce: bool = True):
+                 overlap_grad_reduce: bool = True, sharded_norm_group=None):
         self.versions, self.optimizer, self.scaler = versions, optimizer, loss_scaler
         self.schedule, self.clip_grad = schedule, opt.clip_grad
         self.stop_on_nonfinite_norm = check_for_nan and versions.working_dtype != torch.float16
@@ -102,6 +105,7 @@ class GradientUpdater:
         self.data_group, self.embedding_group = data_group, embedding_group
         self.model_group, self.tensor_group = model_group, tensor_group
         self.bucket_elements = bucket_elements
+        self.sharded_norm_group = sharded_norm_group
         self.timers = timers
         tp_rank = group_rank(tensor_group)
         # each parameter counted once in the global norm (and the weights' statistics): replicated
@@ -251,9 +255,13 @@ class GradientUpdater:
         """This rank's sum of squared master gradients, summed over the model-parallel group in
         the background (non-finite when any rank overflowed)."""
         stats = torch.stack([self._sum_of_squares([m.grad for m in self._counted()])])
-        if self.versions.sharded:  # the replicas are in step here: add up their shards first
-            all_reduce(stats, self.data_group)
-        return stats, all_reduce(stats, self.model_group, async_op=True)
+        group = self.model_group
+        if self.versions.sharded:  # the shards add up over the replicas too
+            group = self.sharded_norm_group
+            if group is None:  # the replicas are in step here: add up their shards first
+                all_reduce(stats, self.data_group)
+                group = self.model_group
+        return stats, all_reduce(stats, group, async_op=True)
 
     def _zeros_in_grad(self) -> torch.Tensor:
         """This rank's zero entries of the master gradients it counts."""
