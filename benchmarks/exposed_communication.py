@@ -10,7 +10,7 @@ the distributed optimizer's reduce-scatter and all-gather) two configurations ru
 
 - **after the backward**: `--no-overlap-grad-reduce`; with the distributed optimizer the new
   version's all-gather is waited for in the step that starts it and the gradient norm's shard
-  sums are added over the replicas first, in a blocking all-reduce (the path these replaced);
+  sums are added over the replicas first, in a blocking all-reduce (the synchronous path);
 - **overlapped**: `--overlap-grad-reduce` (buckets start during the batch's last backward), the
   all-gather in the background, waited for region by region in the next forward, the norm in
   one background all-reduce.
