@@ -1,10 +1,10 @@
 """--overlap-grad-reduce: the data-parallel average started bucket by bucket during the last
 backward (all-reduce, or the distributed optimizer's reduce-scatter) gives exactly the weights,
 norms and losses of starting it after the backward (itself checked against a single process in
-test_pipeline_equivalence and tests/optim/test_distributed.py), at p = 2 x d = 2 for 2BW, Flush,
-zb-h1 (whose split backward accumulates the weight gradients in its W passes) and interleaved
-chunks, with buckets smaller than a parameter and a parameter spanning several, in fp32 and
-with bf16's fp32 gradient buffer."""
+test_pipeline_equivalence and tests/optim/test_distributed.py), at p = 2 x d = 2 for every
+schedule (zb-h1's split backward accumulates the weight gradients in its W passes; interleaved
+chunks have m x chunks backwards per batch), with buckets smaller than a parameter and a
+parameter spanning several, in fp32 and with bf16's fp32 gradient buffer."""
 import dataclasses
 
 import pytest
@@ -19,7 +19,8 @@ from megatron_2bw.pipeline.weights import FlatLayout
 def _train(rank: int, world: int, schedule: str, sharded: bool, overlap: bool, bf16: bool):
     chunks = 2 if schedule == "interleaved" else 1
     config = tiny_config(p=2, schedule=schedule, optimizer="adam", lr=1e-3, global_batch=8,
-                         layers=2 * chunks)
+                         layers=2 * chunks,
+                         untie_embeddings_and_output_weights=schedule == "pipedream")
     config = dataclasses.replace(
         config, precision=PrecisionConfig(bf16=bf16),
         parallel=dataclasses.replace(config.parallel, ddp_bucket_size=1000,
@@ -44,8 +45,9 @@ def _train(rank: int, world: int, schedule: str, sharded: bool, overlap: bool, b
 
 
 CASES = [("2bw", False, False), ("2bw", True, False), ("2bw", False, True), ("2bw", True, True),
-         ("flush", True, False), ("zb-h1", False, False), ("zb-h1", True, False),
-         ("interleaved", False, False)]
+         ("flush", True, False), ("gpipe", False, False), ("pipedream", True, False),
+         ("zb-h1", False, False), ("zb-h1", True, False), ("interleaved", False, False),
+         ("interleaved", True, False)]
 
 
 @pytest.mark.parametrize("schedule, sharded, bf16", CASES,
