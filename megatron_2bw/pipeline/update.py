@@ -10,7 +10,8 @@ finish_data_reductions(): called before each backward, the first write to the bu
   reduce(b), and by step. Once the average is in, it moves the buffer into the fp32 master
   gradients (the buffer is free again for batch b+1), then starts the all-reduce of the tied
   word-embedding gradient over the first+last stage and one all-reduce over the whole
-  model-parallel group of the sum of squared gradients (non-finite if any rank overflowed). So
+  model-parallel group of the sum of squared gradients (non-finite if any rank overflowed; with
+  the distributed optimizer over every replica too, adding up the shards' sums). So
   under 2BW the data-parallel transfer overlaps the forward that follows reduce(b), and the point
   where it must be in is fixed by the schedule, the same on every rank. Nothing here waits on
   another stage: the first stage, which counts the tied embeddings in the norm and so needs their
