@@ -48,7 +48,7 @@ MODELS = {"125M": (12, 768, 12), "350M": (24, 1024, 16), "1.3B": (24, 2048, 16),
 TINY = {"tiny": (2, 64, 4)}
 # dense bf16 tensor-core peaks from NVIDIA's datasheets, by a part of torch.cuda.get_device_name;
 # the first match wins
-PEAK_BF16_TFLOPS = (("H200", 989.4), ("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.4),
+PEAK_BF16_TFLOPS = (("H200 NVL", 835.0), ("H200", 989.4), ("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.4),
                     ("GH200", 989.4), ("A100", 312.0), ("L40S", 362.05), ("A10G", 70.0),
                     ("L4", 121.0))
 LAYER_MICRO_BATCHES = (1, 2, 4, 8, 16)
@@ -185,6 +185,15 @@ def largest_fitting(run, make_config, micro_batches, device, warmup, iterations)
         best = {"micro_batch_size": micro, **result}
     release(device)
     return None if best is None else {**best, "tried": tried}
+
+
+def compiled_sizes(eager: dict, micro_batches: list[int]) -> list[int]:
+    """The micro batches the compiled run tries: the eager run's, and up from there only below
+    the size that did not fit eagerly. Each size tried costs a compilation, and one that ends
+    out of memory would waste it."""
+    too_big = min((t["micro_batch_size"] for t in eager["tried"] if not t["fits"]), default=None)
+    return [b for b in micro_batches
+            if b >= eager["micro_batch_size"] and (too_big is None or b < too_big)]
 
 
 def throughput(result: dict, config: Config, peak: float | None) -> dict:
@@ -343,10 +352,7 @@ def main(argv=None) -> dict:
         for run_name, run, make_config in runs:
             sizes = micro_batches
             if run_name == "ours compiled" and entry.get("ours eager"):
-                # compiled at the eager run's micro batch (and up from there): one compilation
-                # per size tried, not a search from the smallest
-                fitted = entry["ours eager"]["micro_batch_size"]
-                sizes = [b for b in micro_batches if b >= fitted]
+                sizes = compiled_sizes(entry["ours eager"], micro_batches)
             result = largest_fitting(run, make_config, sizes, device, args.warmup, args.iterations)
             if result is not None:
                 config = make_config(result["micro_batch_size"])
@@ -373,10 +379,10 @@ def main(argv=None) -> dict:
                 lines.append(describe_layer(f"gpt-{name}", row))
                 print(lines[-1], flush=True)
         report["models"][name] = entry
-    report["summary"] = lines
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=1))
+        report["summary"] = lines
+        if args.json:  # after every model: a run cut short keeps what it measured
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(report, indent=1))
     return report
 
 

@@ -362,8 +362,9 @@ def build_parser(description: str = "", extra_args_provider=None) -> argparse.Ar
 # Megatron-LM flags that name what megatron_2bw does anyway: accepted, with what happens instead
 ACCEPTED_MEGATRON_FLAGS = {
     "--log-throughput": "every log line reports tokens/s and TFLOPS",
-    "--overlap-param-gather": "with --use-distributed-optimizer the updated shards are gathered "
-                              "in the step, which 2BW defers until the new version is needed",
+    "--overlap-param-gather": "with --use-distributed-optimizer the new version's regions are "
+                              "always gathered in the background, each waited for by the first "
+                              "forward that reads it",
     "--no-create-attention-mask-in-dataloader": "the model builds its attention masks itself",
     "--no-mmap-bin-files": "the .bin files are always memory-mapped (read-only, shared)",
     "--cross-entropy-loss-fusion": "the vocabulary-parallel cross entropy is one autograd "

@@ -115,8 +115,10 @@ def build_stage(config: Config, layout: ParallelLayout, device: torch.device, ti
         from megatron_2bw.models.compile import compile_transformer_layers
         compile_transformer_layers(model)
     rule = VersionRule(par.pipeline_schedule, par.pipeline_parallel, stage)
+    sharded = par.use_distributed_optimizer and layout.data > 1  # build_optimizer's test
     versions = WeightVersions(model, working_dtype(config), grad_dtype(config), rule=rule,
-                              predicted_versions=par.delay_compensation == "predict")
+                              predicted_versions=par.delay_compensation == "predict",
+                              bucket_elements=par.ddp_bucket_size if sharded else None)
     optimizer = build_optimizer(config, versions.master, versions.names, layout)
     scaler = build_loss_scaler(config.precision)
     train = config.training
@@ -132,7 +134,10 @@ def build_stage(config: Config, layout: ParallelLayout, device: torch.device, ti
         log_num_zeros_in_grad=config.logging.log_num_zeros_in_grad,
         per_token_loss=train.calculate_per_token_loss,
         overlap_grad_reduce=par.overlap_grad_reduce if par.overlap_grad_reduce is not None
-        else device.type == "cuda")
+        else device.type == "cuda",
+        # the global norm's sharded sums: every rank (data x model) in one all-reduce
+        sharded_norm_group=dist.group.WORLD if sharded and rule.global_step_decisions
+        and layout.world_size == dist.get_world_size() else None)
     updater.compensation = build_delay_compensation(versions, par.delay_compensation,
                                                     par.delay_compensation_lambda)
     microbatches = train.global_batch_size // (train.micro_batch_size * layout.data_replicas)

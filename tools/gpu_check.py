@@ -9,7 +9,10 @@
    peer, memory against the planner, one layer against the planner's profile), its figures
    written to results/gpu_check.json.
 
-One summary line per result. Without a CUDA device it says so and exits 0.
+One summary line per result. Without a CUDA device it says so and exits 0. Each part runs under
+a time limit (TESTS_LIMIT_S, BENCHMARK_LIMIT_S: about 8 minutes together), so a hang cannot take
+the whole of a short GPU session; the benchmark writes its JSON after every model, so a run cut
+short keeps what it measured.
 """
 from __future__ import annotations
 
@@ -25,6 +28,18 @@ ROOT = Path(__file__).resolve().parent.parent
 TESTS = ["tests/gpu", "tests/models/test_compile.py"]
 BENCHMARK = ["benchmarks/gpu_throughput.py", "--models", "125M", "1.3B", "--micro-batch-sizes",
              "4", "8", "16", "32", "--json", "results/gpu_check.json"]
+TESTS_LIMIT_S, BENCHMARK_LIMIT_S = 200, 280
+
+
+def run_limited(command: list[str], limit_s: float, **options) -> tuple[int | None, str, str]:
+    """(exit status or None when cut off at `limit_s`, stdout, stderr) of `command`."""
+    try:
+        done = subprocess.run(command, timeout=limit_s, **options)
+        return done.returncode, done.stdout or "", done.stderr or ""
+    except subprocess.TimeoutExpired as expired:
+        def text(output):
+            return output.decode(errors="replace") if isinstance(output, bytes) else output or ""
+        return None, text(expired.stdout), text(expired.stderr)
 
 
 def test_lines(junit: Path) -> tuple[list[str], bool]:
@@ -56,24 +71,30 @@ def main() -> int:
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     with tempfile.TemporaryDirectory() as tmp:
         junit = Path(tmp, "gpu.xml")
-        tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu or compile",
-                                f"--junitxml={junit}", *TESTS], cwd=ROOT, env=env,
-                               capture_output=True, text=True)
+        status, stdout, stderr = run_limited(
+            [sys.executable, "-m", "pytest", "-q", "-m", "gpu or compile", f"--junitxml={junit}",
+             *TESTS], TESTS_LIMIT_S, cwd=ROOT, env=env, capture_output=True, text=True)
         if junit.exists():
             lines, tests_ok = test_lines(junit)
         else:
             lines, tests_ok = [], False
-            print(tests.stdout[-4000:], tests.stderr[-4000:])
+            print(stdout[-4000:], stderr[-4000:])
+    if status is None:
+        lines.append(f"test TIMEOUT the tests did not finish within {TESTS_LIMIT_S} s")
+        tests_ok = False
     for line in lines:
         print(line, flush=True)
     if not tests_ok:
-        print(tests.stdout[-6000:], flush=True)
-    benchmark = subprocess.run([sys.executable, *BENCHMARK], cwd=ROOT, env=env)
+        print(stdout[-6000:], flush=True)
+    benchmark, _, _ = run_limited([sys.executable, *BENCHMARK], BENCHMARK_LIMIT_S, cwd=ROOT,
+                                  env=env)
+    outcome = {0: "done (results/gpu_check.json)",
+               None: f"cut off after {BENCHMARK_LIMIT_S} s (results/gpu_check.json holds the "
+                     f"models it finished)"}.get(benchmark, "FAILED")
     passed = sum(line.startswith("test PASS") for line in lines)
-    print(f"gpu-check: {passed}/{len(lines)} tests passed, benchmark "
-          f"{'done (results/gpu_check.json)' if benchmark.returncode == 0 else 'FAILED'}, "
+    print(f"gpu-check: {passed}/{len(lines)} tests passed, benchmark {outcome}, "
           f"{time.time() - start:.0f} s", flush=True)
-    return 0 if tests_ok and benchmark.returncode == 0 else 1
+    return 0 if tests_ok and benchmark == 0 else 1
 
 
 if __name__ == "__main__":

@@ -205,6 +205,7 @@ def stage_state(stage, master: list[torch.Tensor], compensation: dict | None = N
     """Data-parallel rank 0's file; `master` holds the full fp32 master weights, `compensation`
     the --delay-compensation state (pipeline/compensation.py), if any."""
     v = stage.versions
+    v.wait_gathers()  # the distributed optimizer's newest version may still be arriving
     names_of = {id(m): name for name, m in zip(v.names, v.master)}
     versions = {} if v.alias else {
         version: {name: _standalone(t) for name, t in zip(v.names, leaves)}

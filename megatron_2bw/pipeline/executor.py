@@ -84,13 +84,14 @@ class StageExecutor:
             self._forward(a, self._microbatch(a, next_microbatch))
         elif a.kind == S.BACKWARD:
             self.updater.finish_data_reductions()  # a fixed point in every rank's schedule
-            self.updater.before_backward(a.microbatch // self.m, self.m)
+            self._before_weight_gradients(a)
             self._backward(a)
         elif a.kind == S.BACKWARD_INPUT:
             self.updater.finish_data_reductions()
             self._backward_input(a)
         elif a.kind == S.BACKWARD_WEIGHT:
             self.updater.finish_data_reductions()
+            self._before_weight_gradients(a)
             self._backward_weight(a)
         elif a.kind == S.REDUCE_GRADS:
             self.updater.reduce(a.batch, self.m)
@@ -102,6 +103,12 @@ class StageExecutor:
             self.versions.release(a.version)
         else:
             raise ValueError(f"unknown action kind {a.kind!r}")
+
+    def _before_weight_gradients(self, a: S.Action) -> None:
+        """Tell the updater a pass accumulating weight gradients comes (a whole backward, or W of
+        a split one; B accumulates none): a batch has one per microbatch and chunk, and before
+        its last the bucket-by-bucket data-parallel reduction is armed."""
+        self.updater.before_backward(a.microbatch // self.m, self.m * len(self.chunks))
 
     def _flush_comm(self) -> None:
         if not self._comm:

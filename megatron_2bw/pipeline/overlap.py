@@ -1,34 +1,57 @@
 """The data-parallel gradient average started bucket by bucket during a batch's last backward
 (Megatron-LM's and DDP's overlap of gradient reduction with the backward).
 
-The flat gradient buffer is cut into buckets of --ddp-bucket-size elements, as reduce() cuts it.
-During a stage's last backward of a batch each bucket's all-reduce starts as soon as every
-parameter in it has its gradient (a post-accumulate-grad hook per working leaf), while the
-backward computes the gradients of the layers before. reduce() starts the buckets still waiting
-(parameters that got no gradient) and the updater waits for all of them where it waited before.
-Every replica runs the same backward, so the all-reduces start in the same order everywhere and
-average the same buckets: the result is exactly that of reducing after the backward.
+Buckets: without the distributed optimizer the flat gradient buffer is cut into buckets of
+--ddp-bucket-size elements, as reduce() cuts it, and each is all-reduced; with it, each region of
+the flat layout is a bucket (FlatLayout cuts the buffer after a parameter into regions of about
+--ddp-bucket-size elements, as Megatron-LM's DistributedOptimizer does) and each is
+reduce-scattered, every rank keeping the average of its own part, as reduce() does per region.
 
-It applies where the average is a plain all-reduce of the buffer: not with the distributed
-optimizer (a reduce-scatter per region of the layout) and not where some gradients must first be
-summed over the tensor-parallel group (ParamSpec.tensor_partial_grad).
+During a stage's last backward of a batch (the last W passes where the backward is split) each
+bucket's reduction starts as soon as every parameter in it has its gradient (a
+post-accumulate-grad hook per working leaf), while the backward computes the gradients of the
+layers before. reduce() starts the buckets still waiting (parameters that got no gradient) and
+the updater waits for all of them where it waited before. Every replica runs the same backward,
+so the reductions start in the same order everywhere and reduce the same buckets: the result is
+exactly that of reducing after the backward.
+
+It does not apply where some gradients must first be summed over the tensor-parallel group
+(ParamSpec.tensor_partial_grad): that sum needs the whole backward.
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-from megatron_2bw.distributed.comm import all_reduce
+from megatron_2bw.distributed.comm import all_reduce, reduce_scatter_tensor
+
+
+def bucket_bounds(versions, bucket_elements: int) -> list[tuple[int, int]]:
+    """[lo, hi) of each bucket of the flat gradient buffer, in the order reduce() reduces them:
+    the regions of a sharded layout, else slices of `bucket_elements`."""
+    if versions.sharded:
+        return list(versions.layout.regions)
+    total = versions.layout.total
+    return [(lo, min(lo + bucket_elements, total)) for lo in range(0, total, bucket_elements)]
+
+
+def start_bucket_reduction(versions, group, j: int, lo: int, hi: int):
+    """Start averaging bucket j ([lo, hi) of the buffer) over the data-parallel group: a
+    reduce-scatter into this rank's part where sharded, else an all-reduce (async work)."""
+    buffer = versions.main_grad_buffer
+    if versions.sharded:
+        a, b = versions.layout.owned[j]
+        return reduce_scatter_tensor(buffer[a:b], buffer[lo:hi], op=dist.ReduceOp.AVG,
+                                     group=group, async_op=True)
+    return all_reduce(buffer[lo:hi], group, op=dist.ReduceOp.AVG, async_op=True)
 
 
 class BackwardBucketReducer:
     def __init__(self, versions, group, bucket_elements: int):
         self.versions, self.group = versions, group
-        total = versions.layout.total
-        self.bounds = [(lo, min(lo + bucket_elements, total))
-                       for lo in range(0, total, bucket_elements)]
+        self.bounds = bucket_bounds(versions, bucket_elements)
         # the buckets each parameter's elements fall in, and how many parameters each bucket waits for
-        self.buckets_of = [range(o // bucket_elements, (o + n - 1) // bucket_elements + 1)
+        self.buckets_of = [[j for j, (lo, hi) in enumerate(self.bounds) if lo < o + n and o < hi]
                            for o, n in zip(versions.layout.offsets, versions.layout.numels)]
         self.parameters_in = [0] * len(self.bounds)
         for buckets in self.buckets_of:
@@ -66,10 +89,8 @@ class BackwardBucketReducer:
 
     @torch.no_grad()
     def _start(self, j: int) -> None:
-        lo, hi = self.bounds[j]
         self._started[j] = True
-        self._works.append(all_reduce(self.versions.main_grad_buffer[lo:hi], self.group,
-                                      op=dist.ReduceOp.AVG, async_op=True))
+        self._works.append(start_bucket_reduction(self.versions, self.group, j, *self.bounds[j]))
 
     def finish(self) -> list:
         """Start the buckets still waiting; every bucket's work (disarmed)."""

@@ -2,15 +2,16 @@
 schedule says the next version is due.
 
 reduce(b): start averaging the flat gradient buffer over the stage's data-parallel replicas in the
-  background, in the buffer's dtype: an all-reduce in buckets, most of them already started
-  during the batch's last backward as their gradients became ready (pipeline/overlap.py), or with
-  the distributed optimizer a reduce-scatter per region, so each rank keeps the average of its
-  own shard.
+  background, in the buffer's dtype: an all-reduce in buckets, or with the distributed optimizer
+  a reduce-scatter per region (bucket) of the flat layout, so each rank keeps the average of its
+  own shard; with --overlap-grad-reduce most of them already started during the batch's last
+  backward as their gradients became ready (pipeline/overlap.py).
 finish_data_reductions(): called before each backward, the first write to the buffer after
   reduce(b), and by step. Once the average is in, it moves the buffer into the fp32 master
   gradients (the buffer is free again for batch b+1), then starts the all-reduce of the tied
   word-embedding gradient over the first+last stage and one all-reduce over the whole
-  model-parallel group of the sum of squared gradients (non-finite if any rank overflowed). So
+  model-parallel group of the sum of squared gradients (non-finite if any rank overflowed; with
+  the distributed optimizer over every replica too, adding up the shards' sums). So
   under 2BW the data-parallel transfer overlaps the forward that follows reduce(b), and the point
   where it must be in is fixed by the schedule, the same on every rank. Nothing here waits on
   another stage: the first stage, which counts the tied embeddings in the norm and so needs their
@@ -43,9 +44,11 @@ import torch
 import torch.distributed as dist
 
 from megatron_2bw.config import OptimizerConfig
-from megatron_2bw.distributed.comm import all_reduce, group_rank, group_size, reduce_scatter_tensor
+from megatron_2bw.distributed.comm import all_reduce, group_rank, group_size
 from megatron_2bw.optim.distributed import DistributedOptimizer
 from megatron_2bw.optim.optimizer import initialize_state
+from megatron_2bw.pipeline.overlap import (BackwardBucketReducer, bucket_bounds,
+                                           start_bucket_reduction)
 from megatron_2bw.pipeline.weights import WeightVersions
 from megatron_2bw.tensor_parallel.layers import sum_tensor_partial_grads
 
@@ -84,14 +87,17 @@ class GradientUpdater:
     non-finite gradient norm outside fp16 raises instead of skipping the step (fp16 skips: an
     overflow is its loss scaler's to handle). `log_params_norm`, `log_num_zeros_in_grad`: each
     StepResult carries the norm of the weights, the zero entries of the gradients (a pass over
-    them and one small all-reduce per step)."""
+    them and one small all-reduce per step). `sharded_norm_group`: with the distributed
+    optimizer, the group of every rank of `model_group`'s replicas (data x model ranks), over
+    which the shards' sums of squares add up in one all-reduce in the background; without it
+    they are summed over `data_group` first, waiting for that."""
 
     def __init__(self, versions: WeightVersions, optimizer, loss_scaler, schedule,
                  opt: OptimizerConfig, data_group, embedding_group, model_group, tensor_group,
                  bucket_elements: int, timers=None,
                  check_for_nan: bool = False, log_params_norm: bool = False,
                  log_num_zeros_in_grad: bool = False, per_token_loss: bool = False,
-                 overlap_grad_reduce: bool = True):
+                 overlap_grad_reduce: bool = True, sharded_norm_group=None):
         self.versions, self.optimizer, self.scaler = versions, optimizer, loss_scaler
         self.schedule, self.clip_grad = schedule, opt.clip_grad
         self.stop_on_nonfinite_norm = check_for_nan and versions.working_dtype != torch.float16
@@ -100,6 +106,7 @@ class GradientUpdater:
         self.data_group, self.embedding_group = data_group, embedding_group
         self.model_group, self.tensor_group = model_group, tensor_group
         self.bucket_elements = bucket_elements
+        self.sharded_norm_group = sharded_norm_group
         self.timers = timers
         tp_rank = group_rank(tensor_group)
         # each parameter counted once in the global norm (and the weights' statistics): replicated
@@ -118,9 +125,8 @@ class GradientUpdater:
         self.compensation = None  # --delay-compensation (pipeline/compensation.py), set after sharding
         # the data-parallel average started bucket by bucket in the batch's last backward
         self.backward_reducer = None
-        if overlap_grad_reduce and group_size(data_group) > 1 and not versions.sharded and \
+        if overlap_grad_reduce and group_size(data_group) > 1 and \
                 not any(s.tensor_partial_grad for s in versions.specs):
-            from megatron_2bw.pipeline.overlap import BackwardBucketReducer
             self.backward_reducer = BackwardBucketReducer(versions, data_group, bucket_elements)
         self._backwards: dict[int, int] = {}  # batch -> backwards run of it
 
@@ -164,10 +170,11 @@ class GradientUpdater:
         if work is not None:
             work.wait()
 
-    def before_backward(self, batch: int, microbatches: int) -> None:
-        """Called before each backward: the batch's last arms the bucket-by-bucket average."""
+    def before_backward(self, batch: int, passes: int) -> None:
+        """Called before each pass that accumulates weight gradients (a backward, or W of a split
+        one), `passes` of them per batch: the batch's last arms the bucket-by-bucket average."""
         self._backwards[batch] = self._backwards.get(batch, 0) + 1
-        if self._backwards[batch] == microbatches:
+        if self._backwards[batch] == passes:
             del self._backwards[batch]
             if self.backward_reducer is not None and self.overflow_injection is None:
                 self.backward_reducer.arm()
@@ -182,24 +189,19 @@ class GradientUpdater:
         sum_tensor_partial_grads(v.main_grads, v.specs, self.tensor_group)
         if self.overflow_injection is not None and self.overflow_injection(batch):
             buffer[0] = float("inf")
-        replicated = group_size(self.data_group) > 1
         data_works = []
-        if v.sharded:
-            data_works = [reduce_scatter_tensor(buffer[a:b], buffer[start:end], op=dist.ReduceOp.AVG,
-                                          group=self.data_group, async_op=True)
-                          for (start, end), (a, b) in zip(v.layout.regions, v.layout.owned)]
-        elif self.backward_reducer is not None and self.backward_reducer.armed:
+        if self.backward_reducer is not None and self.backward_reducer.armed:
             data_works = self.backward_reducer.finish()  # started during the last backward
-        elif replicated:
-            data_works = [all_reduce(bucket, self.data_group, op=dist.ReduceOp.AVG, async_op=True)
-                          for bucket in buffer.split(self.bucket_elements)]
+        elif group_size(self.data_group) > 1:
+            data_works = [start_bucket_reduction(v, self.data_group, j, lo, hi)
+                          for j, (lo, hi) in enumerate(bucket_bounds(v, self.bucket_elements))]
         sums = self.loss_sums.pop(batch, {})
         denominator = self.loss_tokens.pop(batch) if self.per_token_loss else microbatches
         # the metrics' sums and their denominator, summed over the data-parallel replicas: the
         # batch mean as Megatron reports it, and under per_token_loss the tokens the step divides by
         totals = torch.stack([_float64_on(v.device, x) for x in (*sums.values(), denominator)])
         metrics_work = None
-        if (sums or self.per_token_loss) and replicated:
+        if (sums or self.per_token_loss) and group_size(self.data_group) > 1:
             metrics_work = all_reduce(totals, self.data_group, async_op=True)
         pending = _Pending(data_works, [metrics_work], self.loss_scale_for(batch),
                            (list(sums), totals), ended_at=ended_at)
@@ -254,9 +256,13 @@ class GradientUpdater:
         """This rank's sum of squared master gradients, summed over the model-parallel group in
         the background (non-finite when any rank overflowed)."""
         stats = torch.stack([self._sum_of_squares([m.grad for m in self._counted()])])
-        if self.versions.sharded:  # the replicas are in step here: add up their shards first
-            all_reduce(stats, self.data_group)
-        return stats, all_reduce(stats, self.model_group, async_op=True)
+        group = self.model_group
+        if self.versions.sharded:  # the shards add up over the replicas too
+            group = self.sharded_norm_group
+            if group is None:  # the replicas are in step here: add up their shards first
+                all_reduce(stats, self.data_group)
+                group = self.model_group
+        return stats, all_reduce(stats, group, async_op=True)
 
     def _zeros_in_grad(self) -> torch.Tensor:
         """This rank's zero entries of the master gradients it counts."""

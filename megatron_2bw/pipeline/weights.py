@@ -23,7 +23,8 @@ schedule's actions name, and the gradient-accumulation buffer.
   buffer is their .grad: no copy at all (Megatron's fp32 memory).
 - `shard(group)` (the distributed optimizer) keeps only this rank's 1/d of the master weights and
   of their gradients; a new version is then assembled by an all-gather over the group (in place
-  where the master weights are part of the copy: fp32).
+  where the master weights are part of the copy: fp32), one per region, in the background and
+  waited for where its parameters are first needed (pipeline/param_gather.py).
 
 Every flat tensor shares one `FlatLayout`, so copying, reducing and gathering are whole-region
 operations.
@@ -68,6 +69,13 @@ class FlatLayout:
     buffers split evenly into any d shards without being laid out again. Rank r of d owns the r-th
     d-th of every region: the first and the last stage then hold the same part of the tied
     embeddings, and their all-reduce pairs shard with shard.
+
+    With `bucket_elements` (the distributed optimizer) the second region is cut further, after a
+    parameter, into regions of at least that many elements (the last one may be smaller), as
+    Megatron-LM's DistributedOptimizer lays out its buckets: each region is then a bucket whose
+    reduce-scatter gives every rank its part of it, so a bucket can be reduced as soon as its
+    parameters have their gradients (pipeline/overlap.py), and every parameter's part on a rank
+    stays one contiguous piece.
     """
     offsets: tuple[int, ...]  # per parameter (the module's order): start in the flat buffers
     numels: tuple[int, ...]
@@ -76,19 +84,26 @@ class FlatLayout:
     rank: int = 0
 
     @staticmethod
-    def build(numels: list[int], tied: list[bool], alignment: int) -> "FlatLayout":
+    def build(numels: list[int], tied: list[bool], alignment: int,
+              bucket_elements: int | None = None) -> "FlatLayout":
         offsets = [0] * len(numels)
         regions, start = [], 0
+
+        def close(end: int) -> int:
+            end = start + -(-(end - start) // alignment) * alignment
+            regions.append((start, end))
+            return end
+
         for region_is_tied in (True, False):
             end = start
             for i, n in enumerate(numels):
                 if tied[i] == region_is_tied:
                     offsets[i] = end
                     end += n
+                    if not region_is_tied and bucket_elements and end - start >= bucket_elements:
+                        start = end = close(end)
             if end > start:
-                end = start + -(-(end - start) // alignment) * alignment
-                regions.append((start, end))
-                start = end
+                start = close(end)
         return FlatLayout(tuple(offsets), tuple(numels), tuple(regions))
 
     @property
@@ -148,10 +163,12 @@ class WeightVersions:
 
     def __init__(self, module: nn.Module, working_dtype: torch.dtype, grad_dtype: torch.dtype,
                  single_version: bool | None = None, rule: VersionRule | None = None,
-                 predicted_versions: bool = False):
+                 predicted_versions: bool = False, bucket_elements: int | None = None):
         """`predicted_versions`: a new version is filled from `version_source` (weight
         prediction, pipeline/compensation.py) rather than being the master weights, so the
-        master weights keep a copy of their own also in fp32."""
+        master weights keep a copy of their own also in fp32. `bucket_elements`: the flat
+        buffers are laid out in buckets of about that many elements (FlatLayout; for the
+        distributed optimizer)."""
         if rule is None:
             rule = VersionRule("flush" if single_version in (None, True) else "2bw")
         self.module = module
@@ -169,11 +186,13 @@ class WeightVersions:
             owner_name, _, attr = name.rpartition(".")
             self._slots.append((module.get_submodule(owner_name), attr))
         self.layout = FlatLayout.build([p.numel() for _, p in named],
-                                       [s.tied for s in self.specs], _world_size())
+                                       [s.tied for s in self.specs], _world_size(),
+                                       bucket_elements)
         fp32 = working_dtype == torch.float32 and grad_dtype == torch.float32
         self.alias = self.single_version and fp32
         self.device = named[0][1].device
         self.data_group = None  # set by shard()
+        self._gathers = None  # sharded: the new versions' all-gathers in flight
         self.main_grad_buffer = self._zeros(self.layout.total, grad_dtype)
         self.main_grads = self.param_views(self.main_grad_buffer)
         first = self._new_copy()
@@ -255,16 +274,19 @@ class WeightVersions:
         while a live version still uses their copy, copy their part into the free one and move
         the master weights there, so that the step writes the new version and leaves that one
         intact; once the schedule has released their copy, the step updates it in place."""
+        if self.alias:  # the step writes the one copy in place
+            self.wait_gathers(self._master_copy)
         if not self.master_follows_newest:
             return
         copy = self._master_copy
         if any(c is copy for c in self.versions.values()):
             free = self._free.pop()
+            self.wait_gathers(free)
             for a, b in self.layout.owned:  # sharded: create() gathers the other replicas' parts
                 free.flat[a:b].copy_(copy.flat[a:b])
             self._point_master_at(free)
         else:
-            self._take_released_newest()
+            self.wait_gathers(self._take_released_newest())  # the step writes it in place
 
     def _take_released_newest(self) -> WorkingCopy:
         """The newest version's copy, out of the free ones: the schedule has just released it
@@ -352,6 +374,17 @@ class WeightVersions:
         for m, weights, grad in zip(self.master, self._owned_views(self.master_regions),
                                     self._owned_views(self.master_grad_regions)):
             m.data, m.grad = weights, grad
+        from megatron_2bw.pipeline.param_gather import ParameterGathers
+        self._gathers = ParameterGathers(self.module, self._slots, self.layout,
+                                         lambda: self._installed)
+
+    def wait_gathers(self, copy: WorkingCopy | None = None) -> None:
+        """Wait for the all-gathers still filling `copy` (None: every copy): before anything
+        but a forward reads or overwrites it."""
+        if self._gathers is None:
+            return
+        for c in [copy] if copy is not None else self.working_copies():
+            self._gathers.wait(c)
 
     @torch.no_grad()
     def _fill_from_master(self, copy: WorkingCopy) -> None:
@@ -360,7 +393,9 @@ class WeightVersions:
                     self.layout.regions, self.layout.owned, self.master_regions)):
                 source = copy.flat[a:b] if copy is self._master_copy else \
                     self.version_source(index, master).to(self.working_dtype)
-                _all_gather(copy.flat[start:end], source, group=self.data_group)
+                work = _all_gather(_untracked(copy.flat[start:end]), source,
+                                   group=self.data_group, async_op=True)
+                self._gathers.add(copy, index, work, source)
         elif copy is not self._master_copy:  # else it is the master weights
             for index, ((a, b), master) in enumerate(zip(self.layout.owned, self.master_regions)):
                 copy.flat[a:b].copy_(self.version_source(index, master))
@@ -401,7 +436,10 @@ class WeightVersions:
     def install(self, version: int) -> None:
         if version not in self.versions:
             raise RuntimeError(f"weight version {version} is not alive (alive: {sorted(self.versions)})")
-        for (owner, attr), leaf in zip(self._slots, self.versions[version]):
+        self._installed = self.versions[version]
+        if self._gathers is not None and self._gathers.wait_at_install:
+            self._gathers.wait(self._installed)
+        for (owner, attr), leaf in zip(self._slots, self._installed):
             owner._parameters[attr] = leaf
 
     def release(self, version: int) -> None:
@@ -422,6 +460,7 @@ class WeightVersions:
                 copy = self._free.pop()
             else:  # alias: the one copy is the master weights
                 copy = self.versions[self.newest] if self.alias else self._new_copy()
+            self.wait_gathers(copy)
             self._fill_from_master(copy)
         self.versions[version] = copy
 
@@ -430,6 +469,7 @@ class WeightVersions:
         """Re-create the versions after the master weights were loaded: the saved working tensors
         of each version (a checkpoint's stashed versions), or version `newest` from the master.
         The working copies are reused, not allocated again."""
+        self.wait_gathers()
         pool = list({id(c): c for c in self.versions.values()}.values()) + self._free
         self.versions, self._free = {}, []
         if self.alias:
@@ -477,6 +517,15 @@ def gather_shards(shard: torch.Tensor, layout: FlatLayout, group, dst: int | Non
         dist.recv(buffer, member, group=group)
         on_host.append(buffer.to("cpu", copy=True))
     return layout.unshard(on_host)
+
+
+def _untracked(view: torch.Tensor) -> torch.Tensor:
+    """The same memory without the version counter the working leaves share with their flat
+    tensor: an in-place collective bumps its output's counter when it is waited for, which for a
+    region gathered while the version's earlier regions are in use would fail their backward
+    (nothing reads a region before its wait: pipeline/param_gather.py)."""
+    return torch.empty(0, dtype=view.dtype, device=view.device).set_(
+        view.untyped_storage(), view.storage_offset(), view.shape, view.stride())
 
 
 def _accumulate_into(main_grad: torch.Tensor):

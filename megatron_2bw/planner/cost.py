@@ -495,11 +495,15 @@ def stage_costs(model: ModelConfig, hardware: HardwareSpec, costs: ComputeCosts,
         else:
             version = 0 if fp32 else (4 + e) * P
         step = (OPTIMIZER_STEP_BYTES[optimizer] + 8) * P / shards + version
+        step_comm = 0.0
         if shards > 1:  # each replica updates its shard, then the working weights are gathered
-            step_comm = net.allreduce_time("data", e * P, s) / 2
             batch_processor += hardware.allreduce_processor_s(d, e * P) / 2
-        else:
-            step_comm = 0.0
+            # in the background (pipeline/param_gather.py): under 2BW and PipeDream the new
+            # version is first read a batch later, so its gather is off the critical path; a
+            # flushed pipeline's next forward waits for it (its first layers overlap the rest:
+            # not modelled)
+            if candidate.schedule not in NEVER_DRAINED:
+                step_comm = net.allreduce_time("data", e * P, s) / 2
         result.append(StageCost(
             forward_s=forward, backward_s=backward,
             send_act_s=0.0 if last else net.transfer_time(s, s + 1, message),

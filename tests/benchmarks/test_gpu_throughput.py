@@ -35,4 +35,14 @@ def test_peak_comes_from_the_device_name():
     assert gpu_throughput.peak_tflops("NVIDIA H100 80GB HBM3") == 989.4
     assert gpu_throughput.peak_tflops("NVIDIA H100 PCIe") == 756.0
     assert gpu_throughput.peak_tflops("NVIDIA H200") == 989.4
+    assert gpu_throughput.peak_tflops("NVIDIA H200 NVL") == 835.0
     assert gpu_throughput.peak_tflops("Some Future GPU") is None
+
+
+def test_compiled_run_tries_no_size_that_did_not_fit_eagerly():
+    tried = [{"micro_batch_size": 4, "fits": True}, {"micro_batch_size": 8, "fits": True},
+             {"micro_batch_size": 16, "fits": False}]
+    eager = {"micro_batch_size": 8, "tried": tried}
+    assert gpu_throughput.compiled_sizes(eager, [4, 8, 16, 32]) == [8]
+    every_size_fitted = {"micro_batch_size": 8, "tried": tried[:2]}
+    assert gpu_throughput.compiled_sizes(every_size_fitted, [4, 8, 16]) == [8, 16]

@@ -1,6 +1,7 @@
 """When a stage's gradients are averaged over its data-parallel replicas (pipeline/update.py):
-the all-reduce of the gradient buffer starts bucket by bucket during the batch's last backward
-(with the distributed optimizer its reduce-scatter starts at reduce(b)) and runs on, and the
+with --overlap-grad-reduce the all-reduce of the gradient buffer (with the distributed
+optimizer its reduce-scatter) starts bucket by bucket during the batch's last backward, else at
+reduce(b), and runs on, and the
 stage waits for it before its next backward (under 2BW, after a forward has run) or at its step
 (Flush: right away)."""
 import dataclasses
@@ -27,7 +28,7 @@ def record_order(rank: int, world: int, schedule: str, distributed_optimizer: bo
         overlap_grad_reduce=overlap))
     layout, stage = stage_on_rank(rank, world, config)
     events: list[str] = []
-    real_all_reduce, real_reduce_scatter = update.all_reduce, update.reduce_scatter_tensor
+    real_all_reduce, real_reduce_scatter = update.all_reduce, overlap_module.reduce_scatter_tensor
 
     class RecordedWork:
         def __init__(self, work):
@@ -51,7 +52,7 @@ def record_order(rank: int, world: int, schedule: str, distributed_optimizer: bo
         return RecordedWork(real_reduce_scatter(output, tensor, **options))
 
     update.all_reduce = overlap_module.all_reduce = all_reduce  # this forked rank's modules
-    update.reduce_scatter_tensor = reduce_scatter
+    overlap_module.reduce_scatter_tensor = reduce_scatter
     run_action = stage.executor._run_one
 
     def logged(action, next_microbatch):
@@ -67,7 +68,7 @@ def record_order(rank: int, world: int, schedule: str, distributed_optimizer: bo
 def orders():
     return {(schedule, sharded, overlap): run_ranks(2, record_order, schedule, sharded, overlap)
             for schedule in ("2bw", "flush")
-            for sharded, overlap in ((False, False), (True, False), (False, True))}
+            for sharded, overlap in ((False, False), (True, False), (False, True), (True, True))}
 
 
 def assert_started_and_waited(events: list[str], between: list[str], waiting: str,
@@ -86,8 +87,9 @@ def assert_started_and_waited(events: list[str], between: list[str], waiting: st
 
 
 LAYOUTS = pytest.mark.parametrize("sharded, overlap", [(False, False), (True, False),
-                                                      (False, True)],
-                                   ids=["after-backward", "distributed-optimizer", "overlap"])
+                                                      (False, True), (True, True)],
+                                   ids=["after-backward", "distributed-optimizer", "overlap",
+                                        "distributed-optimizer-overlap"])
 
 
 @LAYOUTS
