@@ -26,8 +26,12 @@ from tests.pipeline.reference import _stage_of_parameter, even_layer_stages
 
 
 def pipemare_reference(config, batches: int, feed, microbatches: int, stages: int,
-                       lr_warmup_iters: int = 0, discrepancy_decay: float = 0.0) -> dict:
-    """Final weights by name after `batches` updates (one segment from batch 0)."""
+                       lr_warmup_iters: int = 0, discrepancy_decay: float = 0.0,
+                       replicas: int = 1) -> dict:
+    """Final weights by name after `batches` updates (one segment from batch 0). `replicas` d:
+    each batch is m microbatches on each of d data-parallel replicas, `feed` numbering a batch's
+    m * d microbatches as Megatron orders samples (microbatch j of replica r is j * d + r); the
+    j-th of each replica meets the same weights."""
     m, opt = microbatches, config.optimizer
     model = build_stage_model(config.model, None, 1, range(config.model.num_layers), True, True,
                               config.training.seed)
@@ -47,13 +51,13 @@ def pipemare_reference(config, batches: int, feed, microbatches: int, stages: in
     for b in range(batches):
         for p in model.parameters():
             p.grad = None
-        for j in range(m):
+        for j, r in [(j, r) for j in range(m) for r in range(replicas)]:
             k = b * m + j
             read = [max((k - ahead[s]) // m, 0) for s in range(stages)]
             with torch.no_grad():
                 for i, p in enumerate(model.parameters()):
                     p.copy_(history[read[stage_of[i]]][i])
-            loss = model(None, feed(k))[0] / m
+            loss = model(None, feed((b * m + j) * replicas + r))[0] / (m * replicas)
             with torch.no_grad():  # into the storage autograd saved: no version bump
                 for i, p in enumerate(model.parameters()):
                     d = b - read[stage_of[i]]
