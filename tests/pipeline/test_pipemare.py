@@ -154,7 +154,8 @@ class PipeMareResume(ResumeRun):
                              "--untie-embeddings-and-output-weights", "--eval-interval", str(N),
                              "--pipemare-lr-warmup-iters", str(T1),
                              "--pipemare-discrepancy-decay", str(T2),
-                             "--use-distributed-optimizer", *extra)
+                             "--use-distributed-optimizer", "--lr-decay-style", "constant",
+                             *extra)
 
 
 def test_resumed_pipemare_is_bit_identical(tmp_path):
