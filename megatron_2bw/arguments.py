@@ -131,8 +131,9 @@ def build_parser(description: str = "", extra_args_provider=None) -> argparse.Ar
           choices=["2bw", "flush", "gpipe", "pipedream", "pipemare", "zb-h1", "interleaved"],
           help="2bw (default when p > 1), flush (1F1B), gpipe, pipedream (weight stashing, an "
                "update per batch), pipemare (one weight version per stage, the backward reads "
-               "the newest weights; docs/async_schedules.md), zb-h1 (1F1B with the backward split into input and weight "
-               "gradients, the drain filled with weight gradients) or interleaved (Megatron-LM's "
+               "the newest weights; docs/async_schedules.md), zb-h1 (1F1B with the backward "
+               "split into input and weight gradients, the drain filled with weight gradients) "
+               "or interleaved (Megatron-LM's "
                "virtual stages; needs one of the virtual-pipeline flags)")
     _bool_flag(g, "--vertical-sync", "parallel", "vertical_sync", "pipedream: every stage runs "
                "a batch on the weight version the first stage used (a uniform delay of p - 1)")

@@ -240,3 +240,31 @@ def test_bad_pipemare_flags_give_one_line(extra, expected):
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.returncode == 2 and len(lines) == 1, result.stderr
     assert expected in lines[0] and lines[0].startswith("pretrain_gpt.py: error: ")
+
+
+# -- the planner -----------------------------------------------------------------------------
+
+def test_the_planner_plans_pipemare_only_where_pinned():
+    """Left to itself the search never puts PipeMare's update rule in place of another schedule;
+    pinned (--pipeline-schedule pipemare), it plans it at 2BW's bubble-free speed with one weight
+    version per stage, and T2's delta as the stages' stash (none on the last, whose delay is 0)."""
+    from megatron_2bw.config import ModelConfig, ParallelConfig, PrecisionConfig
+    from megatron_2bw.planner.hardware import load_hardware
+    from megatron_2bw.planner.search import SearchSpace, candidates, rank_plans
+    model = ModelConfig(num_layers=4, hidden_size=256, num_attention_heads=4, seq_length=128,
+                        vocab_size=5000, untie_embeddings_and_output_weights=True)
+    hardware = load_hardware("p3.16xlarge")
+    assert "pipemare" not in {c.schedule for c in candidates(model, 16, hardware.for_world(16), 32)}
+    space = SearchSpace(tensor_parallel=(1,), pipeline_parallel=(4,), micro_batch_sizes=(2,),
+                        recompute=(None,), schedules=("2bw", "pipemare"))
+    t2 = ParallelConfig(pipemare_discrepancy_decay=T2)
+    for parallel in (None, t2):
+        plans = {p.candidate.schedule: p for p in rank_plans(
+            model, 4, hardware, 8, PrecisionConfig(), parallel=parallel, space=space)}
+        two_bw, mare = plans["2bw"], plans["pipemare"]
+        assert abs(mare.time_per_batch_s / two_bw.time_per_batch_s - 1) < 0.10
+        for s, (ours, theirs) in enumerate(zip(mare.stage_memory, two_bw.stage_memory)):
+            assert theirs.versions_stash > 0
+            # fp32: the one working copy is the master weights; delta has its size
+            expected = ours.params if parallel is t2 and s < 3 else 0
+            assert ours.versions_stash == expected, (s, ours)
