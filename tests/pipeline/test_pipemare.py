@@ -67,6 +67,21 @@ def test_the_validator_names_a_wrong_pipemare_version():
         S.validate(actions, "pipemare", 2)
 
 
+def test_the_picture_draws_backwards_on_the_newest_version(tmp_path, capsys):
+    """tools/visualize_schedule.py --compare draws PipeMare from its lists: on stage 0 microbatch
+    1's forward reads v0 and its backward v1 (PipeDream's backward reads its forward's v0)."""
+    from tests.pipeline.test_visualize import PNG_SIGNATURE, tool
+    output = tmp_path / "compare.png"
+    tool.main(["--compare", "pipedream,pipemare", "--microbatches", "1", "--batches", "5",
+               "--output", str(output), "--text"])
+    assert output.read_bytes()[:8] == PNG_SIGNATURE
+    printed = capsys.readouterr().out
+    mare = S.render(S.build_schedule("pipemare", 4, 1, 5))
+    assert mare in printed
+    assert "F1v0" in mare.splitlines()[0] and "B1v1" in mare.splitlines()[0]
+    assert "B1v0" in S.render(S.build_schedule("pipedream", 4, 1, 5)).splitlines()[0]
+
+
 # -- against the reference -------------------------------------------------------------------
 
 def config(optimizer="adam", t=1, p=2, m=2, k=0, d=0.0, data=1, distributed_optimizer=False,
