@@ -133,6 +133,14 @@ def test_the_backward_reads_the_newest_weights():
     assert max_difference(reference("adam", 4, 1, 0, 0.0), stashed, VOCAB) > 1e-4
 
 
+def test_sequence_parallel_weights_are_read_at_backward_time_too():
+    """--sequence-parallel's linear layers save their weight in an autograd.Function of their own
+    (tensor_parallel/layers.py): the hooks reach those saved weights as well."""
+    c = config("adam", t=2, p=2, m=2, k=T1, d=T2, sequence_parallel=True)
+    weights = full_weights(run_ranks(4, train_stage, c, BATCHES))
+    assert max_difference(weights, reference("adam", 2, 2, T1, T2), VOCAB) < 1e-5
+
+
 def test_selective_recomputation_keeps_the_rule():
     """--recompute-activations re-runs the attention core alone, which reads no weights."""
     c = config("adam", p=2, m=2, k=T1, d=T2)
