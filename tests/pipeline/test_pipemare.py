@@ -11,6 +11,7 @@ import sys
 import pytest
 import torch
 
+from megatron_2bw.arguments import ConfigError, parse_config
 from megatron_2bw.distributed.layout import ParallelLayout
 from megatron_2bw.memory import static_breakdown
 from megatron_2bw.planner.memory import estimate_stage_memory
@@ -249,13 +250,26 @@ PIPEMARE = ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "pipem
     ([*PIPEMARE, "--fp16"], "--pipeline-schedule pipemare --fp16 needs a static --loss-scale"),
     ([*PIPEMARE, "--num-layers-per-virtual-pipeline-stage", "1"],
      "apply to --pipeline-schedule interleaved only (got pipemare)"),
+    ([*PIPEMARE, "--torch-compile"], "drop --torch-compile"),
+    ([*PIPEMARE, "--rampup-batch-size", "2", "2", "100"],
+     "drop --rampup-batch-size / --step-batch-size-schedule"),
+    ([*PIPEMARE, "--pipeline-repartition-interval", "5"],
+     "--pipeline-repartition-interval does not apply to --pipeline-schedule pipemare"),
 ])
-def test_bad_pipemare_flags_give_one_line(extra, expected):
+def test_bad_pipemare_flags_are_one_line_config_errors(extra, expected):
+    with pytest.raises(ConfigError) as error:
+        parse_config([*TINY, "--global-batch-size", "4", *extra])
+    assert expected in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_bad_pipemare_flag_stops_the_launch_with_one_line_and_exit_2():
     result = subprocess.run([sys.executable, "pretrain_gpt.py", *TINY, "--global-batch-size", "4",
-                             *extra], cwd=ROOT, capture_output=True, text=True, timeout=120)
+                             *PIPEMARE, "--pipemare-discrepancy-decay", "1.5"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120)
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.returncode == 2 and len(lines) == 1, result.stderr
-    assert expected in lines[0] and lines[0].startswith("pretrain_gpt.py: error: ")
+    assert lines[0] == "pretrain_gpt.py: error: --pipemare-discrepancy-decay must be in [0, 1) " \
+                       "(0: T2 off), got 1.5"
 
 
 # -- the planner -----------------------------------------------------------------------------
