@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from megatron_2bw.arguments import ConfigError, parse_config
+from megatron_2bw.config import PrecisionConfig
 from megatron_2bw.distributed.layout import ParallelLayout
 from megatron_2bw.memory import static_breakdown
 from megatron_2bw.planner.memory import estimate_stage_memory
@@ -150,20 +151,24 @@ def test_selective_recomputation_keeps_the_rule():
     assert max_difference(weights, reference("adam", 2, 2, T1, T2), VOCAB) < 1e-5
 
 
-def test_bf16_pipemare_stays_near_the_fp32_reference():
-    """bf16 working weights (fp32 master weights, gradients accumulated in fp32) against the fp32
-    reference: the differences are bf16's roundings of the weights, the activations and T2's
-    prediction (relative 2^-8 each), which perturb the gradients. Adam moves an element by about
-    lr per step whatever its gradient's scale, so two runs whose gradients differ drift apart by
-    at most about 2 lr per step and element; asserted: half that worst case, BATCHES * lr (a
-    wrong rule in bf16, e.g. T2 off or the backward reading the forward's weights, is not
-    caught by this bound: the fp32 tests above catch those)."""
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_half_precision_pipemare_stays_near_the_fp32_reference(precision):
+    """bf16 (or fp16 with a static loss scale) working weights, fp32 master weights, against the
+    fp32 reference: the differences are the roundings of the weights, the activations and T2's
+    prediction (relative 2^-8 in bf16, 2^-11 in fp16), which perturb the gradients. Adam moves
+    an element by about lr per step whatever its gradient's scale, so two runs whose gradients
+    differ drift apart by at most about 2 lr per step and element; asserted: half that worst
+    case, BATCHES * lr (a wrong rule is not caught by this bound: the fp32 tests catch that)."""
     lr = 0.01
-    c = precise_config("bf16", p=2, schedule="pipemare", optimizer="adam", lr=lr, clip=0.5,
+    c = precise_config(precision, p=2, schedule="pipemare", optimizer="adam", lr=lr, clip=0.5,
                        global_batch=4, untie_embeddings_and_output_weights=True)
+    if precision == "fp16":  # each stage decides its steps alone: a static scale
+        c.precision = PrecisionConfig(fp16=True, loss_scale=2.0 ** 10)
     c.parallel.pipemare_lr_warmup_iters, c.parallel.pipemare_discrepancy_decay = T1, T2
     ranks = run_ranks(2, train_stage, c, BATCHES)
-    assert all(r["working_dtype"] == torch.bfloat16 for r in ranks)
+    assert all(r["working_dtype"] == getattr(torch, {"bf16": "bfloat16", "fp16": "float16"}[
+        precision]) for r in ranks)
+    assert not any(skipped for r in ranks for _, skipped, *_ in r["results"])
     difference = max_difference(full_weights(ranks), reference("adam", 2, 2, T1, T2), VOCAB)
     assert difference < BATCHES * lr, difference
 
