@@ -173,6 +173,29 @@ def test_half_precision_pipemare_stays_near_the_fp32_reference(precision):
     assert difference < BATCHES * lr, difference
 
 
+def _pipemare_host_reads(rank: int, world: int, global_batch: int):
+    """tests/pipeline/test_host_syncs.py's count, of a PipeMare run with T1 and T2."""
+    from tests.pipeline import test_host_syncs
+
+    def pipemare_config(**kwargs):
+        c = tiny_config(**kwargs, schedule="pipemare", untie_embeddings_and_output_weights=True)
+        c.parallel.pipemare_lr_warmup_iters, c.parallel.pipemare_discrepancy_decay = T1, T2
+        return c
+    test_host_syncs.tiny_config = pipemare_config  # this forked rank's copy of the module
+    return test_host_syncs._count(rank, world, global_batch)
+
+
+def test_pipemare_reads_the_device_only_at_steps():
+    """No host read per microbatch (the saved-weight hooks and T2's prediction run on the
+    device): per step the metrics and the stage's gradient norm, as under 2BW."""
+    from megatron_2bw.distributed.forked import run_forked
+    two = run_forked(4, _pipemare_host_reads, 8, timeout=120)  # m = 2 per replica
+    four = run_forked(4, _pipemare_host_reads, 16, timeout=120)  # m = 4
+    for (per_step, timed_waits), (per_step_4, timed_waits_4) in zip(two, four):
+        assert timed_waits == timed_waits_4 == 0
+        assert per_step == per_step_4 and max(per_step) <= 2, (per_step, per_step_4)
+
+
 # -- checkpoints -----------------------------------------------------------------------------
 
 class PipeMareResume(ResumeRun):
