@@ -128,10 +128,12 @@ def build_parser(description: str = "", extra_args_provider=None) -> argparse.Ar
           help="GPT: split every sequence over this many ranks of each data-parallel replica "
                "(default 1); attention gathers the keys and values of the whole sequence")
     _flag(g, "--pipeline-schedule", "parallel", "schedule",
-          choices=["2bw", "flush", "gpipe", "pipedream", "zb-h1", "interleaved"],
+          choices=["2bw", "flush", "gpipe", "pipedream", "pipemare", "zb-h1", "interleaved"],
           help="2bw (default when p > 1), flush (1F1B), gpipe, pipedream (weight stashing, an "
-               "update per batch), zb-h1 (1F1B with the backward split into input and weight "
-               "gradients, the drain filled with weight gradients) or interleaved (Megatron-LM's "
+               "update per batch), pipemare (one weight version per stage, the backward reads "
+               "the newest weights; docs/async_schedules.md), zb-h1 (1F1B with the backward "
+               "split into input and weight gradients, the drain filled with weight gradients) "
+               "or interleaved (Megatron-LM's "
                "virtual stages; needs one of the virtual-pipeline flags)")
     _bool_flag(g, "--vertical-sync", "parallel", "vertical_sync", "pipedream: every stage runs "
                "a batch on the weight version the first stage used (a uniform delay of p - 1)")
@@ -147,6 +149,13 @@ def build_parser(description: str = "", extra_args_provider=None) -> argparse.Ar
                "corrects each stale gradient (DC-ASGD); default none")
     _flag(g, "--delay-compensation-lambda", "parallel", "delay_compensation_lambda", type=float,
           help="--delay-compensation dc: lambda of g + lambda*g*g*(W_new - W_read) (default 0.04)")
+    _flag(g, "--pipemare-lr-warmup-iters", "parallel", "pipemare_lr_warmup_iters", type=int,
+          help="pipemare T1: stage s's learning rate is divided by tau_s^(1 - min(it/K, 1)) "
+               "(tau_s its delay in updates); K iterations, 0 (default) off")
+    _flag(g, "--pipemare-discrepancy-decay", "parallel", "pipemare_discrepancy_decay",
+          type=float, help="pipemare T2: D in [0, 1) of the moving average of each stage's "
+                           "updates that predicts the backward's weights back to the forward's "
+                           "(gamma_s = D^(1/tau_s)); 0 (default) off")
     _flag(g, "--pipeline-layer-split", "parallel", "layer_split", type=str,
           help="layers per stage, e.g. 5,7,7,5")
     _flag(g, "--pipeline-repartition-interval", "parallel", "repartition_interval", type=int,
@@ -696,6 +705,42 @@ def _validate_pipedream(config: Config) -> None:
                  "a dynamic loss scale would differ between the stages")
 
 
+def _validate_pipemare(config: Config) -> None:
+    """PipeMare's T1/T2 flags, and what one weight version per stage cannot compose with."""
+    par, prec, tr, recompute = config.parallel, config.precision, config.training, config.recompute
+    schedule, k, decay = par.pipeline_schedule, par.pipemare_lr_warmup_iters, par.pipemare_discrepancy_decay
+    for flag, value in [("--pipemare-lr-warmup-iters", k), ("--pipemare-discrepancy-decay", decay)]:
+        _require(not value or schedule == "pipemare",
+                 f"{flag} applies to --pipeline-schedule pipemare only, not to --pipeline-schedule "
+                 f"{schedule}")
+    _require(k >= 0, f"--pipemare-lr-warmup-iters must be >= 0 (0: T1 off), got {k}")
+    _require(0.0 <= decay < 1.0,
+             f"--pipemare-discrepancy-decay must be in [0, 1) (0: T2 off), got {decay}")
+    if schedule != "pipemare":
+        return
+    _require(config.model.untie_embeddings_and_output_weights and config.model.model_type == "gpt"
+             or par.pipeline_parallel == 1,
+             "--pipeline-schedule pipemare needs --untie-embeddings-and-output-weights (GPT): "
+             "each stage clips and steps alone, so the first and last stage's copies of the tied "
+             "word embeddings would drift apart")
+    _require(not (prec.fp16 and prec.loss_scale is None),
+             "--pipeline-schedule pipemare --fp16 needs a static --loss-scale: each stage decides "
+             "its steps alone, so a dynamic loss scale would differ between the stages")
+    _require(recompute.granularity != "full" and recompute.num_layers_per_stage is None,
+             "--pipeline-schedule pipemare keeps no forward-time weights, so full activation "
+             "recomputation would re-run layers with newer weights: drop --recompute-granularity "
+             "full (selective recomputation, which re-runs no weights, is fine)")
+    _require(not (tr.rampup_batch_size or tr.step_batch_size_schedule),
+             "--pipeline-schedule pipemare: the microbatches per batch set each stage's delay; "
+             "drop --rampup-batch-size / --step-batch-size-schedule")
+    _require(not tr.torch_compile,
+             "--pipeline-schedule pipemare reads the saved weights at backward time through "
+             "saved-tensor hooks, which compiled layers bypass: drop --torch-compile")
+    _require(not par.repartition_interval,
+             "--pipeline-repartition-interval does not apply to --pipeline-schedule pipemare "
+             "(a stage's delay and T2 state belong to its layers)")
+
+
 def _require(condition: bool, message: str):
     if not condition:
         raise ConfigError(message)
@@ -797,6 +842,7 @@ def validate(config: Config, require_data: bool = True) -> None:
     _validate_megatron_schedules(opt)
     _validate_run_loop(tr, config.logging)
     _validate_pipedream(config)
+    _validate_pipemare(config)
     _require(opt.clip_grad >= 0, f"--clip-grad must be >= 0 (0 disables), got {opt.clip_grad}")
     if config.recompute.granularity == "full":
         _require(config.recompute.method is not None or
@@ -873,6 +919,7 @@ def validate_for_world(config: Config, world_size: int) -> int:
                  + (f"first global batch ({first})" if growing else f"--global-batch-size {first}"))
         tr.train_iters = batch_schedule(tr).iterations_for_samples(tr.train_samples)
     _validate_pipedream(config)  # also for configs built without the command line
+    _validate_pipemare(config)
     schedule = config.parallel.pipeline_schedule
     if schedule == "interleaved":
         _validate_virtual_stages(config)

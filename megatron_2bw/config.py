@@ -143,6 +143,9 @@ class ParallelConfig:
     # asynchronous schedules: "none" | "predict" | "dc" (pipeline/compensation.py)
     delay_compensation: str = "none"
     delay_compensation_lambda: float | None = None  # dc's lambda; None: DC_DEFAULT_LAMBDA
+    # PipeMare (pipeline/pipemare.py): T1's K (0: off) and T2's D (0: off; 0 <= D < 1)
+    pipemare_lr_warmup_iters: int = 0
+    pipemare_discrepancy_decay: float = 0.0
 
     @property
     def pipeline_schedule(self) -> str:

@@ -39,17 +39,18 @@ def optimizer_state_tensors(optimizer) -> list[torch.Tensor]:
     return [v for state in states for v in state.values() if torch.is_tensor(v) and v.dim() > 0]
 
 
-def static_breakdown(versions, optimizer, compensation=()) -> dict[str, int]:
+def static_breakdown(versions, optimizer, compensation=(), stash=()) -> dict[str, int]:
     """Bytes of the stage's static state by kind, named like the planner's StageMemory fields:
     params (master weights + one working copy), grads (accumulation buffer + master gradients),
     optimizer (its state and `compensation`'s, --delay-compensation), versions_stash (the working
-    copies beyond the first: 2BW's second, PipeDream's p - s - 1 more)."""
+    copies beyond the first: 2BW's second, PipeDream's p - s - 1 more; and `stash`, PipeMare's
+    T2 delta, which stands in for them)."""
     copies = versions.working_copies()
     return {
         "params": storage_bytes(versions.master_regions + [copies[0].flat]),
         "grads": storage_bytes(versions.master_grad_regions + [versions.main_grad_buffer]),
         "optimizer": storage_bytes(optimizer_state_tensors(optimizer) + list(compensation)),
-        "versions_stash": storage_bytes([c.flat for c in copies[1:]]),
+        "versions_stash": storage_bytes([c.flat for c in copies[1:]] + list(stash)),
     }
 
 
@@ -95,15 +96,21 @@ class MemoryTracker:
         self._static_storages = {t.untyped_storage().data_ptr() for t in tensors}
 
     @contextmanager
-    def track(self, microbatch: int, signature=None):
+    def track(self, microbatch: int, signature=None, saved_hooks=None):
         """Count the activations that the forward of `microbatch` keeps for its backward.
+        `saved_hooks`: (pack, unpack) saved-tensor hooks of the caller's, applied after counting.
 
         Microbatches with the same `signature` (the shapes and dtypes that go in) keep the same
         bytes, so only the first of each is counted: counting every one slowed the forward and
         backward of a small GPT's pipeline stage on CPU by about 4% (micro batch 2)."""
         known = self._bytes_by_signature.get(signature) if signature is not None else None
+        outer_pack, outer_unpack = saved_hooks or (lambda t: t, lambda t: t)
         if known is not None:
-            yield
+            if saved_hooks is None:
+                yield
+            else:
+                with torch.autograd.graph.saved_tensors_hooks(*saved_hooks):
+                    yield
             self._keep(microbatch, known)
             return
         seen: set[int] = set()
@@ -120,7 +127,7 @@ class MemoryTracker:
 
         def pack(t: torch.Tensor):
             add(t)
-            return t
+            return outer_pack(t)
 
         outermost = []  # module forward hooks fire innermost first: the stage's module comes last
 
@@ -132,7 +139,7 @@ class MemoryTracker:
             # compiled layers (--torch-compile) run this counted microbatch eagerly: the hooks
             # see every saved tensor, and the compiled graphs never trace (and re-trace) them
             with torch.compiler.set_stance("force_eager"), \
-                    torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    torch.autograd.graph.saved_tensors_hooks(pack, outer_unpack):
                 yield
         finally:
             hook.remove()

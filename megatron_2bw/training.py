@@ -40,6 +40,7 @@ from megatron_2bw.planner.memory import estimate_stage_memory
 from megatron_2bw.pipeline.executor import StageExecutor
 from megatron_2bw.pipeline.partition import chunk_recompute, layer_ranges, stage_recompute
 from megatron_2bw.pipeline.compensation import build_delay_compensation
+from megatron_2bw.pipeline.pipemare import PipeMareWeights
 from megatron_2bw.pipeline.schedules import VersionRule, stage_actions, stage_receives
 from megatron_2bw.pipeline.update import GradientUpdater, StepResult
 from megatron_2bw.pipeline.weights import WeightVersions
@@ -141,6 +142,10 @@ def build_stage(config: Config, layout: ParallelLayout, device: torch.device, ti
     updater.compensation = build_delay_compensation(versions, par.delay_compensation,
                                                     par.delay_compensation_lambda)
     microbatches = train.global_batch_size // (train.micro_batch_size * layout.data_replicas)
+    if par.pipeline_schedule == "pipemare":
+        updater.pipemare = PipeMareWeights(versions, microbatches, stage, par.pipeline_parallel,
+                                           par.pipemare_lr_warmup_iters,
+                                           par.pipemare_discrepancy_decay)
     p2p = None
     if par.pipeline_parallel > 1:
         prev_rank = layout.stage_rank(stage - 1) if stage > 0 else None
@@ -158,6 +163,7 @@ def build_stage(config: Config, layout: ParallelLayout, device: torch.device, ti
     memory = MemoryTracker(device)
     executor = StageExecutor(model, versions, updater, p2p, stage, par.pipeline_parallel,
                              microbatches, timers, memory, applied_steps.counting(on_step))
+    executor.pipemare = updater.pipemare
     return Stage(config, layout, device, model, versions, optimizer, scaler, updater, executor,
                  memory, timers, microbatches, applied_steps=applied_steps)
 
@@ -189,13 +195,19 @@ def build_optimizer(config: Config, master_params, names: list[str], layout: Par
 def static_tensors(stage: Stage) -> list[torch.Tensor]:
     """Weights, gradient buffers and optimizer state (all allocated when the stage is built)."""
     return stage.versions.tensors() + optimizer_state_tensors(stage.optimizer) + \
-        compensation_tensors(stage)
+        compensation_tensors(stage) + pipemare_tensors(stage)
 
 
 def compensation_tensors(stage: Stage) -> list[torch.Tensor]:
     """--delay-compensation's state (per-shard fp32, like the optimizer's)."""
     compensation = stage.updater.compensation
     return compensation.tensors() if compensation is not None else []
+
+
+def pipemare_tensors(stage: Stage) -> list[torch.Tensor]:
+    """PipeMare's T2 delta (weight-sized, fp32): what it holds in place of a version stash."""
+    pipemare = stage.updater.pipemare
+    return pipemare.tensors() if pipemare is not None else []
 
 
 def startup_memory_report(stage: Stage) -> str:
@@ -208,7 +220,8 @@ def startup_memory_report(stage: Stage) -> str:
     estimate = estimate_stage_memory(model, c.parallel, c.precision, c.recompute,
                                      c.optimizer.optimizer, c.training.micro_batch_size,
                                      stage.microbatches, layout.data, layout.stage)
-    measured = static_breakdown(stage.versions, stage.optimizer, compensation_tensors(stage))
+    measured = static_breakdown(stage.versions, stage.optimizer, compensation_tensors(stage),
+                                pipemare_tensors(stage))
     mib = 2.0 ** 20
     names = {"params": "params", "grads": "grads", "optimizer": "optimizer state",
              "versions_stash": "version stash", "activations": "activations", "workspace": "workspace"}

@@ -4,6 +4,8 @@
         --batches 3 --output schedule.png
     python tools/visualize_schedule.py --compare 2bw,flush,gpipe --output compare.png
     python tools/visualize_schedule.py --compare 2bw,pipedream,flush --output versions.png
+    python tools/visualize_schedule.py --compare pipedream,pipemare --microbatches 1 --batches 5 \\
+        --output backward_versions.png
     python tools/visualize_schedule.py --schedule 2bw --text
     python tools/visualize_schedule.py --compare flush,zb-h1,interleaved --microbatches 8 \
         --batches 1 --virtual-pipeline-model-parallel-size 2 --output vanilla.png

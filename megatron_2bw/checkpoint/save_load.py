@@ -226,6 +226,8 @@ def stage_state(stage, master: list[torch.Tensor], compensation: dict | None = N
         "loss_scaler": stage.scaler.state_dict(),
         "skipped_steps": stage.applied_steps.skipped,  # the schedules' position (AppliedSteps)
         "delay_compensation": compensation,
+        # PipeMare's T2 delta (every data-parallel rank holds all of it)
+        "pipemare": stage.updater.pipemare.state_dict() if stage.updater.pipemare else None,
     }
 
 
@@ -430,6 +432,8 @@ def load_checkpoint(stage, root: str, iteration: int | None = None) -> dict | No
         stage.applied_steps.skipped = state.get("skipped_steps", 0)
         if stage.updater.compensation is not None:
             stage.updater.compensation.load_state(state.get("delay_compensation"))
+        if stage.updater.pipemare is not None:
+            stage.updater.pipemare.load_state_dict(state.get("pipemare"))
     stage.iteration = state["iteration"]
     stage.consumed_samples = state["consumed_samples"]
     _barrier(layout)  # "loaded" only once every rank has

@@ -43,6 +43,7 @@ class StageExecutor:
         self._comm: list[S.Action] = []
         self._batches: dict[int, dict] = {}  # chunks: microbatch k until its last chunk's forward
         self._pending_weights: dict = {}  # split backward: (chunk, k) -> what its W needs
+        self.pipemare = None  # PipeMare (pipeline/pipemare.py): backwards read the newest weights
 
     def _timer(self, name):
         return self.timers(name) if self.timers is not None else _NoTimer()
@@ -160,7 +161,7 @@ class StageExecutor:
         self.versions.install(a.version)
         key = _key(a)
         inputs = self._inputs.get(key)
-        with self._track(key, inputs, batch):
+        with self._track(key, inputs, batch, a):
             out = self.chunks[a.chunk](inputs, batch)
         tokens = 1
         if self.updater.per_token_loss:  # every stage reads the microbatch, so counts alike
@@ -224,13 +225,18 @@ class StageExecutor:
             self.memory.release(key)
         timer.stop()
 
-    def _track(self, microbatch: int, inputs: torch.Tensor | None, batch: dict):
+    def _track(self, microbatch: int, inputs: torch.Tensor | None, batch: dict,
+               a: S.Action | None = None):
+        saved_hooks = None
+        if self.pipemare is not None and a is not None:  # its delay: backward's version - forward's
+            saved_hooks = self.pipemare.hooks(a.microbatch // self.m - a.version)
         if self.memory is None:
-            return nullcontext()
+            return nullcontext() if saved_hooks is None else \
+                torch.autograd.graph.saved_tensors_hooks(*saved_hooks)
         signature = (None if inputs is None else (tuple(inputs.shape), inputs.dtype),
                      tuple((key, tuple(value.shape), value.dtype)
                            for key, value in sorted(batch.items()) if torch.is_tensor(value)))
-        return self.memory.track(microbatch, signature)
+        return self.memory.track(microbatch, signature, saved_hooks)
 
     # -- evaluation ------------------------------------------------------------------------
     @torch.no_grad()

@@ -26,6 +26,10 @@ Schedules (p stages, m microbatches per batch, batches numbered from 0):
 - "pipedream-vs" PipeDream with vertical sync (--pipeline-schedule pipedream --vertical-sync):
           every stage uses the version the first stage uses, max(0, b - (p-1)): a uniform delay of
           p - 1 updates, so global step decisions complete in the background as under 2BW.
+- "pipemare" PipeMare (pipeline/pipemare.py): 2BW's never-drained 1F1B order with ONE weight
+          version per stage, stepped right after each batch's reduction: the forward of microbatch
+          k reads version max(floor((k - (p-1-s)) / m), first_batch), its backward the newest,
+          version k // m (the backward reads the weights at backward time; no stashing).
 - "zb-h1" zero bubble (pipeline/zero_bubble.py): 1F1B with each backward split into B (input
           gradient) and W (weight gradient); W passes fill the drain. Vanilla, drained per batch.
 - "interleaved" Megatron-LM's interleaved 1F1B (pipeline/interleaved.py): each rank holds `chunks`
@@ -47,9 +51,11 @@ REDUCE_GRADS, STEP, RELEASE_VERSION = "reduce_grads", "step", "release_version"
 COMPUTE_KINDS = (FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT)
 LETTERS = {FORWARD: "F", BACKWARD: "B", BACKWARD_INPUT: "B", BACKWARD_WEIGHT: "W"}
 COMM_KINDS = (SEND_ACT, RECV_ACT, SEND_GRAD, RECV_GRAD)
-SCHEDULES = ("2bw", "flush", "gpipe", "pipedream", "pipedream-vs", "zb-h1", "interleaved")
-# one 1F1B sequence over every batch of a segment, steps deferred until their version is needed
-NEVER_DRAINED = ("2bw", "pipedream", "pipedream-vs")
+SCHEDULES = ("2bw", "flush", "gpipe", "pipedream", "pipedream-vs", "pipemare", "zb-h1",
+             "interleaved")
+# one 1F1B sequence over every batch of a segment (PipeMare's steps as soon as the gradients are
+# reduced, the others' deferred until their version is needed)
+NEVER_DRAINED = ("2bw", "pipedream", "pipedream-vs", "pipemare")
 
 
 @dataclass(frozen=True)
@@ -78,7 +84,7 @@ class ScheduleError(ValueError):
 
 def update_delay(schedule: str, stage: int = 0, stages: int = 1) -> int:
     """How many updates behind the newest weights a stage's batches run: batch b reads version
-    max(0, b - delay)."""
+    max(0, b - delay) (PipeMare: its backwards; its forwards, pipemare.forward_version)."""
     if schedule == "2bw":
         return 1
     if schedule == "pipedream":
@@ -89,7 +95,8 @@ def update_delay(schedule: str, stage: int = 0, stages: int = 1) -> int:
 
 
 def version_for_batch(schedule: str, batch: int, stage: int = 0, stages: int = 1) -> int:
-    """The weight version batch `batch` reads on `stage` of `stages` (forward and backward alike)."""
+    """The weight version batch `batch` reads on `stage` of `stages` (forward and backward alike;
+    PipeMare: the backward)."""
     return max(batch - update_delay(schedule, stage, stages), 0)
 
 
@@ -118,9 +125,9 @@ class VersionRule:
     @property
     def global_step_decisions(self) -> bool:
         """Whether a step waits for every stage's gradient norm (clipping, overflow): all but
-        plain PipeDream, whose later stages need a new version before the first stage's gradient
-        of that update exists."""
-        return self.schedule != "pipedream" or self.stages == 1
+        plain PipeDream and PipeMare, whose later stages need a new version before the first
+        stage's gradient of that update exists."""
+        return self.schedule not in ("pipedream", "pipemare") or self.stages == 1
 
 
 def max_in_flight(schedule: str, stages: int, microbatches: int, stage: int,
@@ -165,13 +172,19 @@ def stage_actions(schedule: str, stages: int, microbatches: int, batches: int, s
     m = microbatches
     end_batch = first_batch + batches
     pending_steps: list[int] = []  # never-drained schedules: batches whose step is deferred
-    deferred = schedule in NEVER_DRAINED
+    never_drained = schedule in NEVER_DRAINED
+    deferred = never_drained and schedule != "pipemare"
 
     def version_of_batch(b: int) -> int:
         return version_for_batch(schedule, b, stage, stages)
 
     def version(k: int) -> int:
         return version_of_batch(k // m)
+
+    def forward_version(k: int) -> int:
+        if schedule == "pipemare":
+            return pipemare.forward_version(k, m, stage, stages, first_batch)
+        return version(k)
 
     def flush_pending_steps():
         while pending_steps:
@@ -186,7 +199,7 @@ def stage_actions(schedule: str, stages: int, microbatches: int, batches: int, s
         yield from steps_due_before_forward(k)
         if not first:
             yield Action(RECV_ACT, k)
-        yield Action(FORWARD, k, version(k))
+        yield Action(FORWARD, k, forward_version(k))
         if not last:
             yield Action(SEND_ACT, k)
 
@@ -223,7 +236,7 @@ def stage_actions(schedule: str, stages: int, microbatches: int, batches: int, s
             yield from steps_due_before_forward(k + warmup)
             yield from backward(k)
 
-    if deferred:
+    if never_drained:
         yield from one_f_one_b(list(range(first_batch * m, end_batch * m)))
         yield from flush_pending_steps()
     else:
@@ -457,10 +470,13 @@ def validate(actions: list[list[Action]], schedule: str, microbatches: int,
                 alive.discard(a.version)
             if a.kind in COMPUTE_KINDS:
                 expected = version_for_batch(schedule, k // m, s, stages)
+                if schedule == "pipemare" and a.kind == FORWARD:
+                    expected = pipemare.forward_version(k, m, s, stages, first_batch)
                 if a.version != expected:
                     _fail(s, i, a, f"{schedule} must use version {expected} for microbatch {k} "
                                    f"on stage {s}")
-                if a.kind != FORWARD and forward_version.get(key) != a.version:
+                if a.kind != FORWARD and forward_version.get(key) != a.version and \
+                        schedule != "pipemare":  # PipeMare's backward reads the newest
                     _fail(s, i, a, f"weight stashing: the backward of microbatch {k} names version "
                                    f"{a.version}, its forward version {forward_version.get(key)}")
                 forward_version.setdefault(key, a.version)
@@ -537,7 +553,7 @@ def render(actions: list[list[Action]], width: int = 200) -> str:
 
 
 # the vanilla schedules that live in their own modules (they build on the helpers above)
-from megatron_2bw.pipeline import interleaved, zero_bubble  # noqa: E402
+from megatron_2bw.pipeline import interleaved, pipemare, zero_bubble  # noqa: E402
 
 FLUSHED_GENERATORS = {"zb-h1": zero_bubble.zb_h1_actions,
                       "interleaved": interleaved.interleaved_actions}

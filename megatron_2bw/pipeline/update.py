@@ -123,6 +123,7 @@ class GradientUpdater:
         self.loss_tokens: dict[int, torch.Tensor] = {}  # per_token_loss: batch -> its tokens
         self.overflow_injection = None  # tests: callable(batch) -> bool puts an inf in the gradient
         self.compensation = None  # --delay-compensation (pipeline/compensation.py), set after sharding
+        self.pipemare = None  # PipeMare's T1/T2 (pipeline/pipemare.py)
         # the data-parallel average started bucket by bucket in the batch's last backward
         self.backward_reducer = None
         if overlap_grad_reduce and group_size(data_group) > 1 and \
@@ -329,6 +330,8 @@ class GradientUpdater:
             self.scaler.update(True)
             if self.compensation is not None:
                 self.compensation.skipped_step()
+            if self.pipemare is not None:
+                self.pipemare.skipped_step()
             self._new_version(batch, skipped=True)
             params_norm, _ = self._weight_statistics(None)
             timer and timer.stop()
@@ -346,11 +349,15 @@ class GradientUpdater:
         self.versions.prepare_step()
         if self.compensation is not None:
             self.compensation.before_step()
+        if self.pipemare is not None:
+            self.pipemare.before_step(batch, self.optimizer.param_groups)
         self.optimizer.step()
         if self.compensation is not None:
             self.compensation.after_step()
         self.scaler.update(False)
         self._new_version(batch, skipped=False)
+        if self.pipemare is not None:  # the new version is in the working copy now
+            self.pipemare.after_step()
         params_norm, num_zeros = self._weight_statistics(zeros)
         timer and timer.stop()
         return StepResult(batch, False, grad_norm, lr, scale, metrics, pending.ended_at,

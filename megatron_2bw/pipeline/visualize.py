@@ -26,6 +26,7 @@ class ScheduleShape:
         names = {"2bw": "PipeDream-2BW", "flush": "PipeDream-Flush (1F1B)", "gpipe": "GPipe",
                  "pipedream": "PipeDream (weight stashing, p - s versions on stage s)",
                  "pipedream-vs": "PipeDream with vertical sync (p versions per stage)",
+                 "pipemare": "PipeMare (one version per stage: backwards read the newest)",
                  "zb-h1": "ZB-H1 (zero bubble: backward split into B and W)",
                  "interleaved": f"interleaved 1F1B (v = {self.chunks} chunks per stage)"}
         return (f"{names[self.schedule]}: p = {self.stages} stages, m = {self.microbatches} "

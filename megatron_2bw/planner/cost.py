@@ -427,7 +427,8 @@ def stage_costs(model: ModelConfig, hardware: HardwareSpec, costs: ComputeCosts,
     # 2BW the newest version's; the master gradients are separate unless fp32 Flush/GPipe, and
     # in fp32 2BW, unsharded, they trade storage with the buffer (WeightVersions)
     fp32 = e == 4 and g == 4
-    fp32_versions = fp32 and candidate.schedule in NEVER_DRAINED
+    fp32_versions = fp32 and candidate.schedule in NEVER_DRAINED and \
+        candidate.schedule != "pipemare"  # PipeMare's one version is the master weights
     separate_master_grads = not fp32 or fp32_versions
     swaps_gradients = fp32_versions and shards == 1
     layer_counts = list(candidate.layer_split) if candidate.layer_split else \

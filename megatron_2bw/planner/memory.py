@@ -41,6 +41,7 @@ import torch
 from megatron_2bw.config import ModelConfig, ParallelConfig, PrecisionConfig, RecomputeConfig
 from megatron_2bw.distributed.comm import ShardShapeGroup
 from megatron_2bw.pipeline.partition import layer_ranges, stage_recompute
+from megatron_2bw.pipeline.pipemare import stage_delay
 from megatron_2bw.pipeline.schedules import live_versions, max_in_flight
 from megatron_2bw.planner.hardware import HardwareSpec
 
@@ -355,6 +356,9 @@ def estimate_stage_memory(model: ModelConfig, parallel: ParallelConfig, precisio
     grads = g * P + (4 * P / shards if separate_master_grads else 0)
     optimizer_bytes = (OPTIMIZER_STATE_BYTES[optimizer] + (4 if compensated else 0)) * P / shards
     stash = e * P * (versions - 1)
+    if schedule == "pipemare" and parallel.pipemare_discrepancy_decay > 0 and \
+            stage_delay(microbatches, stage, p) >= 1:
+        stash += 4 * P  # T2's delta in place of a stash: fp32, whole on every replica
 
     b = micro_batch_size
     if activation_bytes_per_layer is None:

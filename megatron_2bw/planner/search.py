@@ -25,7 +25,9 @@ from megatron_2bw.config import Config, ModelConfig, ParallelConfig, PrecisionCo
 from megatron_2bw.pipeline.schedules import SCHEDULES, VersionRule
 
 # what --pipeline-schedule offers (PipeDream's vertical sync is a flag of its own, not planned)
-PLANNED_SCHEDULES = tuple(s for s in SCHEDULES if s != "pipedream-vs")
+# PipeMare's update rule differs from the others' (and its time is 2BW's): planned only where
+# --pipeline-schedule pipemare pins it, never chosen in place of another schedule
+PLANNED_SCHEDULES = tuple(s for s in SCHEDULES if s not in ("pipedream-vs", "pipemare"))
 from megatron_2bw.planner.cost import (RECOMPUTE_OPTIONS, Candidate, CoreSharing, StageCost,
                                        balanced_split, bottleneck_label, busiest_stage,
                                        core_sharing, layer_costs, paper_breakdown, stage_costs,
@@ -120,8 +122,8 @@ def candidates(model: ModelConfig, world_size: int, hardware: HardwareSpec, glob
     """Every valid configuration: t inside a node and splitting the model (`splits_model`); p at
     most the layers; d = world / (t p) dividing the global batch; micro batch sizes dividing the
     per-replica batch; 2BW, Flush and ZB-H1 need at least p microbatches per batch, interleaved
-    (planned with v = 2) a multiple of p and 2p dividing the layers; PipeDream needs untied
-    embeddings; one schedule at p = 1 (`schedules_for`)."""
+    (planned with v = 2) a multiple of p and 2p dividing the layers; PipeDream and PipeMare need
+    untied embeddings, PipeMare no full recomputation; one schedule at p = 1 (`schedules_for`)."""
     space = space or SearchSpace()
     per_node = hardware.devices_per_node
     result = []
@@ -144,7 +146,7 @@ def candidates(model: ModelConfig, world_size: int, hardware: HardwareSpec, glob
                 for schedule in schedules_for(p, space.schedules):
                     if schedule in ("2bw", "flush", "zb-h1") and m < p:
                         continue
-                    if schedule == "pipedream" and not (
+                    if schedule in ("pipedream", "pipemare") and not (
                             model.untie_embeddings_and_output_weights and model.model_type == "gpt"):
                         continue  # the first and last stage would read two versions of one matrix
                     chunks = 1
@@ -154,6 +156,8 @@ def candidates(model: ModelConfig, world_size: int, hardware: HardwareSpec, glob
                                 model.num_layers % (chunks * p):
                             continue
                     for recompute in space.recompute:
+                        if schedule == "pipemare" and recompute == "full":
+                            continue  # no forward-time weights to recompute with
                         result.append(Candidate(t, p, d, b, recompute, schedule,
                                                 space.layer_split, chunks))
     return result

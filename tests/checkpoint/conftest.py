@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from megatron_2bw.training import pretrain
-from tests.checkpoint.helpers import config_from_flags, evaluate_checkpoint, pretrain_flags
+from tests.checkpoint.helpers import config_from_flags, evaluate_checkpoint, logged_losses, \
+    pretrain_flags
 from tests.distributed_helpers import run_ranks
 
 N = 2  # iterations before the interruption (and after it)
@@ -46,6 +47,20 @@ def _resume_scenario(rank: int, world: int, run: ResumeRun) -> dict:
                                                    "--save", ckpt, "--load", ckpt)))
     return {"straight": _master_weights(straight), "resumed": _master_weights(resumed),
             "final_loss": evaluate_checkpoint(rank, world, run.flags(), ckpt)}
+
+
+def assert_resume_is_bit_identical(run: ResumeRun) -> list:
+    """Run the resume scenario on 4 ranks: the interrupted run logs iterations 1 .. 2N with the
+    straight run's losses, and ends with its master weights, bit for bit. Returns the ranks'
+    results."""
+    run.ranks = run_ranks(4, _resume_scenario, run, timeout=300)
+    straight = logged_losses(run.root / "straight.jsonl")
+    resumed = logged_losses(run.root / "first.jsonl") + logged_losses(run.root / "second.jsonl")
+    assert [i for i, _ in resumed] == list(range(1, 2 * N + 1)) and resumed == straight
+    for rank in run.ranks:
+        for name, weight in rank["straight"].items():
+            assert torch.equal(weight, rank["resumed"][name]), name
+    return run.ranks
 
 
 def _run(tmp_path_factory, t: int, p: int, context: int = 1) -> ResumeRun:

@@ -9,11 +9,9 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from megatron_2bw.distributed.layout import ParallelLayout
-from tests.checkpoint.conftest import N, ResumeRun, _resume_scenario
-from tests.checkpoint.helpers import logged_losses
+from tests.checkpoint.conftest import ResumeRun, assert_resume_is_bit_identical
 from tests.distributed_helpers import run_ranks
 from tests.pipeline.compensation_reference import compensated_reference
 from tests.pipeline.harness import full_weights, gpt_feed, max_difference, tiny_config
@@ -119,14 +117,7 @@ class CompensatedResume(ResumeRun):
 def test_resumed_compensated_training_is_bit_identical(tmp_path, mode, extra):
     """Train 2N iterations straight, or N, save, load and N more (2BW, p = 2 x d = 2, dropout on):
     the same losses and weights bit for bit, so the saved versions and delta are the ones used."""
-    run = CompensatedResume(tmp_path, mode, *extra)
-    run.ranks = run_ranks(4, _resume_scenario, run, timeout=300)
-    straight = logged_losses(tmp_path / "straight.jsonl")
-    resumed = logged_losses(tmp_path / "first.jsonl") + logged_losses(tmp_path / "second.jsonl")
-    assert [i for i, _ in resumed] == list(range(1, 2 * N + 1)) and resumed == straight
-    for rank in run.ranks:
-        for name, weight in rank["straight"].items():
-            assert torch.equal(weight, rank["resumed"][name]), name
+    assert_resume_is_bit_identical(CompensatedResume(tmp_path, mode, *extra))
 
 
 @pytest.mark.parametrize("extra,expected", [
