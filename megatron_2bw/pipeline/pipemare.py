@@ -102,10 +102,14 @@ class PipeMareWeights:
         self.delta = torch.zeros(versions.layout.total, dtype=torch.float32,
                                  device=versions.device) if self.gamma > 0 else None
 
-    def _working(self) -> torch.Tensor:
+    def _working(self, gathered: bool = True) -> torch.Tensor:
         """The stage's one working copy (also between a version's release and the next's
-        creation, which reuse it)."""
-        return self.versions.working_copies()[0].flat
+        creation, which reuse it); `gathered`: once the distributed optimizer's background
+        all-gather of the newest version has landed (a backward or the step reads it)."""
+        copy = self.versions.working_copies()[0]
+        if gathered:
+            self.versions.wait_gathers(copy)
+        return copy.flat
 
     # -- the step ----------------------------------------------------------------------------
     @torch.no_grad()
@@ -138,7 +142,7 @@ class PipeMareWeights:
         """Saved-tensor hooks (pack, unpack) for the forward of a microbatch whose backward comes
         `delay` updates later (d_k): each weight autograd saves (a view of the working copy) is
         read again when the backward needs it, as the newest version (minus d_k * delta)."""
-        storage = self._working().untyped_storage().data_ptr()
+        storage = self._working(gathered=False).untyped_storage().data_ptr()
 
         def pack(t: torch.Tensor):
             if t.untyped_storage().data_ptr() != storage:
