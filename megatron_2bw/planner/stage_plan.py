@@ -108,12 +108,12 @@ def plan_stages(costs: LayerCosts, stages: int,
         return float("inf") if k is None else timer(stage, start, count, k)
 
     def greedy(limit: float) -> tuple[int, ...] | None:
-        """From the last stage back, each takes the most layers under `limit`."""
+        """From the last stage back, each takes the most layers under `limit` (every count
+        is tried: a pinned split leaves one count per stage that fits)."""
         end, split = layers, []
         for stage in range(stages - 1, 0, -1):
-            count = 0
-            while count < end - stage and time(stage, end - count - 1, count + 1) <= limit:
-                count += 1
+            count = max((n for n in range(1, end - stage + 1)
+                         if time(stage, end - n, n) <= limit), default=0)
             if count == 0:
                 return None
             split.append(count)

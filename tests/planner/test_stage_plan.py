@@ -56,3 +56,14 @@ def test_later_stages_take_the_extra_layers_and_recompute_only_where_needed():
     # a heavy layer 0 moves the boundary
     heavy = LayerCosts((5.0,) + (1.0,) * 7, (10.0,) + (2.0,) * 7, (5.0,) + (1.0,) * 7)
     assert plan_stages(heavy, 2).split == (2, 6)  # 15 + 3 against 6 x 3
+
+
+def test_a_pinned_split_is_planned_where_it_fits():
+    """memory_bound(pinned_split=...) answers only the pinned counts (None elsewhere): the search
+    must still find that split and its recompute plan, also when another split would be faster."""
+    pinned = (3, 5)
+
+    def fewest(stage, count):
+        return max(0, count - 2) if count == pinned[stage] else None
+    plan = plan_stages(LayerCosts.uniform(8, 1.0, 2.0, 1.0), 2, fewest)
+    assert plan is not None and plan.split == pinned and plan.recompute == (1, 3)
