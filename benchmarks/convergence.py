@@ -88,6 +88,8 @@ RULES = [
     Rule("pipemare-t1-t2", "2bw", delay="stage", stashing=False, per_stage_clip=True,
          lr_warmup_iters=T1_WARMUP, discrepancy_decay=T2_DECAY),
 ]
+# the rules the targets are about: their seeds and their rate sweep run before the others
+FIRST = ("flush", "2bw", "2bw-predict", "2bw-predict-warmup2x", "pipemare", "pipemare-t1-t2")
 # schedules timed: GPipe shares Flush's arithmetic, not its time
 TIMED = {"flush": "flush", "gpipe": "gpipe", "2bw": "2bw"}
 
@@ -529,8 +531,9 @@ def run_jobs(jobs: list[tuple], workers: int, done: callable) -> None:
 
 def run_study(study: Study, json_path: str | None = None, new_runs: bool = True,
               workers: int = 1) -> dict:
-    """Flush at every rate on the first seed; then at Flush's best rate every rule on every
-    seed; then every other rule at the other rates on the first seed (the sweep). With
+    """Flush at every rate on the first seed; then at Flush's best rate every rule on the first
+    seed; then the other seeds there and the other rates on the first seed (the sweep), the
+    rules in FIRST before the rest, all in one pool so no worker waits for a phase. With
     `json_path` the result so far is written after each run and runs already there are kept;
     `new_runs=False` only summarizes those."""
     torch.set_num_threads(1)
@@ -569,10 +572,15 @@ def run_study(study: Study, json_path: str | None = None, new_runs: bool = True,
     run_jobs(pending([(flush, lr, study.seed, study) for lr in study.lrs]), workers, done)
     flush_lr = flush_best_lr(result["runs"], study)
     if flush_lr is not None:
-        run_jobs(pending([(rule, flush_lr, seed, study) for seed in seeds_of(study)
-                          for rule in study.rules]), workers, done)
-        run_jobs(pending([(rule, lr, study.seed, study) for lr in study.lrs if lr != flush_lr
-                          for rule in study.rules]), workers, done)
+        first = [rule for rule in study.rules if rule.name in FIRST]
+        rest = [rule for rule in study.rules if rule.name not in FIRST]
+        later_seeds = seeds_of(study)[1:]
+        other_lrs = [lr for lr in study.lrs if lr != flush_lr]
+        jobs = [(rule, flush_lr, study.seed, study) for rule in study.rules]
+        for rules in (first, rest):
+            jobs += [(rule, flush_lr, seed, study) for seed in later_seeds for rule in rules]
+            jobs += [(rule, lr, study.seed, study) for lr in other_lrs for rule in rules]
+        run_jobs(pending(jobs), workers, done)
     result["summary"] = summarize(result["runs"], result["time_per_sample_s"], study)
     return result
 
