@@ -412,8 +412,6 @@ def summarize(runs: list[dict], time_per_sample: dict[str, float], study: Study)
     seeds = [s for s in seeds_of(study) if ("flush", flush_lr, s) in run_of]
     flush_finals = {s: final_loss(run_of[("flush", flush_lr, s)]["curve"]) for s in seeds}
     target = float(np.mean(list(flush_finals.values()))) if seeds else float("nan")
-    flush_mean = mean_curve([run_of[("flush", flush_lr, s)]["curve"] for s in seeds]) \
-        if seeds else []
     rows = []
     for rule in study.rules:
         own = [run_of[(rule.name, flush_lr, s)] for s in seeds if (rule.name, flush_lr, s) in run_of]
@@ -422,10 +420,14 @@ def summarize(runs: list[dict], time_per_sample: dict[str, float], study: Study)
         finite = {lr: x for lr, x in sweep.items() if math.isfinite(x)}
         best_lr = min(finite, key=finite.get) if finite else None
         curve = mean_curve([r["curve"] for r in own]) if own else None
-        reach = samples_to_reach(curve, target) if curve else None
+        # Flush's final loss on the seeds this rule ran
+        own_target = float(np.mean([flush_finals[r["seed"]] for r in own])) if own else None
+        reach = samples_to_reach(curve, own_target) if curve else None
         gaps = [final_loss(r["curve"]) / flush_finals[r["seed"]] - 1.0 for r in own]
-        gap_along = [(s, loss / f - 1.0) for (s, loss), (_, f) in zip(curve, flush_mean)
-                     if s > 0] if curve else []
+        paired = [[loss / f - 1.0 for (_, loss), (_, f) in
+                   zip(r["curve"], run_of[("flush", flush_lr, r["seed"])]["curve"])] for r in own]
+        gap_along = [(s, float(np.mean([p[i] for p in paired if i < len(p)])))
+                     for i, (s, _) in enumerate(curve) if s > 0] if curve else []
         for timing in ([rule.name] if rule.name != "flush" else ["flush", "gpipe"]):
             seconds = time_per_sample["gpipe" if timing == "gpipe" else rule.schedule]
             rows.append({
@@ -457,16 +459,17 @@ def render_markdown(result: dict) -> str:
              f"At Flush's best rate ({fmt(summary['flush_best_lr'], 'g')}), over "
              f"{len(result['setup']['seeds'])} seeds: mean [min, max]; gaps paired seed by seed; "
              f"time from each schedule's replayed action lists:", "",
-             "| schedule | best lr | final loss | vs Flush (final) | vs Flush at 1/4, 1/2, 3/4 "
-             "| samples to Flush's final | modelled s to Flush's final | modelled ms/sample |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| schedule | best lr | seeds | final loss | vs Flush (final) "
+             "| vs Flush at 1/4, 1/2, 3/4 | samples to Flush's final "
+             "| modelled s to Flush's final | modelled ms/sample |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for row in summary["table"]:
         final, gap = row["final_loss"], row["gap"]
         along = row["gap_along_samples"]
         quarters = [along[max(0, round(len(along) * q) - 1)][1] for q in (0.25, 0.5, 0.75)] \
             if along else []
         lines.append(
-            f"| {row['schedule']} | {fmt(row['best_lr'], 'g')} "
+            f"| {row['schedule']} | {fmt(row['best_lr'], 'g')} | {row['seeds']} "
             f"| {fmt(final and final['mean'], '.3f')} [{fmt(final and final['min'], '.3f')}, "
             f"{fmt(final and final['max'], '.3f')}] "
             f"| {pct(gap and gap['mean'])} [{pct(gap and gap['min'])}, {pct(gap and gap['max'])}] "
