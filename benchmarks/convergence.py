@@ -398,6 +398,14 @@ def mean_curve(curves: list) -> list:
             for i in range(length)]
 
 
+def loss_at(curve, samples: float) -> float | None:
+    """The curve's loss at `samples` (linear between evaluations; None beyond its end)."""
+    for (s0, l0), (s1, l1) in zip(curve, curve[1:]):
+        if s0 <= samples <= s1:
+            return l0 + (l1 - l0) * (samples - s0) / (s1 - s0)
+    return None
+
+
 def spread(values: list[float]) -> dict:
     return {"mean": float(np.mean(values)), "min": float(np.min(values)),
             "max": float(np.max(values)), "n": len(values)}
@@ -428,8 +436,13 @@ def summarize(runs: list[dict], time_per_sample: dict[str, float], study: Study)
                    zip(r["curve"], run_of[("flush", flush_lr, r["seed"])]["curve"])] for r in own]
         gap_along = [(s, float(np.mean([p[i] for p in paired if i < len(p)])))
                      for i, (s, _) in enumerate(curve) if s > 0] if curve else []
+        flush_curve = mean_curve([run_of[("flush", flush_lr, r["seed"])]["curve"] for r in own]) \
+            if own else None
         for timing in ([rule.name] if rule.name != "flush" else ["flush", "gpipe"]):
             seconds = time_per_sample["gpipe" if timing == "gpipe" else rule.schedule]
+            # Flush's loss (same seeds) at the modelled time this schedule ends its run
+            flush_then = loss_at(flush_curve, curve[-1][0] * seconds / time_per_sample["flush"]) \
+                if curve else None
             rows.append({
                 "schedule": timing, "sweep_final_loss": {str(lr): x for lr, x in sweep.items()},
                 "best_lr": best_lr, "seeds": len(own),
@@ -438,6 +451,7 @@ def summarize(runs: list[dict], time_per_sample: dict[str, float], study: Study)
                 "mean_curve": curve, "samples_to_flush_final": reach,
                 "seconds_to_flush_final": reach * seconds if reach is not None else None,
                 "seconds_per_sample": seconds,
+                "flush_loss_at_end_time": flush_then,
             })
     return {"flush_best_lr": flush_lr, "flush_final_loss": target, "table": rows}
 
@@ -461,8 +475,8 @@ def render_markdown(result: dict) -> str:
              f"time from each schedule's replayed action lists:", "",
              "| schedule | best lr | seeds | final loss | vs Flush (final) "
              "| vs Flush at 1/4, 1/2, 3/4 | samples to Flush's final "
-             "| modelled s to Flush's final | modelled ms/sample |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| modelled s to Flush's final | modelled ms/sample | Flush at its end time |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for row in summary["table"]:
         final, gap = row["final_loss"], row["gap"]
         along = row["gap_along_samples"]
@@ -476,7 +490,8 @@ def render_markdown(result: dict) -> str:
             f"| {', '.join(pct(q) for q in quarters) or '-'} "
             f"| {fmt(row['samples_to_flush_final'], '.0f')} "
             f"| {fmt(row['seconds_to_flush_final'], '.1f')} "
-            f"| {fmt(row['seconds_per_sample'] * 1e3, '.2f')} |")
+            f"| {fmt(row['seconds_per_sample'] * 1e3, '.2f')} "
+            f"| {fmt(row['flush_loss_at_end_time'], '.3f')} |")
     return "\n".join(lines)
 
 

@@ -99,6 +99,9 @@ def test_the_summary_compares_seed_by_seed_at_flush_best_rate():
     assert rows["flush"]["samples_to_flush_final"] == pytest.approx(16)
     assert rows["gpipe"]["seconds_to_flush_final"] == pytest.approx(32)
     assert rows["2bw"]["gap_along_samples"][0] == pytest.approx((8, 7.75 / 7 - 1))
+    # 2BW's 16 samples take the modelled time of Flush's 8: Flush's mean loss there is 7
+    assert rows["2bw"]["flush_loss_at_end_time"] == pytest.approx(7.0)
+    assert rows["gpipe"]["flush_loss_at_end_time"] == pytest.approx(5.25)  # it ends with Flush
 
 
 def test_missing_data_is_one_line_and_exit_2(tmp_path, capsys):
