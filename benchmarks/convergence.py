@@ -1,12 +1,15 @@
 """Time to quality of the pipeline schedules: validation loss against samples and against time.
 
-    python benchmarks/convergence.py                    # docs/convergence.json + docs/images/convergence.png
+    python benchmarks/convergence.py --workers 2        # docs/convergence.json + docs/images/convergence.png
     python benchmarks/convergence.py --quick --json /tmp/c.json --plot /tmp/c.png   # a smoke run
 
 The same GPT (4 layers, hidden 128, 4 heads, sequence 64, untied output layer, no dropout), the
 same Shakespeare data (tools/prepare_shakespeare.py, examples/quickstart.sh) and seed for every
 schedule, p = 4 stages of one layer each (embeddings on the first, final norm and output layer on
-the last), m = 4 microbatches of 2 per update, AdamW, warm-up then cosine decay to lr/10, clipping.
+the last), m = 4 microbatches of 1 per update, AdamW, warm-up then cosine decay to lr/10, clipping;
+600 updates. Flush at each peak rate on the first seed, then every rule on three seeds at Flush's
+best rate (each seed fixes the initial weights and the batches for every rule, so the gaps are
+paired), then the rate sweep of the other rules on the first seed.
 
 Loss against samples comes from a single-process simulation of each schedule's update rule: every
 stage's parameters read, for update b, the weight version the rule names, exactly the rules that
@@ -17,13 +20,14 @@ pipeline measures core contention, not the schedule. Rules (tau_s = p - 1 - s):
 - flush    every batch on the newest weights W(b) (Flush and GPipe: the same arithmetic)
 - 2bw      version max(b-1, 0) on every stage; with --delay-compensation predict or dc
            (megatron_2bw/pipeline/compensation.py)
+- 2bw-predict-warmup2x  2bw-predict with twice the study's warm-up (a recipe change only)
 - pipedream  weight stashing: stage s reads version max(b - tau_s, 0) at forward and backward,
            clipping by each stage's own norm
 - pipemare no stashing: stage s's forward reads version max(b - tau_s, 0), its backward the
            newest weights W(b) (the weights at backward time, with the forward's activations);
-           T1 divides stage s's rate by tau_s^(1 - min(b/K, 1)); T2 keeps
-           delta_s <- g*delta_s + (1-g)*(W_new - W_old), g = D^(1/tau_s), and the backward reads
-           W(b) - tau_s * delta_s; clipping per stage
+           T1 (pipemare-t1) divides stage s's rate by tau_s^(1 - min(b/K, 1)); T2
+           (pipemare-t2) keeps delta_s <- g*delta_s + (1-g)*(W_new - W_old), g = D^(1/tau_s),
+           and the backward reads W(b) - tau_s * delta_s; clipping per stage
 
 Time per sample comes from replaying each schedule's own action lists
 (megatron_2bw.pipeline.schedules.timeline) with per-stage forward, backward and optimizer-step
@@ -422,7 +426,8 @@ def summarize(runs: list[dict], time_per_sample: dict[str, float], study: Study)
     target = float(np.mean(list(flush_finals.values()))) if seeds else float("nan")
     rows = []
     for rule in study.rules:
-        own = [run_of[(rule.name, flush_lr, s)] for s in seeds if (rule.name, flush_lr, s) in run_of]
+        own = [run_of[(rule.name, flush_lr, s)] for s in seeds
+               if (rule.name, flush_lr, s) in run_of]
         sweep = {lr: final_loss(run_of[(rule.name, lr, study.seed)]["curve"]) for lr in study.lrs
                  if (rule.name, lr, study.seed) in run_of}
         finite = {lr: x for lr, x in sweep.items() if math.isfinite(x)}
