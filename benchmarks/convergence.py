@@ -1,12 +1,15 @@
 """Time to quality of the pipeline schedules: validation loss against samples and against time.
 
-    python benchmarks/convergence.py                    # docs/convergence.json + docs/images/convergence.png
+    python benchmarks/convergence.py --workers 2        # docs/convergence.json + docs/images/convergence.png
     python benchmarks/convergence.py --quick --json /tmp/c.json --plot /tmp/c.png   # a smoke run
 
 The same GPT (4 layers, hidden 128, 4 heads, sequence 64, untied output layer, no dropout), the
 same Shakespeare data (tools/prepare_shakespeare.py, examples/quickstart.sh) and seed for every
 schedule, p = 4 stages of one layer each (embeddings on the first, final norm and output layer on
-the last), m = 4 microbatches of 2 per update, AdamW, warm-up then cosine decay to lr/10, clipping.
+the last), m = 4 microbatches of 1 per update, AdamW, warm-up then cosine decay to lr/10, clipping;
+600 updates. Flush at each peak rate on the first seed, then every rule on three seeds at Flush's
+best rate (each seed fixes the initial weights and the batches for every rule, so the gaps are
+paired), then the rate sweep of the other rules on the first seed.
 
 Loss against samples comes from a single-process simulation of each schedule's update rule: every
 stage's parameters read, for update b, the weight version the rule names, exactly the rules that
@@ -17,13 +20,14 @@ pipeline measures core contention, not the schedule. Rules (tau_s = p - 1 - s):
 - flush    every batch on the newest weights W(b) (Flush and GPipe: the same arithmetic)
 - 2bw      version max(b-1, 0) on every stage; with --delay-compensation predict or dc
            (megatron_2bw/pipeline/compensation.py)
+- 2bw-predict-warmup2x  2bw-predict with twice the study's warm-up (a recipe change only)
 - pipedream  weight stashing: stage s reads version max(b - tau_s, 0) at forward and backward,
            clipping by each stage's own norm
 - pipemare no stashing: stage s's forward reads version max(b - tau_s, 0), its backward the
            newest weights W(b) (the weights at backward time, with the forward's activations);
-           T1 divides stage s's rate by tau_s^(1 - min(b/K, 1)); T2 keeps
-           delta_s <- g*delta_s + (1-g)*(W_new - W_old), g = D^(1/tau_s), and the backward reads
-           W(b) - tau_s * delta_s; clipping per stage
+           T1 (pipemare-t1) divides stage s's rate by tau_s^(1 - min(b/K, 1)); T2
+           (pipemare-t2) keeps delta_s <- g*delta_s + (1-g)*(W_new - W_old), g = D^(1/tau_s),
+           and the backward reads W(b) - tau_s * delta_s; clipping per stage
 
 Time per sample comes from replaying each schedule's own action lists
 (megatron_2bw.pipeline.schedules.timeline) with per-stage forward, backward and optimizer-step
@@ -54,7 +58,8 @@ from megatron_2bw.optim.optimizer import build_torch_optimizer  # noqa: E402
 from megatron_2bw.pipeline import schedules as S  # noqa: E402
 from megatron_2bw.pipeline.compensation import DC_DEFAULT_LAMBDA  # noqa: E402
 
-STAGES, MICROBATCHES, MICRO_BATCH = 4, 4, 2
+STAGES, MICROBATCHES, MICRO_BATCH = 4, 4, 1
+T1_WARMUP, T2_DECAY = 120, 0.9  # PipeMare's K (updates) and D
 
 
 @dataclass(frozen=True)
@@ -69,6 +74,7 @@ class Rule:
     lr_warmup_iters: int = 0  # PipeMare T1's K (0: off)
     discrepancy_decay: float = 0.0  # PipeMare T2's D (0: off)
     dc_lambda: float = DC_DEFAULT_LAMBDA
+    warmup_scale: float = 1.0  # the rate's warm-up, in multiples of the study's
 
 
 RULES = [
@@ -76,11 +82,18 @@ RULES = [
     Rule("2bw", "2bw", delay="uniform"),
     Rule("2bw-predict", "2bw", delay="uniform", compensation="predict"),
     Rule("2bw-dc", "2bw", delay="uniform", compensation="dc"),
+    Rule("2bw-predict-warmup2x", "2bw", delay="uniform", compensation="predict", warmup_scale=2.0),
     Rule("pipedream", "2bw", delay="stage", per_stage_clip=True),
     Rule("pipemare", "2bw", delay="stage", stashing=False, per_stage_clip=True),
+    Rule("pipemare-t1", "2bw", delay="stage", stashing=False, per_stage_clip=True,
+         lr_warmup_iters=T1_WARMUP),
+    Rule("pipemare-t2", "2bw", delay="stage", stashing=False, per_stage_clip=True,
+         discrepancy_decay=T2_DECAY),
     Rule("pipemare-t1-t2", "2bw", delay="stage", stashing=False, per_stage_clip=True,
-         lr_warmup_iters=100, discrepancy_decay=0.9),
+         lr_warmup_iters=T1_WARMUP, discrepancy_decay=T2_DECAY),
 ]
+# the rules the targets are about: their seeds and their rate sweep run before the others
+FIRST = ("flush", "2bw", "2bw-predict", "2bw-predict-warmup2x", "pipemare", "pipemare-t1-t2")
 # schedules timed: GPipe shares Flush's arithmetic, not its time
 TIMED = {"flush": "flush", "gpipe": "gpipe", "2bw": "2bw"}
 
@@ -88,12 +101,13 @@ TIMED = {"flush": "flush", "gpipe": "gpipe", "2bw": "2bw"}
 @dataclass
 class Study:
     data_dir: str = "data/shakespeare"
-    iterations: int = 150
-    warmup: int = 15
+    iterations: int = 600
+    warmup: int = 60
     lrs: tuple = (1e-3, 2e-3, 5e-4)
-    eval_interval: int = 25
+    eval_interval: int = 50
     eval_sequences: int = 32
-    seed: int = 1234
+    seed: int = 1234  # the first seed: the rate sweep's
+    seeds: int = 3  # at Flush's best rate, every rule runs seeds seed, seed+1, ...
     rules: list = field(default_factory=lambda: list(RULES))
 
 
@@ -110,21 +124,20 @@ class Windows:
     """Sequences of seq+1 tokens: training ones drawn at random positions of the training split
     (one fixed stream per seed), validation ones evenly spaced over the held-out plays."""
 
-    def __init__(self, data_dir: str, seq_length: int, seed: int, eval_sequences: int):
+    def __init__(self, data_dir: str, seq_length: int, eval_sequences: int):
         def tokens(split):
             indexed = IndexedDataset(os.path.join(data_dir, f"{split}_text_document"))
             return np.concatenate([indexed[i] for i in range(len(indexed))]).astype(np.int64)
         self.train, valid = tokens("train"), tokens("valid")
         self.length = seq_length + 1
-        self.rng = np.random.RandomState(seed)
         starts = np.linspace(0, len(valid) - self.length, eval_sequences).astype(np.int64)
         self.valid = torch.from_numpy(np.stack([valid[s:s + self.length] for s in starts]))
         self.vocab_size = int(max(self.train.max(), valid.max())) + 1
 
-    def batches(self, iterations: int) -> list[list[torch.Tensor]]:
-        """Every update's microbatches, drawn up front: the same for every rule."""
-        starts = self.rng.randint(0, len(self.train) - self.length,
-                                  size=(iterations, MICROBATCHES, MICRO_BATCH))
+    def batches(self, iterations: int, seed: int) -> list[list[torch.Tensor]]:
+        """Every update's microbatches, drawn up front from the seed: the same for every rule."""
+        starts = np.random.RandomState(seed).randint(0, len(self.train) - self.length,
+                                                     size=(iterations, MICROBATCHES, MICRO_BATCH))
         return [[torch.from_numpy(np.stack([self.train[s:s + self.length] for s in micro]))
                  for micro in update] for update in starts]
 
@@ -157,17 +170,20 @@ class Simulation:
     recent versions, and the rule's extra state (2BW's delta, PipeMare's discrepancy)."""
 
     def __init__(self, rule: Rule, lr: float, study: Study, model_cfg: ModelConfig,
-                 opt: OptimizerConfig | None = None):
-        """`opt`: the optimizer and rate schedule (default: the study's, peak rate `lr`)."""
+                 opt: OptimizerConfig | None = None, seed: int | None = None):
+        """`opt`: the optimizer and rate schedule (default: the study's, peak rate `lr`, the
+        rule's warm-up); `seed`: the initial weights' (default: the study's first)."""
         self.rule, self.study = rule, study
-        torch.manual_seed(study.seed)
+        seed = study.seed if seed is None else seed
+        torch.manual_seed(seed)
         self.model = build_stage_model(model_cfg, None, 1, range(model_cfg.num_layers), True, True,
-                                       study.seed)
+                                       seed)
         named = list(self.model.named_parameters())
         self.stage = [stage_of_parameter(n, model_cfg.num_layers) for n, _ in named]
         self.master = [p.detach().clone().requires_grad_() for _, p in named]
         self.opt = opt or OptimizerConfig(optimizer="adam", lr=lr, min_lr=lr / 10,
-                                          lr_warmup_iters=study.warmup, lr_decay_style="cosine",
+                                          lr_warmup_iters=round(study.warmup * rule.warmup_scale),
+                                          lr_decay_style="cosine",
                                           weight_decay=0.1, clip_grad=1.0)
         self.train = TrainingConfig(train_iters=study.iterations)
         self.optimizers = []
@@ -206,7 +222,8 @@ class Simulation:
             for p, w in zip(self.model.parameters(), self.forward_weights(b)):
                 p.copy_(w)
         self.model.zero_grad()
-        loss = sum(loss_of(self.model, tokens) for tokens in microbatches) / len(microbatches)
+        # one pass over the update's microbatches: their mean loss (equal sizes), fewer kernels
+        loss = loss_of(self.model, torch.cat(microbatches))
         if not rule.stashing:  # autograd reads the weights' storage at backward time
             with torch.no_grad():
                 for p, w in zip(self.model.parameters(), self.backward_weights(b)):
@@ -250,8 +267,8 @@ class Simulation:
         return float(loss.detach())
 
 
-def run_rule(rule: Rule, lr: float, study: Study, windows: Windows, batches) -> dict:
-    sim = Simulation(rule, lr, study, model_config(windows.vocab_size))
+def run_rule(rule: Rule, lr: float, seed: int, study: Study, windows: Windows, batches) -> dict:
+    sim = Simulation(rule, lr, study, model_config(windows.vocab_size), seed=seed)
     samples_per_update = MICROBATCHES * MICRO_BATCH
     curve = [(0, validation_loss(sim.model, windows))]
     for b in range(study.iterations):
@@ -264,7 +281,25 @@ def run_rule(rule: Rule, lr: float, study: Study, windows: Windows, batches) -> 
                 for p, m in zip(sim.model.parameters(), sim.master):
                     p.copy_(m)
             curve.append(((b + 1) * samples_per_update, validation_loss(sim.model, windows)))
-    return {"rule": rule.name, "lr": lr, "curve": curve}
+    return {"rule": rule.name, "lr": lr, "seed": seed, "curve": curve}
+
+
+_DATA: dict = {}  # per process: the windows and each seed's batches
+
+
+def run_job(job: tuple) -> dict:
+    """One (rule, lr, seed) run, in this process or a worker of the pool."""
+    rule, lr, seed, study = job
+    torch.set_num_threads(1)
+    if "windows" not in _DATA:
+        _DATA["windows"] = Windows(study.data_dir, 64, study.eval_sequences)
+    windows = _DATA["windows"]
+    if seed not in _DATA:
+        _DATA[seed] = windows.batches(study.iterations, seed)
+    start = time.perf_counter()
+    run = run_rule(rule, lr, seed, study, windows, _DATA[seed])
+    run["wall_s"] = time.perf_counter() - start
+    return run
 
 
 # -- time per sample -----------------------------------------------------------------------------
@@ -339,15 +374,16 @@ def final_loss(curve) -> float:
     return curve[-1][1]
 
 
-def best_runs(runs: list[dict]) -> dict[str, dict]:
-    """Per rule, the run with the lowest final validation loss (NaN loses)."""
-    best = {}
-    for run in runs:
-        loss = final_loss(run["curve"])
-        key = run["rule"]
-        if math.isfinite(loss) and (key not in best or loss < final_loss(best[key]["curve"])):
-            best[key] = run
-    return best
+def seeds_of(study: Study) -> list[int]:
+    return [study.seed + i for i in range(study.seeds)]
+
+
+def flush_best_lr(runs: list[dict], study: Study) -> float | None:
+    """Flush's rate with the lowest final validation loss on the first seed (NaN loses)."""
+    finals = {r["lr"]: final_loss(r["curve"]) for r in runs
+              if r["rule"] == "flush" and r["seed"] == study.seed}
+    finals = {lr: loss for lr, loss in finals.items() if math.isfinite(loss)}
+    return min(finals, key=finals.get) if finals else None
 
 
 def samples_to_reach(curve, target: float) -> float | None:
@@ -358,45 +394,109 @@ def samples_to_reach(curve, target: float) -> float | None:
     return None
 
 
+def mean_curve(curves: list) -> list:
+    """The seeds' curves averaged evaluation by evaluation (NaN where a run diverged)."""
+    length = max(len(c) for c in curves)
+    return [(curves[0][i][0] if i < len(curves[0]) else max(c[i][0] for c in curves if i < len(c)),
+             float(np.mean([c[i][1] if i < len(c) else float("nan") for c in curves])))
+            for i in range(length)]
+
+
+def loss_at(curve, samples: float) -> float | None:
+    """The curve's loss at `samples` (linear between evaluations; None beyond its end)."""
+    for (s0, l0), (s1, l1) in zip(curve, curve[1:]):
+        if s0 <= samples <= s1:
+            return l0 + (l1 - l0) * (samples - s0) / (s1 - s0)
+    return None
+
+
+def spread(values: list[float]) -> dict:
+    return {"mean": float(np.mean(values)), "min": float(np.min(values)),
+            "max": float(np.max(values)), "n": len(values)}
+
+
 def summarize(runs: list[dict], time_per_sample: dict[str, float], study: Study) -> dict:
-    by_rule_lr = {(r["rule"], r["lr"]): r for r in runs}
-    best = best_runs(runs)
-    flush = best["flush"]
-    flush_lr, target = flush["lr"], final_loss(flush["curve"])
+    """Each rule against Flush at Flush's best rate, seed by seed (every seed gives every rule
+    the same initial weights and batches, so the gaps are paired), and each rule's own best
+    rate on the first seed."""
+    flush_lr = flush_best_lr(runs, study)
+    run_of = {(r["rule"], r["lr"], r["seed"]): r for r in runs}
+    seeds = [s for s in seeds_of(study) if ("flush", flush_lr, s) in run_of]
+    flush_finals = {s: final_loss(run_of[("flush", flush_lr, s)]["curve"]) for s in seeds}
+    target = float(np.mean(list(flush_finals.values()))) if seeds else float("nan")
     rows = []
     for rule in study.rules:
+        own = [run_of[(rule.name, flush_lr, s)] for s in seeds
+               if (rule.name, flush_lr, s) in run_of]
+        sweep = {lr: final_loss(run_of[(rule.name, lr, study.seed)]["curve"]) for lr in study.lrs
+                 if (rule.name, lr, study.seed) in run_of}
+        finite = {lr: x for lr, x in sweep.items() if math.isfinite(x)}
+        best_lr = min(finite, key=finite.get) if finite else None
+        curve = mean_curve([r["curve"] for r in own]) if own else None
+        # Flush's final loss on the seeds this rule ran
+        own_target = float(np.mean([flush_finals[r["seed"]] for r in own])) if own else None
+        reach = samples_to_reach(curve, own_target) if curve else None
+        gaps = [final_loss(r["curve"]) / flush_finals[r["seed"]] - 1.0 for r in own]
+        paired = [[loss / f - 1.0 for (_, loss), (_, f) in
+                   zip(r["curve"], run_of[("flush", flush_lr, r["seed"])]["curve"])] for r in own]
+        gap_along = [(s, float(np.mean([p[i] for p in paired if i < len(p)])))
+                     for i, (s, _) in enumerate(curve) if s > 0] if curve else []
+        flush_curve = mean_curve([run_of[("flush", flush_lr, r["seed"])]["curve"] for r in own]) \
+            if own else None
         for timing in ([rule.name] if rule.name != "flush" else ["flush", "gpipe"]):
             seconds = time_per_sample["gpipe" if timing == "gpipe" else rule.schedule]
-            at_flush_lr = by_rule_lr.get((rule.name, flush_lr))
-            own = best.get(rule.name)
-            reach = samples_to_reach(own["curve"], target) if own else None
+            # Flush's loss (same seeds) at the modelled time this schedule ends its run
+            flush_then = loss_at(flush_curve, curve[-1][0] * seconds / time_per_sample["flush"]) \
+                if curve else None
             rows.append({
-                "schedule": timing, "best_lr": own["lr"] if own else None,
-                "final_loss_best_lr": final_loss(own["curve"]) if own else None,
-                "final_loss_at_flush_lr": final_loss(at_flush_lr["curve"]) if at_flush_lr else None,
-                "gap_at_flush_lr": (final_loss(at_flush_lr["curve"]) / target - 1.0)
-                if at_flush_lr else None,
-                "samples_to_flush_final": reach,
+                "schedule": timing, "sweep_final_loss": {str(lr): x for lr, x in sweep.items()},
+                "best_lr": best_lr, "seeds": len(own),
+                "final_loss": spread([final_loss(r["curve"]) for r in own]) if own else None,
+                "gap": spread(gaps) if gaps else None, "gap_along_samples": gap_along,
+                "mean_curve": curve, "samples_to_flush_final": reach,
                 "seconds_to_flush_final": reach * seconds if reach is not None else None,
                 "seconds_per_sample": seconds,
+                "flush_loss_at_end_time": flush_then,
             })
     return {"flush_best_lr": flush_lr, "flush_final_loss": target, "table": rows}
 
 
 def render_markdown(result: dict) -> str:
-    lines = ["| schedule | best lr | final loss (best lr) | final loss at Flush's lr | vs Flush "
-             "| samples to Flush's final | modelled s to Flush's final | modelled s/sample |",
-             "|---|---|---|---|---|---|---|---|"]
+    summary = result["summary"]
+    lrs = result["setup"]["lrs"]
     fmt = lambda x, f: "-" if x is None or (isinstance(x, float) and not math.isfinite(x)) \
         else format(x, f)  # noqa: E731
-    for row in result["summary"]["table"]:
-        lines.append(f"| {row['schedule']} | {fmt(row['best_lr'], 'g')} "
-                     f"| {fmt(row['final_loss_best_lr'], '.3f')} "
-                     f"| {fmt(row['final_loss_at_flush_lr'], '.3f')} "
-                     f"| {fmt(row['gap_at_flush_lr'] and 100 * row['gap_at_flush_lr'], '+.1f')}% "
-                     f"| {fmt(row['samples_to_flush_final'], '.0f')} "
-                     f"| {fmt(row['seconds_to_flush_final'], '.1f')} "
-                     f"| {fmt(row['seconds_per_sample'] * 1e3, '.2f')} ms |")
+    pct = lambda x: "-" if x is None else f"{100 * x:+.1f}%"  # noqa: E731
+    sweep = ["| schedule | " + " | ".join(f"lr {lr:g}" for lr in lrs) + " |",
+             "|---|" + "---|" * len(lrs)]
+    for row in summary["table"]:
+        if row["schedule"] != "gpipe":
+            sweep.append(f"| {row['schedule']} | " + " | ".join(
+                fmt(row["sweep_final_loss"].get(str(lr)), ".3f") for lr in lrs) + " |")
+    lines = [f"Final validation loss by peak rate (first seed, {result['setup']['seeds'][0]}):",
+             "", *sweep, "",
+             f"At Flush's best rate ({fmt(summary['flush_best_lr'], 'g')}), over "
+             f"{len(result['setup']['seeds'])} seeds: mean [min, max]; gaps paired seed by seed; "
+             f"time from each schedule's replayed action lists:", "",
+             "| schedule | best lr | seeds | final loss | vs Flush (final) "
+             "| vs Flush at 1/4, 1/2, 3/4 | samples to Flush's final "
+             "| modelled s to Flush's final | modelled ms/sample | Flush at its end time |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for row in summary["table"]:
+        final, gap = row["final_loss"], row["gap"]
+        along = row["gap_along_samples"]
+        quarters = [along[max(0, round(len(along) * q) - 1)][1] for q in (0.25, 0.5, 0.75)] \
+            if along else []
+        lines.append(
+            f"| {row['schedule']} | {fmt(row['best_lr'], 'g')} | {row['seeds']} "
+            f"| {fmt(final and final['mean'], '.3f')} [{fmt(final and final['min'], '.3f')}, "
+            f"{fmt(final and final['max'], '.3f')}] "
+            f"| {pct(gap and gap['mean'])} [{pct(gap and gap['min'])}, {pct(gap and gap['max'])}] "
+            f"| {', '.join(pct(q) for q in quarters) or '-'} "
+            f"| {fmt(row['samples_to_flush_final'], '.0f')} "
+            f"| {fmt(row['seconds_to_flush_final'], '.1f')} "
+            f"| {fmt(row['seconds_per_sample'] * 1e3, '.2f')} "
+            f"| {fmt(row['flush_loss_at_end_time'], '.3f')} |")
     return "\n".join(lines)
 
 
@@ -404,44 +504,67 @@ def plot(result: dict, path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    best = best_runs(result["runs"])
-    seconds = {row["schedule"]: row["seconds_per_sample"] for row in result["summary"]["table"]}
-    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
-    colors = {rule["name"]: f"C{i}" for i, rule in enumerate(result["setup"]["rules"])}
-    for name, run in best.items():
-        samples = [s for s, _ in run["curve"]]
-        losses = [loss for _, loss in run["curve"]]
-        label = f"{name} (lr {run['lr']:g})"
-        left.plot(samples, losses, label=label, color=colors[name])
-        timings = ["flush", "gpipe"] if name == "flush" else [name]
-        for timing in timings:
-            right.plot([s * seconds[timing] for s in samples], losses,
-                       label=f"{timing} (lr {run['lr']:g})", color=colors[name],
-                       linestyle=":" if timing == "gpipe" else "-")
-    for axis, xlabel in ((left, "samples"), (right, "modelled seconds (p = 4, replayed schedule)")):
-        axis.set_xlabel(xlabel)
-        axis.set_ylabel("validation loss")
-        axis.set_ylim(top=min(8.5, axis.get_ylim()[1]))
+    summary = result["summary"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(14, 5.5))
+    names = [rule["name"] for rule in result["setup"]["rules"]]
+    colors = {name: f"C{i}" for i, name in enumerate(names)}
+    lowest = []
+    for row in summary["table"]:
+        curve = row["mean_curve"]
+        if not curve:
+            continue
+        name = "flush" if row["schedule"] == "gpipe" else row["schedule"]
+        samples = [s for s, _ in curve]
+        losses = [loss for _, loss in curve]
+        lowest.append(np.nanmin(losses))
+        style = ":" if row["schedule"] == "gpipe" else "-"
+        if row["schedule"] != "gpipe":
+            left.plot(samples, losses, label=name, color=colors[name])
+        right.plot([s * row["seconds_per_sample"] for s in samples], losses,
+                   label=row["schedule"], color=colors[name], linestyle=style)
+    for axis in (left, right):
+        axis.axhline(summary["flush_final_loss"], color="gray", linewidth=0.8, linestyle="--")
+        axis.set_ylabel("validation loss (mean over seeds)")
+        if lowest:
+            axis.set_ylim(min(lowest) - 0.05, min(lowest) + 1.2)
         axis.grid(alpha=0.3)
-        axis.legend(fontsize=8)
-    left.set_title("validation loss vs samples (each schedule's best lr)")
-    right.set_title("validation loss vs time")
+        axis.legend(fontsize=7, ncol=2)
+    left.set_xlabel("samples")
+    right.set_xlabel("modelled seconds (p = 4, replayed action lists)")
+    lr = summary["flush_best_lr"]
+    left.set_title(f"validation loss vs samples (lr {lr:g}, Flush's best)")
+    right.set_title("validation loss vs time (dashed: Flush's final loss)")
     fig.tight_layout()
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fig.savefig(path, dpi=110)
 
 
-def run_study(study: Study, json_path: str | None = None, new_runs: bool = True) -> dict:
-    """Every rule at every rate, rate by rate (the comparison at one rate completes first). With
-    `json_path`, the result so far is written after each run and runs already there are kept;
+def run_jobs(jobs: list[tuple], workers: int, done: callable) -> None:
+    """Run `jobs` (rule, lr, seed, study), `workers` processes of one thread each; `done(run)`
+    after each, in completion order."""
+    if workers <= 1:
+        for job in jobs:
+            done(run_job(job))
+        return
+    import multiprocessing
+    with multiprocessing.get_context("spawn").Pool(workers) as pool:
+        for run in pool.imap_unordered(run_job, jobs):
+            done(run)
+
+
+def run_study(study: Study, json_path: str | None = None, new_runs: bool = True,
+              workers: int = 1) -> dict:
+    """Flush at every rate on the first seed; then at Flush's best rate every rule on the first
+    seed; then the other seeds there and the other rates on the first seed (the sweep), the
+    rules in FIRST before the rest, all in one pool so no worker waits for a phase. With
+    `json_path` the result so far is written after each run and runs already there are kept;
     `new_runs=False` only summarizes those."""
     torch.set_num_threads(1)
-    windows = Windows(study.data_dir, 64, study.seed, study.eval_sequences)
-    batches = windows.batches(study.iterations)
+    windows = Windows(study.data_dir, 64, study.eval_sequences)
     setup = {"iterations": study.iterations, "warmup": study.warmup, "lrs": list(study.lrs),
              "stages": STAGES, "microbatches": MICROBATCHES, "micro_batch_size": MICRO_BATCH,
-             "seed": study.seed, "eval_sequences": study.eval_sequences,
-             "rules": [r.__dict__ for r in study.rules]}
+             "seeds": seeds_of(study), "eval_interval": study.eval_interval,
+             "eval_sequences": study.eval_sequences, "rules": [r.__dict__ for r in study.rules]}
     result = {"setup": setup, "runs": []}
     if json_path and os.path.exists(json_path):
         with open(json_path) as f:
@@ -454,19 +577,33 @@ def run_study(study: Study, json_path: str | None = None, new_runs: bool = True)
         result["time_per_sample_s"] = {
             name: seconds_per_update(schedule, costs) / (MICROBATCHES * MICRO_BATCH)
             for name, schedule in TIMED.items()}
-    done = {(r["rule"], r["lr"]) for r in result["runs"]}
-    for lr in study.lrs:
-        for rule in study.rules:
-            if (rule.name, lr) in done or not new_runs:
-                continue
-            start = time.perf_counter()
-            run = run_rule(rule, lr, study, windows, batches)
-            run["wall_s"] = time.perf_counter() - start
-            result["runs"].append(run)
-            print(f"{rule.name:16s} lr {lr:g}: final validation loss "
-                  f"{final_loss(run['curve']):.4f} ({run['wall_s']:.0f} s)", flush=True)
-            if json_path:
-                write_json(result, json_path)
+    flush = next(rule for rule in study.rules if rule.name == "flush")
+    started = time.perf_counter()
+
+    def done(run: dict) -> None:
+        result["runs"].append(run)
+        print(f"[{len(result['runs'])} runs, {time.perf_counter() - started:.0f} s] "
+              f"{run['rule']:22s} lr {run['lr']:g} seed {run['seed']}: final validation loss "
+              f"{final_loss(run['curve']):.4f} ({run['wall_s']:.0f} s)", flush=True)
+        if json_path:
+            write_json(result, json_path)
+
+    def pending(jobs):
+        have = {(r["rule"], r["lr"], r["seed"]) for r in result["runs"]}
+        return [j for j in jobs if (j[0].name, j[1], j[2]) not in have] if new_runs else []
+
+    run_jobs(pending([(flush, lr, study.seed, study) for lr in study.lrs]), workers, done)
+    flush_lr = flush_best_lr(result["runs"], study)
+    if flush_lr is not None:
+        first = [rule for rule in study.rules if rule.name in FIRST]
+        rest = [rule for rule in study.rules if rule.name not in FIRST]
+        later_seeds = seeds_of(study)[1:]
+        other_lrs = [lr for lr in study.lrs if lr != flush_lr]
+        jobs = [(rule, flush_lr, study.seed, study) for rule in study.rules]
+        for rules in (first, rest):
+            jobs += [(rule, flush_lr, seed, study) for seed in later_seeds for rule in rules]
+            jobs += [(rule, lr, study.seed, study) for lr in other_lrs for rule in rules]
+        run_jobs(pending(jobs), workers, done)
     result["summary"] = summarize(result["runs"], result["time_per_sample_s"], study)
     return result
 
@@ -481,9 +618,14 @@ def write_json(result: dict, path: str) -> None:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--data-dir", default="data/shakespeare")
-    parser.add_argument("--iterations", type=int, default=150)
-    parser.add_argument("--lrs", type=float, nargs="+", default=[1e-3, 2e-3, 5e-4],
-                        help="peak rates, run in this order (each rate for every schedule)")
+    parser.add_argument("--iterations", type=int, default=Study.iterations)
+    parser.add_argument("--warmup", type=int, default=Study.warmup)
+    parser.add_argument("--lrs", type=float, nargs="+", default=list(Study.lrs),
+                        help="peak rates of the sweep")
+    parser.add_argument("--seeds", type=int, default=Study.seeds,
+                        help="seeds per rule at Flush's best rate")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="runs side by side, one process of one thread each")
     parser.add_argument("--quick", action="store_true",
                         help="a few iterations at one rate (a smoke test of the whole path)")
     parser.add_argument("--json", default="docs/convergence.json",
@@ -492,16 +634,17 @@ def main(argv=None) -> None:
                         help="no new runs: the table and the picture from the runs in --json")
     parser.add_argument("--plot", default="docs/images/convergence.png")
     args = parser.parse_args(argv)
-    study = Study(data_dir=args.data_dir, iterations=args.iterations, lrs=tuple(args.lrs))
+    study = Study(data_dir=args.data_dir, iterations=args.iterations, warmup=args.warmup,
+                  lrs=tuple(args.lrs), seeds=args.seeds)
     if args.quick:
-        study = replace(study, iterations=4, warmup=1, lrs=(1e-3,), eval_interval=2,
-                        eval_sequences=4)
+        study = replace(study, iterations=4, warmup=1, lrs=(1e-3, 2e-3), eval_interval=2,
+                        eval_sequences=4, seeds=2)
     if not os.path.exists(os.path.join(study.data_dir, "train_text_document.idx")):
         print(f"convergence.py: error: no prepared data in {study.data_dir}: run "
               f"examples/quickstart.sh's data steps (tools/prepare_shakespeare.py, "
               f"tools/train_tokenizer.py, tools/preprocess_data.py) first", file=sys.stderr)
         sys.exit(2)
-    result = run_study(study, args.json, new_runs=not args.report_only)
+    result = run_study(study, args.json, new_runs=not args.report_only, workers=args.workers)
     write_json(result, args.json)
     plot(result, args.plot)
     print(render_markdown(result))

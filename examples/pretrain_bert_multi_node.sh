@@ -24,6 +24,7 @@ set -euo pipefail
 : "${PP:=2}"                            # pipeline stages (TP x PP divides NNODES x GPUS_PER_NODE;
                                         # the rest is data parallel)
 : "${PIPELINE_SCHEDULE:=}"              # 2bw | flush | gpipe; empty: 2bw when PP > 1
+: "${DELAY_COMPENSATION:=predict}"      # 2bw | pipedream: none | predict | dc (docs/convergence.md)
 : "${DIST_TIMEOUT_MINUTES:=10}"         # a stuck collective fails after this long
 # model: BERT large (336M)
 : "${NUM_LAYERS:=24}" "${HIDDEN_SIZE:=1024}" "${NUM_ATTENTION_HEADS:=16}" "${SEQ_LENGTH:=512}"
@@ -65,6 +66,11 @@ MODEL_PARALLEL_ARGS=(
     ${PIPELINE_SCHEDULE:+--pipeline-schedule "$PIPELINE_SCHEDULE"}
     --distributed-timeout-minutes "$DIST_TIMEOUT_MINUTES"
 )
+# 2BW reads weights one update old: predict them forward (docs/convergence.md); flush and
+# gpipe have no delay to compensate
+if [[ "${PIPELINE_SCHEDULE:-$([[ "$PP" -gt 1 ]] && echo 2bw)}" =~ ^(2bw|pipedream)$ ]]; then
+    MODEL_PARALLEL_ARGS+=(--delay-compensation "$DELAY_COMPENSATION")
+fi
 
 if [[ -n "$DATA_PATH" ]]; then
     DATA_ARGS=(--data-path "$DATA_PATH" --split 949,50,1 --tokenizer-type "$TOKENIZER_TYPE"

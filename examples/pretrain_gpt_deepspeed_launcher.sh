@@ -19,6 +19,7 @@ set -euo pipefail
 : "${PP:=4}"                            # pipeline stages (TP x PP divides the hostfile's slots;
                                         # the rest is data parallel)
 : "${PIPELINE_SCHEDULE:=}"              # 2bw | flush | gpipe; empty: 2bw when PP > 1
+: "${DELAY_COMPENSATION:=predict}"      # 2bw | pipedream: none | predict | dc (docs/convergence.md)
 : "${DIST_TIMEOUT_MINUTES:=10}"         # a stuck collective fails after this long
 # model: GPT 2.7B
 : "${NUM_LAYERS:=32}" "${HIDDEN_SIZE:=2560}" "${NUM_ATTENTION_HEADS:=32}" "${SEQ_LENGTH:=2048}"
@@ -65,6 +66,11 @@ MODEL_PARALLEL_ARGS=(
     ${PIPELINE_SCHEDULE:+--pipeline-schedule "$PIPELINE_SCHEDULE"}
     --distributed-timeout-minutes "$DIST_TIMEOUT_MINUTES"
 )
+# 2BW reads weights one update old: predict them forward (docs/convergence.md); flush and
+# gpipe have no delay to compensate
+if [[ "${PIPELINE_SCHEDULE:-$([[ "$PP" -gt 1 ]] && echo 2bw)}" =~ ^(2bw|pipedream)$ ]]; then
+    MODEL_PARALLEL_ARGS+=(--delay-compensation "$DELAY_COMPENSATION")
+fi
 
 if [[ -n "$DATA_PATH" ]]; then
     DATA_ARGS=(--data-path "$DATA_PATH" --split 969,30,1 --tokenizer-type "$TOKENIZER_TYPE")

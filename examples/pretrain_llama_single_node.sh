@@ -18,6 +18,7 @@ set -euo pipefail
 : "${TP:=4}"                            # tensor parallel (TP x PP divides GPUS_PER_NODE; the
 : "${PP:=2}"                            # pipeline stages   rest is data parallel)
 : "${PIPELINE_SCHEDULE:=}"              # 2bw | flush | gpipe; empty: 2bw when PP > 1
+: "${DELAY_COMPENSATION:=predict}"      # 2bw | pipedream: none | predict | dc (docs/convergence.md)
 : "${DIST_TIMEOUT_MINUTES:=10}"         # a stuck collective fails after this long
 # model: Llama 3 8B's shape
 : "${NUM_LAYERS:=32}" "${HIDDEN_SIZE:=4096}" "${FFN_HIDDEN_SIZE:=14336}"
@@ -66,6 +67,11 @@ MODEL_PARALLEL_ARGS=(
     ${PIPELINE_SCHEDULE:+--pipeline-schedule "$PIPELINE_SCHEDULE"}
     --distributed-timeout-minutes "$DIST_TIMEOUT_MINUTES"
 )
+# 2BW reads weights one update old: predict them forward (docs/convergence.md); flush and
+# gpipe have no delay to compensate
+if [[ "${PIPELINE_SCHEDULE:-$([[ "$PP" -gt 1 ]] && echo 2bw)}" =~ ^(2bw|pipedream)$ ]]; then
+    MODEL_PARALLEL_ARGS+=(--delay-compensation "$DELAY_COMPENSATION")
+fi
 
 if [[ -n "$DATA_PATH" ]]; then
     : "${TOKENIZER_MODEL:?set TOKENIZER_MODEL to the tokenizer DATA_PATH was made with}"

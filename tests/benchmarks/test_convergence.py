@@ -51,7 +51,8 @@ def test_the_simulated_pipedream_rule_equals_the_per_stage_delay_reference():
 
 def test_quick_mode_writes_the_result_and_the_picture(tmp_path, capsys):
     """Every rule runs through the whole path (simulation, timing replay, summary, plot) on a
-    small generated corpus standing in for the prepared Shakespeare data."""
+    small generated corpus standing in for the prepared Shakespeare data: Flush at both rates,
+    every rule on both seeds at Flush's better rate, every rule at the other rate."""
     rng = np.random.RandomState(0)
     for split, documents in (("train", 4), ("valid", 2)):
         builder = IndexedDatasetBuilder(str(tmp_path / f"{split}_text_document"), np.uint16)
@@ -63,13 +64,46 @@ def test_quick_mode_writes_the_result_and_the_picture(tmp_path, capsys):
     convergence.main(["--quick", "--data-dir", str(tmp_path), "--json", str(out),
                       "--plot", str(tmp_path / "convergence.png")])
     result = json.loads(out.read_text())
-    assert {r["rule"] for r in result["runs"]} == {r.name for r in convergence.RULES}
+    flush_lr = result["summary"]["flush_best_lr"]
+    runs = {(r["rule"], r["lr"], r["seed"]) for r in result["runs"]}
+    names = {r.name for r in convergence.RULES}
+    assert runs == {(n, flush_lr, s) for n in names for s in (1234, 1235)} | \
+        {(n, lr, 1234) for n in names for lr in (1e-3, 2e-3)}
     assert all(len(r["curve"]) == 3 for r in result["runs"])  # before, after 2 and 4 updates
     seconds = result["time_per_sample_s"]
     # the flushed schedules fill and drain every batch, 2BW once per segment
     assert min(seconds["gpipe"], seconds["flush"]) > seconds["2bw"] > 0
     assert (tmp_path / "convergence.png").stat().st_size > 0
     assert "| 2bw-predict |" in capsys.readouterr().out
+
+
+def _run(rule, lr, seed, finals, samples=(0, 8, 16)):
+    return {"rule": rule, "lr": lr, "seed": seed,
+            "curve": [[s, loss] for s, loss in zip(samples, finals)]}
+
+
+def test_the_summary_compares_seed_by_seed_at_flush_best_rate():
+    rules = [convergence.Rule("flush", "flush"), convergence.Rule("2bw", "2bw", delay="uniform")]
+    study = convergence.Study(lrs=(1e-3, 2e-3), seeds=2, rules=rules)
+    runs = [_run("flush", 1e-3, 1234, [9, 7, 6.0]), _run("flush", 2e-3, 1234, [9, 7, 5.0]),
+            _run("flush", 2e-3, 1235, [9, 7, 5.5]),
+            _run("2bw", 2e-3, 1234, [9, 7.5, 5.05]), _run("2bw", 2e-3, 1235, [9, 8, 6.05]),
+            _run("2bw", 1e-3, 1234, [9, 7, float("nan")])]
+    summary = convergence.summarize(runs, {"flush": 2.0, "gpipe": 2.0, "2bw": 1.0}, study)
+    assert summary["flush_best_lr"] == 2e-3
+    assert summary["flush_final_loss"] == pytest.approx(5.25)
+    rows = {row["schedule"]: row for row in summary["table"]}
+    assert set(rows) == {"flush", "gpipe", "2bw"}
+    gap = rows["2bw"]["gap"]  # 5.05 / 5.0 and 6.05 / 5.5, paired by seed
+    assert gap["mean"] == pytest.approx((0.01 + 0.1) / 2) and gap["min"] == pytest.approx(0.01)
+    assert rows["2bw"]["best_lr"] == 2e-3  # the diverged run at 1e-3 loses
+    assert rows["2bw"]["samples_to_flush_final"] is None  # its mean 5.55 never reaches 5.25
+    assert rows["flush"]["samples_to_flush_final"] == pytest.approx(16)
+    assert rows["gpipe"]["seconds_to_flush_final"] == pytest.approx(32)
+    assert rows["2bw"]["gap_along_samples"][0] == pytest.approx((8, 7.75 / 7 - 1))
+    # 2BW's 16 samples take the modelled time of Flush's 8: Flush's mean loss there is 7
+    assert rows["2bw"]["flush_loss_at_end_time"] == pytest.approx(7.0)
+    assert rows["gpipe"]["flush_loss_at_end_time"] == pytest.approx(5.25)  # it ends with Flush
 
 
 def test_missing_data_is_one_line_and_exit_2(tmp_path, capsys):
