@@ -212,9 +212,10 @@ class Simulation:
         return out
 
     def backward_weights(self, b: int) -> list[torch.Tensor]:
-        """PipeMare: the newest weights, T2 predicts them back to forward time."""
-        return [m.detach() - self.tau(s) * d if self.rule.discrepancy_decay > 0 else m.detach()
-                for m, d, s in zip(self.master, self.delta, self.stage)]
+        """PipeMare: the newest weights; T2 predicts them back to forward time, over the updates
+        since the forward (min(b, tau_s): fewer in the first batches)."""
+        return [m.detach() - min(b, self.tau(s)) * d if self.rule.discrepancy_decay > 0
+                else m.detach() for m, d, s in zip(self.master, self.delta, self.stage)]
 
     def step(self, b: int, microbatches: list[torch.Tensor]) -> float:
         rule = self.rule

@@ -113,24 +113,25 @@ def test_missing_data_is_one_line_and_exit_2(tmp_path, capsys):
     assert capsys.readouterr().err.count("\n") == 1
 
 
-@pytest.mark.parametrize("t1", [False, True], ids=["pipemare", "pipemare-t1"])
-def test_the_simulated_pipemare_rule_equals_the_runtime_reference_at_one_microbatch(t1):
+@pytest.mark.parametrize("t1,t2", [(False, False), (True, False), (False, True), (True, True)],
+                         ids=["pipemare", "pipemare-t1", "pipemare-t2", "pipemare-t1-t2"])
+def test_the_simulated_pipemare_rule_equals_the_runtime_reference_at_one_microbatch(t1, t2):
     """At m = 1 (the paper's setting; the runtime's forward versions depend on m, the
-    simulation's do not) the simulated PipeMare equals tests/pipeline/pipemare_reference.py,
-    which the multi-process runtime is checked against. T2 is left out: the simulation predicts
-    back over tau_s = p - 1 - s updates also in the first batches, where the runtime (and its
-    reference) predicts back over the updates since the forward, fewer than tau_s."""
+    simulation's do not) the simulated PipeMare, with T1 and T2, equals
+    tests/pipeline/pipemare_reference.py, which the multi-process runtime is checked against."""
+    decay = 0.9 if t2 else 0.0
     config = tiny_config(optimizer="adam", lr=0.01, clip=0.5, global_batch=2,
                          untie_embeddings_and_output_weights=True)
     config.optimizer.weight_decay = 0.0
     feed = gpt_feed(config, ParallelLayout(1, 1, 1))
     rule = next(r for r in convergence.RULES if r.name == "pipemare")
-    rule = dataclasses.replace(rule, lr_warmup_iters=3 if t1 else 0)
+    rule = dataclasses.replace(rule, lr_warmup_iters=3 if t1 else 0, discrepancy_decay=decay)
     sim = convergence.Simulation(rule, 0.01, convergence.Study(), config.model, config.optimizer)
     for b in range(6):
         sim.step(b, [feed(b)["tokens"]])
     simulated = {n: m.detach() for (n, _), m in zip(sim.model.named_parameters(), sim.master)}
-    expected = pipemare_reference(config, 6, feed, 1, 4, lr_warmup_iters=3 if t1 else 0)
+    expected = pipemare_reference(config, 6, feed, 1, 4, lr_warmup_iters=3 if t1 else 0,
+                                  discrepancy_decay=decay)
     assert max_difference(simulated, expected, config.model.vocab_size) < 1e-5
     assert max_difference(simulated, per_stage_delay_reference(
         config, 6, feed, 1, "pipedream", 4, clip="stage"), config.model.vocab_size) > 1e-4
