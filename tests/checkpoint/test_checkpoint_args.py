@@ -50,59 +50,56 @@ def test_missing_checkpoint_is_an_error_when_asked(tmp_path):
     assert maybe_load_checkpoint(stage) is None  # Megatron's default: start from scratch
 
 
-def test_load_continues_with_the_checkpoints_layer_split_and_schedule(tmp_path):
-    """Continuing a run whose split --auto-parallel chose (3,1) needs no flag repeated; a flag
-    typed now wins, and the adopted fields stay pinned for --auto-parallel."""
+LAYERS = ["--num-layers", "4"]
+
+
+def _saved_with(root, *flags):
+    """A checkpoint's metadata (no tensors) of a 2-stage run with `flags`; returns adopt(*typed):
+    (config, typed fields, adopted flags) of a run resuming from it with `typed` on its command
+    line."""
     from megatron_2bw.arguments import explicit_fields
     from megatron_2bw.checkpoint.save_load import (adopt_checkpoint_layout, write_marker,
                                                    write_metadata)
-    layers = ["--num-layers", "4"]
-    saved = parse_config(pretrain_flags(1, 2, 10, *layers, "--pipeline-layer-split", "3,1",
-                                        "--pipeline-schedule", "flush"))[0]
-    os.makedirs(tmp_path / "iter_0000005")
-    write_metadata(str(tmp_path), 5, 40, saved, 1, 2, 1)
-    write_marker(str(tmp_path), 5)
+    saved = parse_config(pretrain_flags(1, 2, 10, *LAYERS, *flags))[0]
+    os.makedirs(root / "iter_0000005")
+    write_metadata(str(root), 5, 40, saved, 1, 2, 1)
+    write_marker(str(root), 5)
 
-    def adopted(*extra):
-        config, args = parse_config(pretrain_flags(1, 2, 20, *layers, "--load", str(tmp_path),
-                                                   *extra))
-        typed, flags = adopt_checkpoint_layout(config, explicit_fields(args))
-        return config.parallel, typed, flags
-    par, typed, flags = adopted()
+    def adopt(*typed):
+        config, args = parse_config(pretrain_flags(1, 2, 20, *LAYERS, "--load", str(root),
+                                                   *typed))
+        fields, adopted = adopt_checkpoint_layout(config, explicit_fields(args))
+        return config, fields, adopted
+    return adopt
+
+
+def test_load_continues_with_the_checkpoints_layer_split_and_schedule(tmp_path):
+    """Continuing a run whose split --auto-parallel chose (3,1) needs no flag repeated; a flag
+    typed now wins, and the adopted fields stay pinned for --auto-parallel."""
+    adopt = _saved_with(tmp_path, "--pipeline-layer-split", "3,1", "--pipeline-schedule", "flush")
+    config, typed, flags = adopt()
+    par = config.parallel
     assert (par.layer_split, par.pipeline_schedule) == ([3, 1], "flush")
     assert {("parallel", "layer_split"), ("parallel", "schedule")} <= typed
     assert flags == ["--pipeline-layer-split 3,1", "--pipeline-schedule flush"]
-    par, _, flags = adopted("--pipeline-layer-split", "2,2")
+    par = adopt("--pipeline-layer-split", "2,2")[0].parallel
     assert (par.layer_split, par.pipeline_schedule) == ([2, 2], "flush")
-    par, _, flags = adopted("--finetune")  # fine-tuning keeps the split, picks its own schedule
+    par = adopt("--finetune")[0].parallel  # fine-tuning keeps the split, picks its own schedule
     assert (par.layer_split, par.pipeline_schedule) == ([3, 1], "2bw")
-    par, _, flags = adopted("--pipeline-model-parallel-size", "1")  # another layout: no guess
-    assert flags == [] and par.layer_split is None
+    config, _, flags = adopt("--pipeline-model-parallel-size", "1")  # another layout: no guess
+    assert flags == [] and config.parallel.layer_split is None
 
 
 def test_a_repartitioning_job_resumes_where_its_layers_moved(tmp_path):
     """Under --pipeline-repartition-interval the typed split is the one the job started from: the
     checkpoint's split and recompute plan (after a migration) win; without it the typed split does."""
-    from megatron_2bw.arguments import explicit_fields
-    from megatron_2bw.checkpoint.save_load import (adopt_checkpoint_layout, write_marker,
-                                                   write_metadata)
-    layers = ["--num-layers", "4"]
-    moved = parse_config(pretrain_flags(1, 2, 10, *layers, "--pipeline-layer-split", "1,3",
-                                        "--recompute-num-layers-per-stage", "0,2"))[0]
-    os.makedirs(tmp_path / "iter_0000005")
-    write_metadata(str(tmp_path), 5, 40, moved, 1, 2, 1)
-    write_marker(str(tmp_path), 5)
+    adopt = _saved_with(tmp_path, "--pipeline-layer-split", "1,3",
+                        "--recompute-num-layers-per-stage", "0,2")
     started = ["--pipeline-layer-split", "3,1", "--recompute-num-layers-per-stage", "2,0"]
-
-    def adopted(*extra):
-        config, args = parse_config(pretrain_flags(1, 2, 20, *layers, "--load", str(tmp_path),
-                                                   *started, *extra))
-        typed, flags = adopt_checkpoint_layout(config, explicit_fields(args))
-        return config, flags
-    config, flags = adopted("--pipeline-repartition-interval", "2")
+    config, _, flags = adopt(*started, "--pipeline-repartition-interval", "2")
     assert config.parallel.layer_split == [1, 3]
     assert config.recompute.num_layers_per_stage == [0, 2]
     assert flags[:2] == ["--pipeline-layer-split 1,3 (where repartitioning moved the layers)",
                          "--recompute-num-layers-per-stage 0,2"]
-    config, flags = adopted()
+    config, _, flags = adopt(*started)
     assert config.parallel.layer_split == [3, 1] and not any("split" in f for f in flags)
