@@ -21,13 +21,16 @@ pipeline measures core contention, not the schedule. Rules (tau_s = p - 1 - s):
 - 2bw      version max(b-1, 0) on every stage; with --delay-compensation predict or dc
            (megatron_2bw/pipeline/compensation.py)
 - 2bw-predict-warmup2x  2bw-predict with twice the study's warm-up (a recipe change only)
+- 2bw-predict-warmup2x-equal-time  the same recipe given Flush's modelled time instead of its
+           samples: as many updates as 2BW makes in that time, warm-up and decay stretched alike
 - pipedream  weight stashing: stage s reads version max(b - tau_s, 0) at forward and backward,
            clipping by each stage's own norm
 - pipemare no stashing: stage s's forward reads version max(b - tau_s, 0), its backward the
            newest weights W(b) (the weights at backward time, with the forward's activations);
            T1 (pipemare-t1) divides stage s's rate by tau_s^(1 - min(b/K, 1)); T2
            (pipemare-t2) keeps delta_s <- g*delta_s + (1-g)*(W_new - W_old), g = D^(1/tau_s),
-           and the backward reads W(b) - tau_s * delta_s; clipping per stage
+           and the backward reads W(b) - tau_s * delta_s; clipping per stage; K = 120 (a
+           fifth of the run), D = 0.9; the -long rules stretch T1 over the whole run (K = 600)
 
 Time per sample comes from replaying each schedule's own action lists
 (megatron_2bw.pipeline.schedules.timeline) with per-stage forward, backward and optimizer-step
@@ -60,6 +63,7 @@ from megatron_2bw.pipeline.compensation import DC_DEFAULT_LAMBDA  # noqa: E402
 
 STAGES, MICROBATCHES, MICRO_BATCH = 4, 4, 1
 T1_WARMUP, T2_DECAY = 120, 0.9  # PipeMare's K (updates) and D
+T1_WHOLE_RUN = 600  # K over the whole run: the delayed stages' rates reach lr only at its end
 
 
 @dataclass(frozen=True)
@@ -75,6 +79,10 @@ class Rule:
     discrepancy_decay: float = 0.0  # PipeMare T2's D (0: off)
     dc_lambda: float = DC_DEFAULT_LAMBDA
     warmup_scale: float = 1.0  # the rate's warm-up, in multiples of the study's
+    # True: as many updates as this schedule makes in the modelled time Flush takes for the
+    # study's updates (its warm-up and decay stretched alike), at Flush's best rate only: the
+    # run a user with a fixed time budget gets
+    equal_time: bool = False
 
 
 RULES = [
@@ -83,6 +91,8 @@ RULES = [
     Rule("2bw-predict", "2bw", delay="uniform", compensation="predict"),
     Rule("2bw-dc", "2bw", delay="uniform", compensation="dc"),
     Rule("2bw-predict-warmup2x", "2bw", delay="uniform", compensation="predict", warmup_scale=2.0),
+    Rule("2bw-predict-warmup2x-equal-time", "2bw", delay="uniform", compensation="predict",
+         warmup_scale=2.0, equal_time=True),
     Rule("pipedream", "2bw", delay="stage", per_stage_clip=True),
     Rule("pipemare", "2bw", delay="stage", stashing=False, per_stage_clip=True),
     Rule("pipemare-t1", "2bw", delay="stage", stashing=False, per_stage_clip=True,
@@ -91,9 +101,14 @@ RULES = [
          discrepancy_decay=T2_DECAY),
     Rule("pipemare-t1-t2", "2bw", delay="stage", stashing=False, per_stage_clip=True,
          lr_warmup_iters=T1_WARMUP, discrepancy_decay=T2_DECAY),
+    Rule("pipemare-t1-long", "2bw", delay="stage", stashing=False, per_stage_clip=True,
+         lr_warmup_iters=T1_WHOLE_RUN),
+    Rule("pipemare-t1-t2-long", "2bw", delay="stage", stashing=False, per_stage_clip=True,
+         lr_warmup_iters=T1_WHOLE_RUN, discrepancy_decay=T2_DECAY),
 ]
 # the rules the targets are about: their seeds and their rate sweep run before the others
-FIRST = ("flush", "2bw", "2bw-predict", "2bw-predict-warmup2x", "pipemare", "pipemare-t1-t2")
+FIRST = ("flush", "2bw", "2bw-predict", "2bw-predict-warmup2x", "2bw-predict-warmup2x-equal-time",
+         "pipemare", "pipemare-t1-t2", "pipemare-t1-t2-long")
 # schedules timed: GPipe shares Flush's arithmetic, not its time
 TIMED = {"flush": "flush", "gpipe": "gpipe", "2bw": "2bw"}
 
@@ -282,7 +297,18 @@ def run_rule(rule: Rule, lr: float, seed: int, study: Study, windows: Windows, b
                 for p, m in zip(sim.model.parameters(), sim.master):
                     p.copy_(m)
             curve.append(((b + 1) * samples_per_update, validation_loss(sim.model, windows)))
-    return {"rule": rule.name, "lr": lr, "seed": seed, "curve": curve}
+    return {"rule": rule.name, "lr": lr, "seed": seed, "iterations": study.iterations,
+            "curve": curve}
+
+
+def as_run_by(rule: Rule, study: Study, time_per_sample: dict[str, float]) -> Study:
+    """The study as `rule` runs it: an equal-time rule makes as many updates as its schedule
+    fits in Flush's modelled time for the study's, its warm-up stretched in proportion."""
+    if not rule.equal_time:
+        return study
+    updates = int(study.iterations * time_per_sample["flush"] / time_per_sample[rule.schedule])
+    return replace(study, iterations=updates,
+                   warmup=round(study.warmup * updates / study.iterations))
 
 
 _DATA: dict = {}  # per process: the windows and each seed's batches
@@ -295,10 +321,10 @@ def run_job(job: tuple) -> dict:
     if "windows" not in _DATA:
         _DATA["windows"] = Windows(study.data_dir, 64, study.eval_sequences)
     windows = _DATA["windows"]
-    if seed not in _DATA:
-        _DATA[seed] = windows.batches(study.iterations, seed)
+    if (seed, study.iterations) not in _DATA:  # a longer run's first batches are a shorter's
+        _DATA[(seed, study.iterations)] = windows.batches(study.iterations, seed)
     start = time.perf_counter()
-    run = run_rule(rule, lr, seed, study, windows, _DATA[seed])
+    run = run_rule(rule, lr, seed, study, windows, _DATA[(seed, study.iterations)])
     run["wall_s"] = time.perf_counter() - start
     return run
 
@@ -437,11 +463,15 @@ def summarize(runs: list[dict], time_per_sample: dict[str, float], study: Study)
         # Flush's final loss on the seeds this rule ran
         own_target = float(np.mean([flush_finals[r["seed"]] for r in own])) if own else None
         reach = samples_to_reach(curve, own_target) if curve else None
+        # the seeds whose own run reaches their own Flush run's final loss
+        reaching = sum(samples_to_reach(r["curve"], flush_finals[r["seed"]]) is not None
+                       for r in own)
         gaps = [final_loss(r["curve"]) / flush_finals[r["seed"]] - 1.0 for r in own]
         paired = [[loss / f - 1.0 for (_, loss), (_, f) in
                    zip(r["curve"], run_of[("flush", flush_lr, r["seed"])]["curve"])] for r in own]
         gap_along = [(s, float(np.mean([p[i] for p in paired if i < len(p)])))
-                     for i, (s, _) in enumerate(curve) if s > 0] if curve else []
+                     for i, (s, _) in enumerate(curve)
+                     if s > 0 and any(i < len(p) for p in paired)] if curve else []
         flush_curve = mean_curve([run_of[("flush", flush_lr, r["seed"])]["curve"] for r in own]) \
             if own else None
         for timing in ([rule.name] if rule.name != "flush" else ["flush", "gpipe"]):
@@ -452,9 +482,11 @@ def summarize(runs: list[dict], time_per_sample: dict[str, float], study: Study)
             rows.append({
                 "schedule": timing, "sweep_final_loss": {str(lr): x for lr, x in sweep.items()},
                 "best_lr": best_lr, "seeds": len(own),
+                "updates": max((r.get("iterations", study.iterations) for r in own), default=None),
                 "final_loss": spread([final_loss(r["curve"]) for r in own]) if own else None,
                 "gap": spread(gaps) if gaps else None, "gap_along_samples": gap_along,
                 "mean_curve": curve, "samples_to_flush_final": reach,
+                "seeds_reaching_flush_final": reaching,
                 "seconds_to_flush_final": reach * seconds if reach is not None else None,
                 "seconds_per_sample": seconds,
                 "flush_loss_at_end_time": flush_then,
@@ -479,10 +511,10 @@ def render_markdown(result: dict) -> str:
              f"At Flush's best rate ({fmt(summary['flush_best_lr'], 'g')}), over "
              f"{len(result['setup']['seeds'])} seeds: mean [min, max]; gaps paired seed by seed; "
              f"time from each schedule's replayed action lists:", "",
-             "| schedule | best lr | seeds | final loss | vs Flush (final) "
-             "| vs Flush at 1/4, 1/2, 3/4 | samples to Flush's final "
+             "| schedule | best lr | seeds | updates | final loss | vs Flush (final) "
+             "| vs Flush at 1/4, 1/2, 3/4 | samples to Flush's final (mean curve; seeds that reach it) "
              "| modelled s to Flush's final | modelled ms/sample | Flush at its end time |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in summary["table"]:
         final, gap = row["final_loss"], row["gap"]
         along = row["gap_along_samples"]
@@ -490,11 +522,13 @@ def render_markdown(result: dict) -> str:
             if along else []
         lines.append(
             f"| {row['schedule']} | {fmt(row['best_lr'], 'g')} | {row['seeds']} "
+            f"| {fmt(row['updates'], 'd')} "
             f"| {fmt(final and final['mean'], '.3f')} [{fmt(final and final['min'], '.3f')}, "
             f"{fmt(final and final['max'], '.3f')}] "
             f"| {pct(gap and gap['mean'])} [{pct(gap and gap['min'])}, {pct(gap and gap['max'])}] "
             f"| {', '.join(pct(q) for q in quarters) or '-'} "
             f"| {fmt(row['samples_to_flush_final'], '.0f')} "
+            f"({row['seeds_reaching_flush_final']} of {row['seeds']} seeds) "
             f"| {fmt(row['seconds_to_flush_final'], '.1f')} "
             f"| {fmt(row['seconds_per_sample'] * 1e3, '.2f')} "
             f"| {fmt(row['flush_loss_at_end_time'], '.3f')} |")
@@ -508,7 +542,11 @@ def plot(result: dict, path: str) -> None:
     summary = result["summary"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(14, 5.5))
     names = [rule["name"] for rule in result["setup"]["rules"]]
-    colors = {name: f"C{i}" for i, name in enumerate(names)}
+    # PipeMare's rules dashed, in colours of their own: more rules than ten colours
+    dashed = [name for name in names if name.startswith("pipemare")]
+    solid = [name for name in names if name not in dashed]
+    colors = {name: f"C{i % 10}" for group in (solid, dashed) for i, name in enumerate(group)}
+    lines = {name: "--" if name in dashed else "-" for name in names}
     lowest = []
     for row in summary["table"]:
         curve = row["mean_curve"]
@@ -518,13 +556,13 @@ def plot(result: dict, path: str) -> None:
         samples = [s for s, _ in curve]
         losses = [loss for _, loss in curve]
         lowest.append(np.nanmin(losses))
-        style = ":" if row["schedule"] == "gpipe" else "-"
+        style = ":" if row["schedule"] == "gpipe" else lines[name]
         if row["schedule"] != "gpipe":
-            left.plot(samples, losses, label=name, color=colors[name])
+            left.plot(samples, losses, label=name, color=colors[name], linestyle=style)
         right.plot([s * row["seconds_per_sample"] for s in samples], losses,
                    label=row["schedule"], color=colors[name], linestyle=style)
     for axis in (left, right):
-        axis.axhline(summary["flush_final_loss"], color="gray", linewidth=0.8, linestyle="--")
+        axis.axhline(summary["flush_final_loss"], color="gray", linewidth=0.8, linestyle=":")
         axis.set_ylabel("validation loss (mean over seeds)")
         if lowest:
             axis.set_ylim(min(lowest) - 0.05, min(lowest) + 1.2)
@@ -534,7 +572,7 @@ def plot(result: dict, path: str) -> None:
     right.set_xlabel("modelled seconds (p = 4, replayed action lists)")
     lr = summary["flush_best_lr"]
     left.set_title(f"validation loss vs samples (lr {lr:g}, Flush's best)")
-    right.set_title("validation loss vs time (dashed: Flush's final loss)")
+    right.set_title("validation loss vs time (gray: Flush's final loss)")
     fig.tight_layout()
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -570,8 +608,7 @@ def run_study(study: Study, json_path: str | None = None, new_runs: bool = True,
     if json_path and os.path.exists(json_path):
         with open(json_path) as f:
             saved = json.load(f)
-        if saved.get("setup") == setup:
-            result = saved
+        result = kept_from(saved, setup)
     if "stage_costs" not in result:
         costs = measure_stage_costs(study, model_config(windows.vocab_size), windows)
         result["stage_costs"] = costs
@@ -600,13 +637,30 @@ def run_study(study: Study, json_path: str | None = None, new_runs: bool = True,
         rest = [rule for rule in study.rules if rule.name not in FIRST]
         later_seeds = seeds_of(study)[1:]
         other_lrs = [lr for lr in study.lrs if lr != flush_lr]
-        jobs = [(rule, flush_lr, study.seed, study) for rule in study.rules]
+        timed = result["time_per_sample_s"]
+        jobs = [(rule, flush_lr, study.seed, as_run_by(rule, study, timed))
+                for rule in study.rules]
         for rules in (first, rest):
-            jobs += [(rule, flush_lr, seed, study) for seed in later_seeds for rule in rules]
-            jobs += [(rule, lr, study.seed, study) for lr in other_lrs for rule in rules]
+            jobs += [(rule, flush_lr, seed, as_run_by(rule, study, timed))
+                     for seed in later_seeds for rule in rules]
+            jobs += [(rule, lr, study.seed, study) for lr in other_lrs for rule in rules
+                     if not rule.equal_time]
         run_jobs(pending(jobs), workers, done)
     result["summary"] = summarize(result["runs"], result["time_per_sample_s"], study)
     return result
+
+
+def kept_from(saved: dict, setup: dict) -> dict:
+    """What a saved study still holds for `setup`: with the same setup but for its list of rules,
+    the saved runs (and stage timings) of the rules whose definition is unchanged; else nothing."""
+    others = lambda d: {k: v for k, v in d.items() if k != "rules"}  # noqa: E731
+    if others(saved.get("setup", {})) != others(setup):
+        return {"setup": setup, "runs": []}
+    # a field added since the save reads as its default
+    rule_then = {r["name"]: Rule(**r) for r in saved["setup"]["rules"]}
+    unchanged = {r["name"] for r in setup["rules"] if rule_then.get(r["name"]) == Rule(**r)}
+    kept = {k: v for k, v in saved.items() if k not in ("setup", "runs", "summary")}
+    return {**kept, "setup": setup, "runs": [r for r in saved["runs"] if r["rule"] in unchanged]}
 
 
 def write_json(result: dict, path: str) -> None:

@@ -67,10 +67,18 @@ def test_quick_mode_writes_the_result_and_the_picture(tmp_path, capsys):
     flush_lr = result["summary"]["flush_best_lr"]
     runs = {(r["rule"], r["lr"], r["seed"]) for r in result["runs"]}
     names = {r.name for r in convergence.RULES}
+    equal_time = {r.name for r in convergence.RULES if r.equal_time}
+    assert equal_time  # the recipe's equal-time run: at Flush's rate only, no sweep
     assert runs == {(n, flush_lr, s) for n in names for s in (1234, 1235)} | \
-        {(n, lr, 1234) for n in names for lr in (1e-3, 2e-3)}
-    assert all(len(r["curve"]) == 3 for r in result["runs"])  # before, after 2 and 4 updates
+        {(n, lr, 1234) for n in names - equal_time for lr in (1e-3, 2e-3)}
     seconds = result["time_per_sample_s"]
+    longer = int(4 * seconds["flush"] / seconds["2bw"])  # the updates 2BW fits in Flush's time
+    for run in result["runs"]:
+        updates = longer if run["rule"] in equal_time else 4
+        assert run["iterations"] == updates
+        # before, every 2 updates, and after the last
+        assert [s for s, _ in run["curve"]] == [0, *range(8, 4 * updates + 1, 8),
+                                                *([4 * updates] if updates % 2 else [])]
     # the flushed schedules fill and drain every batch, 2BW once per segment
     assert min(seconds["gpipe"], seconds["flush"]) > seconds["2bw"] > 0
     assert (tmp_path / "convergence.png").stat().st_size > 0
@@ -98,6 +106,8 @@ def test_the_summary_compares_seed_by_seed_at_flush_best_rate():
     assert gap["mean"] == pytest.approx((0.01 + 0.1) / 2) and gap["min"] == pytest.approx(0.01)
     assert rows["2bw"]["best_lr"] == 2e-3  # the diverged run at 1e-3 loses
     assert rows["2bw"]["samples_to_flush_final"] is None  # its mean 5.55 never reaches 5.25
+    assert rows["2bw"]["seeds_reaching_flush_final"] == 0  # neither seed reaches its Flush's
+    assert rows["flush"]["seeds_reaching_flush_final"] == 2
     assert rows["flush"]["samples_to_flush_final"] == pytest.approx(16)
     assert rows["gpipe"]["seconds_to_flush_final"] == pytest.approx(32)
     assert rows["2bw"]["gap_along_samples"][0] == pytest.approx((8, 7.75 / 7 - 1))
@@ -135,3 +145,25 @@ def test_the_simulated_pipemare_rule_equals_the_runtime_reference_at_one_microba
     assert max_difference(simulated, expected, config.model.vocab_size) < 1e-5
     assert max_difference(simulated, per_stage_delay_reference(
         config, 6, feed, 1, "pipedream", 4, clip="stage"), config.model.vocab_size) > 1e-4
+
+
+def test_an_equal_time_run_makes_the_updates_its_schedule_fits_in_flush_time():
+    rule = next(r for r in convergence.RULES if r.equal_time)
+    study = convergence.Study(iterations=600, warmup=60)
+    as_run = convergence.as_run_by(rule, study, {"flush": 2.56, "gpipe": 2.56, "2bw": 2.229})
+    assert (as_run.iterations, as_run.warmup) == (689, 69)  # 600 * 2.56 / 2.229, warm-up alike
+    assert convergence.as_run_by(convergence.RULES[0], study, {"flush": 1.0}) is study
+
+
+def test_a_saved_study_keeps_the_runs_of_unchanged_rules_only():
+    flush, two = convergence.Rule("flush", "flush"), convergence.Rule("2bw", "2bw", "uniform")
+    setup = {"iterations": 600, "rules": [flush.__dict__, two.__dict__]}
+    old_flush = {k: v for k, v in flush.__dict__.items() if k != "equal_time"}  # saved before
+    saved = {"setup": {"iterations": 600, "rules": [old_flush, {**two.__dict__, "dc_lambda": 1.0}]},
+             "runs": [_run("flush", 1e-3, 1234, [9, 7, 6]), _run("2bw", 1e-3, 1234, [9, 7, 6])],
+             "stage_costs": {"forward_s": [1.0]}, "summary": {}}
+    kept = convergence.kept_from(saved, setup)
+    assert [r["rule"] for r in kept["runs"]] == ["flush"]  # 2bw's rule has changed since
+    assert kept["stage_costs"] == {"forward_s": [1.0]} and "summary" not in kept
+    assert kept["setup"] == setup
+    assert convergence.kept_from(saved, {**setup, "iterations": 300})["runs"] == []
