@@ -20,6 +20,12 @@ def even_collect(self):
     return times
 
 
-layer_times.LayerTimes.collect = even_collect
-sys.argv[0] = os.path.join(ROOT, "pretrain_gpt.py")
-runpy.run_path(sys.argv[0], run_name="__main__")
+def run_pretrain_gpt():
+    """pretrain_gpt.py with this process's arguments, its layers measured alike."""
+    layer_times.LayerTimes.collect = even_collect
+    sys.argv[0] = os.path.join(ROOT, "pretrain_gpt.py")
+    runpy.run_path(sys.argv[0], run_name="__main__")
+
+
+if __name__ == "__main__":
+    run_pretrain_gpt()

@@ -48,7 +48,7 @@ def test_a_rank_dying_in_a_migration_ends_the_job_and_keeps_the_checkpoint(tmp_p
     job = _run("tests/functional/die_in_repartition.py",
                ["--save", str(tmp_path), "--save-interval", "3"], {"DIE_RANK": "0"})
     output = job.stdout + job.stderr
-    assert job.returncode != 0
+    assert job.returncode != 0, output  # 0: no migration ran (its layers measure alike: 3,1 moves)
     # the survivor names it (unless the launcher stopped it first, which names it too)
     assert re.search(r"rank 0 stopped during the migration|rank\s+:\s+0 \(local_rank", output), \
         output
