@@ -186,7 +186,9 @@ def test_reading_waits_for_the_workers():
             yield produced[-1]
 
     read_ahead = preprocess.ReadAhead(4)
-    with multiprocessing.Pool(2) as pool:
+    # spawn: forking pytest, which runs threads by now (tqdm's monitor, the allocator's), can
+    # deadlock in the fork itself
+    with multiprocessing.get_context("spawn").Pool(2) as pool:
         results = pool.imap(_identity, read_ahead.feed(endless()))
         for expected in range(10):
             assert next(results) == expected
