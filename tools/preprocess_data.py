@@ -34,6 +34,9 @@ from megatron_2bw.data.tokenizers import TOKENIZER_TYPES, build_tokenizer
 
 CHUNK_BYTES = 1 << 20  # raw input per task sent to a worker
 CHUNKS_IN_FLIGHT_PER_WORKER = 4
+# Workers and partitions start fresh interpreters: forking this process once it runs threads
+# (tqdm's monitor, the tokenizer's and the allocator's) can deadlock in the fork itself.
+PROCESSES = multiprocessing.get_context("spawn")
 
 
 def get_args(argv=None):
@@ -260,7 +263,7 @@ def process(sources: list[Source], settings: EncodeSettings, prefix: str, dtype,
             pool = read_ahead = None
             if workers > 1:
                 read_ahead = ReadAhead(CHUNKS_IN_FLIGHT_PER_WORKER * workers)
-                pool = multiprocessing.Pool(workers, initializer=_init_worker, initargs=(settings,))
+                pool = PROCESSES.Pool(workers, initializer=_init_worker, initargs=(settings,))
                 results = pool.imap(_encode_in_worker, read_ahead.feed(chunks))
             else:
                 results = map(Encoder(settings).encode_chunk, chunks)
@@ -313,8 +316,8 @@ def process_partitions(groups: list[list[Source]], settings: EncodeSettings, pre
     children = []
     try:
         for i, group in enumerate(groups):
-            receiver, sender = multiprocessing.Pipe(duplex=False)
-            child = multiprocessing.Process(target=_partition_child, args=(
+            receiver, sender = PROCESSES.Pipe(duplex=False)
+            child = PROCESSES.Process(target=_partition_child, args=(
                 sender, group, settings, part_prefixes[i], dtype, workers_each, i))
             child.start()
             children.append((child, receiver))

@@ -14,9 +14,12 @@ WORDS = ("the king queen lord lady sweet love night day death crown sword heart 
 
 
 def load_tool(name: str):
-    """Import tools/NAME.py as a module (registered so worker processes can unpickle its functions)."""
+    """Import tools/NAME.py as module NAME; tools/ goes on sys.path, which spawned worker
+    processes inherit, so that they can import it too and unpickle its functions."""
     if name in sys.modules:
         return sys.modules[name]
+    if str(TOOLS) not in sys.path:
+        sys.path.append(str(TOOLS))
     spec = importlib.util.spec_from_file_location(name, TOOLS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module

@@ -54,6 +54,22 @@ def test_one_and_two_workers_and_partitions_give_identical_files(tmp_path, corpu
     assert IndexedDataset(str(tmp_path / "w2_text_document")).dtype == np.uint16
 
 
+@pytest.mark.parametrize("flags", [["--workers", "2"], ["--workers", "2", "--partitions", "2"]])
+def test_workers_start_fresh_interpreters_not_forks_of_the_reader(tmp_path, corpus_jsonl,
+                                                                  spm_model, monkeypatch, flags):
+    """The reading process runs threads (tqdm's monitor, the tokenizer's) and a fork of it can
+    deadlock; a worker that inherited this process's state would run the patched encoder."""
+    def inherited(self, chunk):
+        raise AssertionError("the worker is a fork of the reading process")
+
+    monkeypatch.setattr(preprocess.Encoder, "encode_chunk", inherited)
+    assert _run([corpus_jsonl], tmp_path / "o", spm_model, *flags).documents == 200
+    texts = [json.loads(line)["text"] for line in open(corpus_jsonl)]
+    tokenizer = build_tokenizer(DataConfig(tokenizer_type="SentencePieceTokenizer",
+                                           tokenizer_model=str(spm_model)))
+    assert _read(tmp_path / "o_text_document")[0] == [tokenizer.tokenize(t) for t in texts]
+
+
 def test_split_sentences_writes_sentence_datasets(tmp_path, corpus_jsonl, spm_model):
     _run([corpus_jsonl], tmp_path / "s", spm_model, "--split-sentences", "--workers", "2")
     sequences, documents = _read(tmp_path / "s_text_sentence")
