@@ -20,3 +20,8 @@ def reduced_precision_math_attention():
     torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True)
     yield
     torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(False)
+
+
+# A hung test ends the run (pytest.ini's test_timeout)
+from tests.hang_timeout import (pytest_addoption, pytest_configure,  # noqa: E402,F401
+                                pytest_runtest_protocol)
