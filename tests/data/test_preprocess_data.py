@@ -1,6 +1,5 @@
 import csv
 import json
-import multiprocessing
 import os
 import subprocess
 import sys
@@ -202,9 +201,7 @@ def test_reading_waits_for_the_workers():
             yield produced[-1]
 
     read_ahead = preprocess.ReadAhead(4)
-    # spawn: forking pytest, which runs threads by now (tqdm's monitor, the allocator's), can
-    # deadlock in the fork itself
-    with multiprocessing.get_context("spawn").Pool(2) as pool:
+    with preprocess.PROCESSES.Pool(2) as pool:  # the tool's: a fork of pytest's threads can hang
         results = pool.imap(_identity, read_ahead.feed(endless()))
         for expected in range(10):
             assert next(results) == expected
