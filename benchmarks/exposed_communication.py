@@ -42,7 +42,8 @@ from megatron_2bw.distributed.forked import run_forked  # noqa: E402
 from megatron_2bw.distributed.layout import ParallelLayout  # noqa: E402
 from megatron_2bw.logging import Timers  # noqa: E402
 from megatron_2bw.pipeline import param_gather  # noqa: E402
-from megatron_2bw.training import build_stage, run_segment  # noqa: E402
+from megatron_2bw.training.segments import run_segment  # noqa: E402
+from megatron_2bw.training.stage import build_stage  # noqa: E402
 
 SCHEDULES = ("2bw", "flush")
 AVERAGING = ("all-reduce", "distributed-optimizer")

@@ -40,7 +40,9 @@ from megatron_2bw.distributed.layout import ParallelLayout  # noqa: E402
 from megatron_2bw.planner.hardware import load_hardware  # noqa: E402
 from megatron_2bw.planner.memory import estimate_stage_memory  # noqa: E402
 from megatron_2bw.planner.profile import AnalyticProfile  # noqa: E402
-from megatron_2bw.training import build_stage, model_flops_per_sample, run_segment  # noqa: E402
+from megatron_2bw.training.progress import model_flops_per_sample  # noqa: E402
+from megatron_2bw.training.segments import run_segment  # noqa: E402
+from megatron_2bw.training.stage import build_stage  # noqa: E402
 
 # GPT-3 paper's shapes (Brown et al. 2020, table 2.1): layers, hidden size, heads
 MODELS = {"125M": (12, 768, 12), "350M": (24, 1024, 16), "1.3B": (24, 2048, 16),

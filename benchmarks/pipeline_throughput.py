@@ -67,7 +67,8 @@ from megatron_2bw.logging import Timers  # noqa: E402
 from megatron_2bw.models import build_stage_model  # noqa: E402
 from megatron_2bw.pipeline.partition import layer_ranges  # noqa: E402
 from megatron_2bw.tensor_parallel.random import seed_everything  # noqa: E402
-from megatron_2bw.training import build_stage, run_segment  # noqa: E402
+from megatron_2bw.training.segments import run_segment  # noqa: E402
+from megatron_2bw.training.stage import build_stage  # noqa: E402
 from interleave import round_order  # noqa: E402
 
 STAGES = 2

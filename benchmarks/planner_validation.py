@@ -61,7 +61,8 @@ from megatron_2bw.planner.profile import (AnalyticProfile, MeasuredProfile,  # n
                                           turn_taking_processors)
 from megatron_2bw.planner.search import (Plan, SearchSpace, apply_plan,  # noqa: E402
                                          measured_profile_for, rank_plans_for)
-from megatron_2bw.training import build_stage, run_segment  # noqa: E402
+from megatron_2bw.training.segments import run_segment  # noqa: E402
+from megatron_2bw.training.stage import build_stage  # noqa: E402
 from interleave import round_order  # noqa: E402
 
 ERROR_TARGET = 0.20  # |measured - predicted| / measured, every configuration

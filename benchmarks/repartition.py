@@ -43,7 +43,8 @@ from megatron_2bw.data.mock import MockGPTDataset  # noqa: E402
 from megatron_2bw.distributed.forked import run_forked  # noqa: E402
 from megatron_2bw.distributed.layout import ParallelLayout  # noqa: E402
 from megatron_2bw.pipeline.repartition import Repartitioner, stage_split  # noqa: E402
-from megatron_2bw.training import build_stage, run_segment  # noqa: E402
+from megatron_2bw.training.segments import run_segment  # noqa: E402
+from megatron_2bw.training.stage import build_stage  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 STATIC = ("1,3", "2,2", "3,1")

@@ -36,7 +36,8 @@ from megatron_2bw.distributed.forked import run_forked  # noqa: E402
 from megatron_2bw.distributed.layout import ParallelLayout  # noqa: E402
 from megatron_2bw.planner.memory import estimate_stage_memory  # noqa: E402
 from megatron_2bw.planner.stage_plan import LayerCosts, memory_bound, plan_stages  # noqa: E402
-from megatron_2bw.training import build_stage, run_segment  # noqa: E402
+from megatron_2bw.training.segments import run_segment  # noqa: E402
+from megatron_2bw.training.stage import build_stage  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS, STAGES, SPLIT = 8, 2, (4, 4)

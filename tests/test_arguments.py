@@ -226,7 +226,7 @@ def test_per_token_loss_is_a_gpt_flag():
                                   "--reset-attention-mask"])
 def test_document_flags_need_gpt_and_an_end_of_document_token(monkeypatch, flag):
     from megatron_2bw.data import tokenizers
-    from megatron_2bw.training import build_checked_tokenizer
+    from megatron_2bw.training.startup import build_checked_tokenizer
     with pytest.raises(ConfigError, match="--reset-attention-mask apply to GPT pretraining only"):
         parse_config([*TINY, flag], model_type="bert")
     config, _ = parse_config([*TINY, flag])
@@ -381,7 +381,7 @@ def test_pipedream_fp16_with_a_static_scale_or_vertical_sync_is_accepted():
     (["--fp16", "--accumulate-allreduce-grads-in-fp32"], True),
 ])
 def test_bf16_accumulates_and_reduces_gradients_in_fp32_unless_told(flags, fp32_gradients):
-    from megatron_2bw.training import grad_dtype
+    from megatron_2bw.training.stage import grad_dtype
     config, _ = parse_config([*TINY, *flags])
     assert (grad_dtype(config) == torch.float32) == fp32_gradients
 

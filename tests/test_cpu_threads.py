@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from megatron_2bw import cpu_threads, training
+from megatron_2bw import cpu_threads
+from megatron_2bw.training import startup
 
 
 @pytest.mark.parametrize("cores,load,threads", [
@@ -29,8 +30,8 @@ def test_the_threads_are_set_unless_the_user_chose_them(monkeypatch):
         assert torch.get_num_threads() == before
         # a one-process run (fine-tuning, pretraining without a launcher) takes the same count
         monkeypatch.delenv("OMP_NUM_THREADS")
-        monkeypatch.setattr(training, "local_world_size", lambda: 1)
-        training.set_cpu_threads(bound=False)
+        monkeypatch.setattr(startup, "local_world_size", lambda: 1)
+        startup.set_cpu_threads(bound=False)
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)

@@ -50,7 +50,8 @@ from megatron_2bw.optim.lr_schedule import apply_schedule
 from megatron_2bw.optim.optimizer import build_torch_optimizer
 from megatron_2bw.tensor_parallel.layers import sum_tensor_partial_grads
 from megatron_2bw.tensor_parallel.random import seed_everything
-from megatron_2bw.training import print_rank0, setup
+from megatron_2bw.training.progress import print_rank0
+from megatron_2bw.training.startup import setup
 
 TOKENIZER_FIELDS = ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model")
 DEFAULT_WARMUP_FRACTION = 0.1

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_2bw.training import pretrain
+from megatron_2bw.training.loop import pretrain
 from tests.checkpoint.helpers import config_from_flags, evaluate_checkpoint, logged_losses, \
     pretrain_flags
 from tests.distributed_helpers import run_ranks

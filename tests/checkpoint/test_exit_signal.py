@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from megatron_2bw.checkpoint.save_load import read_marker, read_metadata
-from megatron_2bw.training import SAME_INTERRUPT_S
+from megatron_2bw.training.exit_request import SAME_INTERRUPT_S
 from tests.checkpoint.helpers import pretrain_flags
 
 REPO = Path(__file__).resolve().parents[2]

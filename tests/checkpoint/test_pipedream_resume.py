@@ -3,7 +3,7 @@ weight version (stage s holds p - s), the optimizer state and every loss equal s
 training's."""
 import torch
 
-from megatron_2bw.training import pretrain
+from megatron_2bw.training.loop import pretrain
 from tests.checkpoint.helpers import config_from_flags, logged_losses, pretrain_flags
 from tests.distributed_helpers import run_ranks
 

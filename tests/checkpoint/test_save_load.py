@@ -12,7 +12,7 @@ from megatron_2bw.checkpoint.save_load import (MARKER, check_layout, maybe_load_
 from megatron_2bw.config import Config
 from megatron_2bw.distributed.layout import ParallelLayout
 from megatron_2bw.tensor_parallel.random import rng_state_dict
-from megatron_2bw.training import build_stage
+from megatron_2bw.training.stage import build_stage
 from tests.checkpoint.conftest import N
 from tests.checkpoint.helpers import (config_from_flags, logged_losses, pretrain_flags,
                                       save_random_checkpoint)

@@ -26,7 +26,7 @@ from megatron_2bw.evaluation.finetune import (ClassifierTrainer, GlueSettings, P
                                               write_test_predictions)
 from megatron_2bw.evaluation.glue import format_results_table, get_task
 from megatron_2bw.models.classification import build_classifier
-from megatron_2bw.training import build_stage
+from megatron_2bw.training.stage import build_stage
 from tests.data.helpers import load_tool
 
 REPO = Path(__file__).resolve().parents[2]

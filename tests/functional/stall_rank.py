@@ -5,7 +5,7 @@ import runpy
 import sys
 import time
 
-from megatron_2bw import training
+from megatron_2bw.training import startup
 from megatron_2bw.pipeline.executor import StageExecutor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -13,7 +13,7 @@ original = StageExecutor._run_one
 # the default group (start-up: ranks of a loaded machine import torch at different speeds) waits
 # this long at least; the pipeline's groups and transfers keep --distributed-timeout-minutes
 START_UP_TIMEOUT_MINUTES = 5.0
-original_init = training.init_distributed
+original_init = startup.init_distributed
 
 
 def patient_start_up(backend, timeout_minutes, *args, **kwargs):
@@ -27,6 +27,6 @@ def stalling_run_one(self, action, next_microbatch):
 
 
 StageExecutor._run_one = stalling_run_one
-training.init_distributed = patient_start_up
+startup.init_distributed = patient_start_up
 sys.argv[0] = os.path.join(ROOT, "pretrain_gpt.py")
 runpy.run_path(sys.argv[0], run_name="__main__")

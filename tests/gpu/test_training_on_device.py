@@ -10,7 +10,8 @@ from megatron_2bw.checkpoint import load_checkpoint, save_checkpoint
 from megatron_2bw.config import CheckpointConfig, PrecisionConfig, RecomputeConfig
 from megatron_2bw.distributed.layout import ParallelLayout
 from megatron_2bw.pipeline.update import GradientUpdater
-from megatron_2bw.training import build_stage, run_segment
+from megatron_2bw.training.segments import run_segment
+from megatron_2bw.training.stage import build_stage
 from tests.pipeline.harness import gpt_feed, tiny_config
 
 

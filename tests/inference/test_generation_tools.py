@@ -15,7 +15,7 @@ from megatron_2bw.arguments import build_parser
 from megatron_2bw.inference.cli import add_generate_arguments, run_server
 from megatron_2bw.inference.loading import load_text_model
 from megatron_2bw.inference.sampling import SamplingConfig
-from megatron_2bw.training import pretrain
+from megatron_2bw.training.loop import pretrain
 from tests.checkpoint.helpers import config_from_flags, pretrain_flags
 from tests.distributed_helpers import run_ranks
 

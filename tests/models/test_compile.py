@@ -7,7 +7,8 @@ import torch
 
 from megatron_2bw.distributed.forked import run_forked
 from megatron_2bw.distributed.layout import ParallelLayout
-from megatron_2bw.training import build_stage, run_segment
+from megatron_2bw.training.segments import run_segment
+from megatron_2bw.training.stage import build_stage
 from tests.pipeline.harness import full_weights, gpt_feed, max_difference, rank_weights, tiny_config
 
 pytestmark = pytest.mark.compile

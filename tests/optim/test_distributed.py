@@ -9,7 +9,8 @@ import torch.distributed as dist
 
 from megatron_2bw.distributed.layout import ParallelLayout
 from megatron_2bw.pipeline.weights import FlatLayout
-from megatron_2bw.training import build_stage, run_segment
+from megatron_2bw.training.segments import run_segment
+from megatron_2bw.training.stage import build_stage
 from tests.distributed_helpers import run_ranks
 from tests.pipeline.harness import full_weights, gpt_feed, max_difference
 from tests.pipeline.precision_harness import precise_config, train_stage, with_changes

@@ -6,7 +6,8 @@ import torch
 from megatron_2bw.config import PrecisionConfig
 from megatron_2bw.distributed.layout import ParallelLayout
 from megatron_2bw.optim.grad_scaler import DynamicLossScaler, NoLossScaler, build_loss_scaler
-from megatron_2bw.training import build_stage, run_segment
+from megatron_2bw.training.segments import run_segment
+from megatron_2bw.training.stage import build_stage
 from tests.pipeline.harness import gpt_feed
 from tests.pipeline.precision_harness import precise_config
 

@@ -8,7 +8,8 @@ from megatron_2bw.arguments import validate_for_world
 from megatron_2bw.config import Config, ModelConfig, OptimizerConfig, ParallelConfig, TrainingConfig
 from megatron_2bw.data.mock import MockGPTDataset
 from megatron_2bw.distributed.layout import ParallelLayout
-from megatron_2bw.training import build_stage, run_segment
+from megatron_2bw.training.segments import run_segment
+from megatron_2bw.training.stage import build_stage
 
 
 def tiny_config(t=1, p=1, schedule=None, global_batch=8, micro=2, optimizer="sgd", layers=4,

@@ -10,7 +10,8 @@ import numpy as np
 from megatron_2bw.config import Config, PrecisionConfig
 from megatron_2bw.memory import optimizer_state_tensors, storage_bytes
 from megatron_2bw.planner.memory import estimate_stage_memory
-from megatron_2bw.training import run_segment, static_tensors
+from megatron_2bw.training.segments import run_segment
+from megatron_2bw.training.stage import static_tensors
 from tests.pipeline.harness import gpt_feed, stage_on_rank, tiny_config
 
 

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_2bw.distributed.forked import run_forked
-from megatron_2bw.training import run_segment
+from megatron_2bw.training.segments import run_segment
 from tests.pipeline.harness import gpt_feed, stage_on_rank, tiny_config
 
 SYNCING = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "nonzero", "numpy")

@@ -7,7 +7,7 @@ import torch
 
 from megatron_2bw.distributed.layout import ParallelLayout
 from megatron_2bw.memory import MemoryTracker
-from megatron_2bw.training import build_stage, startup_memory_report
+from megatron_2bw.training.stage import build_stage, startup_memory_report
 from tests.distributed_helpers import run_ranks
 from tests.pipeline.precision_harness import precise_config, train_stage
 from tests.planner.test_memory import LLAMA_SWITCHES

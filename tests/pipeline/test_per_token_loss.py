@@ -13,7 +13,7 @@ from megatron_2bw.data.gpt_dataset import DocumentBoundaries
 from megatron_2bw.data.mock import MockGPTDataset
 from megatron_2bw.distributed.layout import ParallelLayout
 from megatron_2bw.models import build_stage_model
-from megatron_2bw.training import evaluate
+from megatron_2bw.training.loop import evaluate
 from tests.distributed_helpers import run_ranks
 from tests.pipeline.harness import (full_weights, gpt_feed, max_difference, stage_on_rank,
                                     tiny_config, train_on_ranks)

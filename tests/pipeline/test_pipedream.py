@@ -15,7 +15,7 @@ from megatron_2bw.config import PrecisionConfig, RecomputeConfig
 from megatron_2bw.distributed.layout import ParallelLayout
 from megatron_2bw.memory import static_breakdown
 from megatron_2bw.planner.memory import estimate_stage_memory
-from megatron_2bw.training import run_segment
+from megatron_2bw.training.segments import run_segment
 from tests.distributed_helpers import run_ranks
 from tests.pipeline.harness import (full_weights, gpt_feed, max_difference, stage_on_rank,
                                     tiny_config, train_on_ranks)

@@ -16,7 +16,7 @@ from megatron_2bw.config import PrecisionConfig
 from megatron_2bw.distributed.layout import ParallelLayout
 from megatron_2bw.memory import static_breakdown
 from megatron_2bw.planner.memory import estimate_stage_memory
-from megatron_2bw.training import compensation_tensors, pipemare_tensors
+from megatron_2bw.training.stage import compensation_tensors, pipemare_tensors
 from megatron_2bw.pipeline import pipemare
 from megatron_2bw.pipeline import schedules as S
 from tests.checkpoint.conftest import N, ResumeRun, assert_resume_is_bit_identical

@@ -13,8 +13,9 @@ from megatron_2bw.arguments import validate_for_world
 from megatron_2bw.batch_schedule import batch_schedule
 from megatron_2bw.data.mock import MockGPTDataset
 from megatron_2bw.data.samplers import build_data_iterator
-from megatron_2bw.training import (MicrobatchFeed, microbatches_of, pretrain, run_segment,
-                                   segment_ends)
+from megatron_2bw.training.loop import pretrain
+from megatron_2bw.training.segments import (MicrobatchFeed, microbatches_of, run_segment,
+                                            segment_ends)
 from tests.checkpoint.helpers import config_from_flags, logged_losses, pretrain_flags
 from tests.distributed_helpers import run_ranks
 from tests.pipeline.harness import (full_weights, max_difference, rank_weights, stage_on_rank,

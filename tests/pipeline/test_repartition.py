@@ -13,7 +13,8 @@ from megatron_2bw.config import RecomputeConfig
 from megatron_2bw.pipeline.layer_times import StageTimes
 from megatron_2bw.pipeline.repartition import decide, measured_costs, migrate, with_plan
 from megatron_2bw.planner.stage_plan import LayerCosts
-from megatron_2bw.training import build_stage, run_segment
+from megatron_2bw.training.segments import run_segment
+from megatron_2bw.training.stage import build_stage
 from tests.distributed_helpers import run_ranks
 from tests.pipeline.harness import full_weights, gpt_feed, rank_weights, stage_on_rank, tiny_config
 

@@ -10,7 +10,7 @@ import torch
 from megatron_2bw.config import ParallelConfig, PrecisionConfig, RecomputeConfig
 from megatron_2bw.pipeline.partition import chunk_recompute, stage_recompute
 from megatron_2bw.planner.memory import estimate_stage_memory
-from megatron_2bw.training import run_segment
+from megatron_2bw.training.segments import run_segment
 from tests.distributed_helpers import run_ranks
 from tests.pipeline.harness import full_weights, gpt_feed, rank_weights, stage_on_rank, tiny_config
 

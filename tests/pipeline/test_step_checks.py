@@ -11,7 +11,7 @@ import math
 import pytest
 
 from megatron_2bw.pipeline.executor import PipelineError
-from megatron_2bw.training import run_segment
+from megatron_2bw.training.segments import run_segment
 from tests.distributed_helpers import run_ranks
 from tests.pipeline.harness import full_weights, gpt_feed, stage_on_rank, tiny_config
 from tests.pipeline.precision_harness import precise_config, train_stage, with_changes

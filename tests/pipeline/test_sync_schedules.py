@@ -27,7 +27,7 @@ from megatron_2bw.planner.cost import StageCost, time_per_batch_lower_bound
 from megatron_2bw.planner.memory import estimate_stage_memory
 from megatron_2bw.planner.simulator import compiled_schedule, simulate
 from tests.distributed_helpers import run_ranks
-from megatron_2bw.training import run_segment
+from megatron_2bw.training.segments import run_segment
 from tests.pipeline.harness import (full_weights, gpt_feed, max_difference, rank_weights,
                                     stage_on_rank, tiny_config, train_on_ranks)
 from tests.pipeline.precision_harness import precise_config, train_stage

@@ -11,7 +11,7 @@ import pytest
 from megatron_2bw.pipeline import schedules as S
 from megatron_2bw.pipeline.executor import PipelineError
 from megatron_2bw.pipeline import overlap as overlap_module, update
-from megatron_2bw.training import run_segment
+from megatron_2bw.training.segments import run_segment
 from tests.distributed_helpers import run_ranks
 from tests.pipeline.harness import gpt_feed, stage_on_rank, tiny_config
 

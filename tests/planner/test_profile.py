@@ -18,7 +18,7 @@ from megatron_2bw.planner.profile import (AnalyticProfile, MeasuredProfile,
                                           measure_costs_per_copy, measure_turn_taking,
                                           measured_profile, profiling_processes,
                                           saved_activation_bytes, turn_taking_processors)
-from megatron_2bw.training import model_flops_per_sample
+from megatron_2bw.training.progress import model_flops_per_sample
 from tests.planner.test_memory import LLAMA_SWITCHES
 
 MODEL = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32,
@@ -95,8 +95,8 @@ def test_analytic_matmul_flops_follow_the_llama_switches():
     (UNEVEN_HEADS, 2 * 64 * (4.5 * 64 + 1.5 * 64 + 8 * 64), 96),  # 6 heads of 16
 ], ids=["gpt2", "llama", "uneven"])
 def test_logged_model_flops_follow_the_architecture(model, linears, attention_width):
-    """training.py's throughput figure: 3 x tokens x (layers x (linears + 4s·ad) + logits), the
-    attention a heads of d channels wide."""
+    """The log's throughput figure (training/progress.py): 3 x tokens x (layers x (linears +
+    4s·ad) + logits), the attention a heads of d channels wide."""
     h, s, layers, vocab = 64, 32, 2, 1000
     config = Config(model=model, training=TrainingConfig(global_batch_size=8))
     assert model_flops_per_sample(config) == \

@@ -10,7 +10,7 @@ import transformers
 
 from megatron_2bw.data.builder import build_pretraining_datasets
 from megatron_2bw.data.tokenizers import build_tokenizer
-from megatron_2bw.training import pretrain
+from megatron_2bw.training.loop import pretrain
 from tests.checkpoint.helpers import (VOCAB, config_from_flags, logged_losses, pretrain_flags,
                                       save_random_checkpoint)
 from tests.data.helpers import load_tool

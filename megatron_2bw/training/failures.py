@@ -1,0 +1,49 @@
+"""A failing rank ends the whole job loudly: its layout coordinates, stage and last schedule
+actions, then a non-zero exit the launcher acts on; bad flags get one line and exit code 2."""
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+
+from megatron_2bw.config import ConfigError
+from megatron_2bw.distributed.error_file import record_failure
+from megatron_2bw.distributed.launch import exit_process
+from megatron_2bw.training.exit_request import INTERRUPTED_EXIT_CODE
+
+FAILURE_CONTEXT: dict = {}
+
+
+def run_and_report(main) -> None:
+    """Run `main()`; on any failure print the rank's layout coordinates, stage and last schedule
+    actions, then end this process at once (non-zero) so the launcher stops the whole job."""
+    try:
+        main()
+    except KeyboardInterrupt:  # Ctrl-C before training began (or in a tool): one line, no trace
+        layout = FAILURE_CONTEXT.get("layout")
+        if (layout.rank if layout else int(os.environ.get("RANK", "0"))) == 0:
+            print(f"{os.path.basename(sys.argv[0])}: interrupted", file=sys.stderr, flush=True)
+        exit_process(INTERRUPTED_EXIT_CODE)
+    except ConfigError as error:
+        name = os.path.basename(sys.argv[0])
+        layout = FAILURE_CONTEXT.get("layout")
+        if layout is None or layout.rank == 0:
+            print(f"{name}: error: {error}", file=sys.stderr, flush=True)
+        record_failure(f"{name}: error: {error}")
+        exit_process(2)
+    except BaseException as error:  # noqa: BLE001 - every failure must end the job loudly
+        if isinstance(error, SystemExit) and not error.code:  # --help, a requested exit
+            exit_process(0)
+        layout = FAILURE_CONTEXT.get("layout")
+        stage = FAILURE_CONTEXT.get("stage")
+        where = layout.describe() if layout else f"rank {os.environ.get('RANK', '?')}"
+        if layout is not None:
+            where += f", stage {layout.stage}"
+        history = stage.executor.describe_history() if stage else "(not started)"
+        traceback.print_exc()
+        failure = f"FAILED: {where}: {type(error).__name__}: {error}"
+        print(f"{failure}\n  last schedule actions: {history}", file=sys.stderr, flush=True)
+        record_failure(failure)
+        exit_process(1)
+    else:
+        exit_process(0)
