@@ -24,7 +24,6 @@ have to spare; on GPUs NCCL runs beside the compute.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 import sys

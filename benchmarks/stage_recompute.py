@@ -17,7 +17,6 @@ measured activation peak (memory.py's tracker).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 import sys

@@ -3,7 +3,6 @@ only that every run trains the same model on the same data and the outputs are w
 import json
 import subprocess
 import sys
-import time
 
 import pytest
 

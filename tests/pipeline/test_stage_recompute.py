@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from megatron_2bw.config import ParallelConfig, PrecisionConfig, RecomputeConfig
+from megatron_2bw.config import PrecisionConfig, RecomputeConfig
 from megatron_2bw.pipeline.partition import chunk_recompute, stage_recompute
 from megatron_2bw.planner.memory import estimate_stage_memory
 from megatron_2bw.training.segments import run_segment
