@@ -6,6 +6,7 @@ import torch.distributed as dist
 
 # torch 2.13 renamed the tensor-in/tensor-out collectives; the old names still exist, but warn
 reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_into_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class ShardShapeGroup:

@@ -2,7 +2,7 @@
 replicas of a stage. Each of the d replicas keeps 1/d of the fp32 master weights, of their gradients
 and of the optimizer state.
 
-The stage's flat buffers are split into d equal shards (pipeline/weights.py `FlatLayout`). Per
+The stage's flat buffers are split into d equal shards (pipeline/flat_layout.py). Per
 batch the gradient buffer is reduce-scattered (pipeline/update.py), each rank steps a plain torch
 optimizer over its shard of every parameter, and the next weight version is all-gathered from the
 shards (WeightVersions.create). torch's ZeroRedundancyOptimizer is not used: it assigns whole
@@ -19,7 +19,8 @@ import torch
 
 from megatron_2bw.config import OptimizerConfig
 from megatron_2bw.optim.optimizer import build_torch_optimizer
-from megatron_2bw.pipeline.weights import WeightVersions, gather_shards
+from megatron_2bw.pipeline.flat_layout import gather_shards
+from megatron_2bw.pipeline.weights import WeightVersions
 
 
 class DistributedOptimizer:

@@ -34,7 +34,8 @@ from __future__ import annotations
 import torch
 
 from megatron_2bw.pipeline.schedules import update_delay
-from megatron_2bw.pipeline.weights import WeightVersions, gather_shards
+from megatron_2bw.pipeline.flat_layout import gather_shards
+from megatron_2bw.pipeline.weights import WeightVersions
 
 MODES = ("none", "predict", "dc")
 # the schedules each mode applies to: dc's W_read must be the version one update old

@@ -4,7 +4,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_2bw.distributed.forked import run_forked
-from megatron_2bw.pipeline.weights import FlatLayout, gather_shards
+from megatron_2bw.pipeline.flat_layout import FlatLayout, gather_shards
 
 
 def _gather(rank: int, world: int):

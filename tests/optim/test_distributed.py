@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_2bw.distributed.layout import ParallelLayout
-from megatron_2bw.pipeline.weights import FlatLayout
+from megatron_2bw.pipeline.flat_layout import FlatLayout
 from megatron_2bw.training.segments import run_segment
 from megatron_2bw.training.stage import build_stage
 from tests.distributed_helpers import run_ranks

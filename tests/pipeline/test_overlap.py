@@ -13,7 +13,7 @@ from tests.distributed_helpers import run_ranks
 from tests.pipeline.harness import full_weights, max_difference, tiny_config
 from tests.pipeline.precision_harness import train_stage
 from megatron_2bw.config import PrecisionConfig
-from megatron_2bw.pipeline.weights import FlatLayout
+from megatron_2bw.pipeline.flat_layout import FlatLayout
 
 
 def _train(rank: int, world: int, schedule: str, sharded: bool, overlap: bool, bf16: bool):

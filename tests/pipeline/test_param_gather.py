@@ -11,7 +11,7 @@ import torch
 from megatron_2bw.config import PrecisionConfig
 from megatron_2bw.pipeline import param_gather
 from megatron_2bw.pipeline import schedules as S
-from megatron_2bw.pipeline.weights import FlatLayout
+from megatron_2bw.pipeline.flat_layout import FlatLayout
 from tests.distributed_helpers import run_ranks
 from tests.pipeline.harness import full_weights, max_difference, tiny_config
 from tests.pipeline.precision_harness import train_stage
