@@ -7,7 +7,8 @@ import sys
 import pytest
 import torch
 
-from megatron_2bw.arguments import ConfigError, parse_config, validate_for_world
+from megatron_2bw.arguments import ConfigError, parse_config
+from megatron_2bw.config_checks import validate_for_world
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length",

@@ -2,7 +2,8 @@
 cases, and the flags' checks."""
 import pytest
 
-from megatron_2bw.arguments import ConfigError, parse_config, validate_for_world
+from megatron_2bw.arguments import ConfigError, parse_config
+from megatron_2bw.config_checks import validate_for_world
 from megatron_2bw.batch_schedule import BatchSchedule, Phase, batch_schedule, parse_step_schedule
 from megatron_2bw.config import OptimizerConfig, TrainingConfig
 from megatron_2bw.optim.lr_schedule import learning_rate, schedule_position

@@ -183,7 +183,7 @@ def build_pretraining_datasets(config: Config, tokenizer, num_samples: tuple[int
         raise ValueError(f"model_type must be 'gpt' or 'bert', got {config.model.model_type!r}")
     datasets = _build_splits(config, tokenizer, num_samples)
     data = config.data
-    if not data.uses_document_boundaries:  # GPT only (arguments.validate)
+    if not data.uses_document_boundaries:  # GPT only (config_checks.validate)
         return datasets
     return tuple(None if d is None else DocumentBoundaries(
         d, tokenizer.eod, data.eod_mask_loss, data.reset_position_ids, data.reset_attention_mask)

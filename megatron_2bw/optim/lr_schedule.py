@@ -87,7 +87,7 @@ def weight_decay(iteration: int, opt: OptimizerConfig, train: TrainingConfig) ->
         coefficient = ratio
     elif opt.weight_decay_incr_style == "cosine":
         coefficient = 0.5 * (math.cos(math.pi * (1.0 - ratio)) + 1.0)
-    else:  # constant: arguments.py refuses --start/--end-weight-decay, so start == end
+    else:  # constant: config_checks.py refuses --start/--end-weight-decay, so start == end
         coefficient = 1.0
     return start + coefficient * (end - start)
 

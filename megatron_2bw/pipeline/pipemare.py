@@ -33,7 +33,7 @@ Memory: one working copy per stage (fp32: the master weights themselves) plus, w
 fp32, the size of the stage's weights (every rank holds all of it, also with the distributed
 optimizer, since the backward reads all of it).
 
-Activation recomputation of whole layers is refused (arguments.py): without stashing, a
+Activation recomputation of whole layers is refused (config_checks.py): without stashing, a
 recomputed forward would read newer weights than the forward it replays. Selective recomputation
 re-runs the attention core only, which reads no weights.
 """

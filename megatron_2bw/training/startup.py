@@ -7,7 +7,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from megatron_2bw.arguments import validate_for_world
+from megatron_2bw.config_checks import validate_for_world
 from megatron_2bw.batch_schedule import batch_schedule
 from megatron_2bw.config import Config, ConfigError
 from megatron_2bw.cpu_threads import busy_machine_note, set_single_process_threads

@@ -4,7 +4,8 @@ sequence. Its results against one process: tests/pipeline/test_pipeline_equivale
 import pytest
 import torch
 
-from megatron_2bw.arguments import ConfigError, parse_config, validate_for_world
+from megatron_2bw.arguments import ConfigError, parse_config
+from megatron_2bw.config_checks import validate_for_world
 from megatron_2bw.models.context_parallel import ContextSplit, local_positions
 from tests.distributed_helpers import run_ranks
 from tests.pipeline.harness import gpt_feed, stage_on_rank, tiny_config

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_2bw.arguments import validate_for_world
+from megatron_2bw.config_checks import validate_for_world
 from megatron_2bw.config import Config, ModelConfig, OptimizerConfig, ParallelConfig, TrainingConfig
 from megatron_2bw.data.mock import MockGPTDataset
 from megatron_2bw.distributed.layout import ParallelLayout

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_2bw.arguments import validate_for_world
+from megatron_2bw.config_checks import validate_for_world
 from megatron_2bw.batch_schedule import batch_schedule
 from megatron_2bw.data.mock import MockGPTDataset
 from megatron_2bw.data.samplers import build_data_iterator

@@ -17,7 +17,8 @@ import sys
 
 import pytest
 
-from megatron_2bw.arguments import ConfigError, parse_config, validate_for_world
+from megatron_2bw.arguments import ConfigError, parse_config
+from megatron_2bw.config_checks import validate_for_world
 from megatron_2bw.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from megatron_2bw.checkpoint.reshard import read_full_state, write_full_state
 from megatron_2bw.config import RecomputeConfig

@@ -2,7 +2,8 @@
 (rank 0 profiles in as many forked copies as the job keeps cores busy) and one plan for all."""
 import os
 
-from megatron_2bw.arguments import explicit_fields, parse_config, validate_for_world
+from megatron_2bw.arguments import explicit_fields, parse_config
+from megatron_2bw.config_checks import validate_for_world
 from megatron_2bw.planner.auto import describe_plan, plan_job
 from tests.distributed_helpers import run_ranks
 

@@ -2,7 +2,7 @@ import dataclasses
 
 import pytest
 
-from megatron_2bw.arguments import validate, validate_for_world
+from megatron_2bw.config_checks import validate, validate_for_world
 from megatron_2bw.config import Config, ModelConfig, ParallelConfig, PrecisionConfig, TrainingConfig
 from megatron_2bw.planner.hardware import load_hardware
 from megatron_2bw.planner.search import (SearchSpace, apply_plan, best_plan, candidates,
