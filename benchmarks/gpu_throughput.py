@@ -363,7 +363,7 @@ def main(argv=None) -> dict:
                     estimate = estimate_stage_memory(
                         config.model, config.parallel, config.precision, config.recompute,
                         config.optimizer.optimizer, result["micro_batch_size"], args.microbatches,
-                        1, 0)
+                        1, 0, device_type=device.type)
                     result["planner_estimate_bytes"] = estimate.total
             entry[run_name] = result
         peer = entry.get("transformers GPT-2 peer")

@@ -110,6 +110,8 @@ class HardwareSpec:
     # this VM 0.75-0.85 ms with a core per rank and 0.9-1 ms with 4 ranks on 2 cores, against
     # 10-30 ms of compute per microbatch in the planner validation's pipelines.
     p2p_processor_s: float = 0.0
+    # "cuda" or "cpu": which attention kernels run (planner.memory.fused_attention)
+    device_type: str = "cuda"
 
     def __hash__(self) -> int:  # peak_flops is a dict; specs key the planner's caches
         return hash((self.name, self.devices_per_node, self.nodes, self.memory_per_device_bytes,
@@ -117,7 +119,7 @@ class HardwareSpec:
                      tuple(sorted(self.peak_flops.items())), self.memory_bandwidth, self.efficiency,
                      self.compute_slots_per_node, self.allreduce_times, self.scheduler_slice_s,
                      self.allreduce_after_compute, self.p2p_processor_s,
-                     self.allreduce_processor_times))
+                     self.allreduce_processor_times, self.device_type))
 
     def measured_allreduce_s(self, group_size: int, nbytes: float) -> float | None:
         """Interpolated (linearly in log bytes) measured all-reduce time of a group of that size
@@ -203,7 +205,8 @@ _REQUIRED = {"devices_per_node": "count", "memory_per_device": "bytes",
 _OPTIONAL = {"name": "text", "nodes": "count", "efficiency": "fraction",
              "reserved_memory": "bytes", "kernel_overhead": "seconds", "source": "text",
              "compute_slots_per_node": "count", "scheduler_slice": "seconds",
-             "p2p_processor_time": "seconds"}
+             "p2p_processor_time": "seconds", "device": "device"}
+DEVICE_TYPES = ("cuda", "cpu")
 
 
 def parse_quantity(value, kind: str, where: str) -> float:
@@ -234,6 +237,11 @@ def _field(raw: dict, key: str, kind: str, where: str):
     value = raw[key]
     if kind == "text":
         return str(value)
+    if kind == "device":
+        if value not in DEVICE_TYPES:
+            raise ValueError(f"{where}: {key} must be one of {', '.join(DEVICE_TYPES)}, got "
+                             f"{value!r}")
+        return value
     if kind == "count":
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{where}: {key} must be a positive integer, got {value!r}")
@@ -305,7 +313,8 @@ def load_hardware(path_or_name: str | os.PathLike) -> HardwareSpec:
         kernel_overhead_s=values.get("kernel_overhead", 0.0), source=values.get("source", where),
         compute_slots_per_node=values.get("compute_slots_per_node"),
         scheduler_slice_s=values.get("scheduler_slice"),
-        p2p_processor_s=values.get("p2p_processor_time", 0.0))
+        p2p_processor_s=values.get("p2p_processor_time", 0.0),
+        device_type=values.get("device", "cuda"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -711,5 +720,6 @@ def detect_hardware(group=None, name: str | None = None, repeats: int = 5) -> Ha
         allreduce_after_compute=probe_allreduce_after_compute(group, processors=slots)
         if slots is not None else (),
         p2p_processor_s=probe_p2p_processor_time(group) if slots is not None else 0.0,
+        device_type=device.type,
         source=f"measured by detect_hardware on {socket.gethostname()} ({dist.get_world_size(group)} "
                f"ranks)")

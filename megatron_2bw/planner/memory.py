@@ -169,6 +169,17 @@ def unfused_attention(model: ModelConfig, element_bytes: int) -> bool:
     return model.softmax_in_fp32 and element_bytes < 4 and not sdpa_softmax_in_fp32()
 
 
+def fused_attention(model: ModelConfig, element_bytes: int, device_type: str) -> bool:
+    """Whether the attention core is a fused scaled_dot_product_attention kernel (flash,
+    memory-efficient or cuDNN on CUDA; the CPU's flash kernel), which keeps a log-sum-exp per query
+    row for its backward instead of s x s scores: on CUDA always (its fused kernels take dropout
+    and masks), on the CPU only without attention dropout (with it, the math path runs). Never
+    for the unfused attention of the fp32 softmax (`unfused_attention`)."""
+    if unfused_attention(model, element_bytes):
+        return False
+    return device_type != "cpu" or model.attention_dropout == 0
+
+
 def qkv_stash_bytes(model: ModelConfig, tensor_parallel: int, element_bytes: int,
                     selective: bool = False) -> float:
     """Bytes per token one rank keeps of the attention's q, k and v for its backward.
@@ -210,16 +221,21 @@ def qkv_stash_bytes(model: ModelConfig, tensor_parallel: int, element_bytes: int
 
 
 def attention_core_bytes(model: ModelConfig, tensor_parallel: int, micro_batch_size: int,
-                         element_bytes: int) -> float:
+                         element_bytes: int, device_type: str = "cuda") -> float:
     """Bytes the attention core keeps for its backward besides q, k and v, per microbatch (one
-    rank), over its a*s*s/t scores per sample. PyTorch's math path keeps the softmax output and
-    the dropout output (e each) and the dropout mask (1) per score; fused SDPA kernels keep only a
-    log-sum-exp per row, which the measured profile picks up. The unfused path
+    rank). A fused kernel (`fused_attention`) keeps an fp32 log-sum-exp per query row and head
+    (its output is the dense projection's input, counted there) and the float mask it makes of
+    BERT's boolean padding mask. Otherwise the core keeps per score (a*s*s/t per sample):
+    PyTorch's math path the softmax output and the dropout output (e each) and the dropout mask
+    (1); the unfused path
     (`unfused_attention`) keeps the fp32 softmax output (4), the probabilities its product with v
     reads (e: the dropout's output, or without attention dropout the cast probabilities) and the
     dropout mask (1, with dropout) per score, and the inverted mask it fills the scores by (bool:
     s*s of GPT's causal mask, b*s of BERT's padding mask)."""
     m, e, b = model, element_bytes, micro_batch_size
+    if fused_attention(m, e, device_type):
+        padding_mask = e * b * m.seq_length if m.model_type == "bert" else 0
+        return 4 * m.num_attention_heads * m.seq_length * b / tensor_parallel + padding_mask
     scores = m.num_attention_heads * m.seq_length ** 2 * b / tensor_parallel
     if not unfused_attention(m, e):
         return (2 * e + MASK_BYTES) * scores
@@ -229,7 +245,8 @@ def attention_core_bytes(model: ModelConfig, tensor_parallel: int, micro_batch_s
 
 
 def layer_activation_bytes(model: ModelConfig, tensor_parallel: int, micro_batch_size: int,
-                           element_bytes: int, selective: bool = False) -> float:
+                           element_bytes: int, selective: bool = False,
+                           device_type: str = "cuda") -> float:
     """Bytes one pre-norm layer stashes for its backward per microbatch (one rank).
 
     Korthikanti et al. (2022) counting, generalised to an element size e and the architecture
@@ -242,7 +259,8 @@ def layer_activation_bytes(model: ModelConfig, tensor_parallel: int, micro_batch
     and V (`qkv_stash_bytes`: 3e per ad/t, ad the attention's width, a heads of d channels,
     config.attention_size: h unless --kv-channels sets d; more with --qk-layernorm's norms), the
     dense input (e per ad/t) and the MLP's `ffn_wide_tensors` (e per f/t each), and the attention
-    core's stashes per score, a*s*s per sample (`attention_core_bytes`). "selective"
+    core's own stashes (`attention_core_bytes`: per row with the fused kernels `device_type`
+    runs, per score, a*s*s per sample, without them). "selective"
     recomputation drops the core's stashes and keeps its inputs.
     No bias (--disable-bias-linear) changes nothing here: bias gradients need no activation.
     --sequence-parallel (t > 1) divides the norms' stashes, the dropout masks and the QKV and fc1
@@ -261,7 +279,7 @@ def layer_activation_bytes(model: ModelConfig, tensor_parallel: int, micro_batch
     # the dense projection's input is the attention's context, attention_size wide
     sharded = qkv_stash_bytes(m, t, e, selective) * sb + \
         e * sb * (m.attention_size + ffn_wide_tensors(m) * f) / t
-    core = 0.0 if selective else attention_core_bytes(m, t, micro_batch_size, e)
+    core = 0.0 if selective else attention_core_bytes(m, t, micro_batch_size, e, device_type)
     return replicated + sharded + core
 
 
@@ -326,10 +344,12 @@ def _recomputed_layers(recompute: RecomputeConfig, layers: int) -> tuple[int, in
 def estimate_stage_memory(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConfig,
                           recompute: RecomputeConfig, optimizer: str, micro_batch_size: int,
                           microbatches: int, data_parallel: int, stage: int,
-                          activation_bytes_per_layer: float | None = None) -> StageMemory:
+                          activation_bytes_per_layer: float | None = None,
+                          device_type: str = "cuda") -> StageMemory:
     """Peak bytes on one rank of `stage`. `activation_bytes_per_layer` (measured) is what a layer
     not wrapped in full recomputation stashes per microbatch (with "selective" if configured);
-    None uses the analytic `layer_activation_bytes`. A per-stage recompute plan
+    None uses the analytic `layer_activation_bytes` of the attention kernels `device_type`
+    ("cuda" or "cpu") runs. A per-stage recompute plan
     (RecomputeConfig.num_layers_per_stage) counts this stage's own."""
     if optimizer not in OPTIMIZER_STATE_BYTES:
         raise ValueError(f"unknown optimizer {optimizer!r}; expected one of "
@@ -363,7 +383,8 @@ def estimate_stage_memory(model: ModelConfig, parallel: ParallelConfig, precisio
     b = micro_batch_size
     if activation_bytes_per_layer is None:
         activation_bytes_per_layer = layer_activation_bytes(
-            model, t, b, e, selective=recompute.granularity == "selective")
+            model, t, b, e, selective=recompute.granularity == "selective",
+            device_type=device_type)
     full_layers, chunks, recomputed_at_once = _recomputed_layers(recompute, layers)
     # a layer's input, the stage's output: s/t tokens under --sequence-parallel
     layer_input = e * model.seq_length * b * model.hidden_size / model.sequence_ranks(t)

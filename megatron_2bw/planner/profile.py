@@ -7,7 +7,9 @@ Two sources with one interface (`costs(t, b) -> ComputeCosts`):
 every launch costs a fixed overhead:
     time = matmul FLOPs / (peak_flops * efficiency) + bytes moved / (memory_bandwidth * efficiency)
            + kernels * kernel_overhead_s
-with the hardware's stated `efficiency` (0.4 in the shipped files). Assumptions:
+with the hardware's stated `efficiency`, except that each of a layer's four linears is a GEMM on
+the roofline: the longer of its FLOPs at the matmul rate and its operands' bytes at the memory
+rate. Assumptions:
 - matmul FLOPs per layer forward: 2bsh(q + ad + f1 + f)/t for the four linears
   (`linear_flops_per_token`), where ad is the attention's width, a heads of d channels
   (config.attention_size: h unless --kv-channels sets d), q the QKV projection's output features
@@ -22,7 +24,8 @@ with the hardware's stated `efficiency` (0.4 in the shipped files). Assumptions:
   GELU or SwiGLU's silu and product, k and v repeated for grouped-query attention, rotary
   embeddings on q and k, the layout copies around attention, the softmax chain over the b*a*s*s
   scores (in fp32, with casts to it and back, under --attention-softmax-in-fp32 with fp16/bf16:
-  Megatron-LM's unfused attention), the fp32 cross entropy over the vocabulary); the
+  Megatron-LM's unfused attention; a fused kernel, memory.fused_attention, moves only q, k, v,
+  its output and a log-sum-exp per row), the fp32 cross entropy over the vocabulary); the
   backward moves twice the forward's bytes. The norms and the residual path are replicated over
   the tensor-parallel group (not divided by t), except under --sequence-parallel, where each rank
   runs them (and the embedding's position add and dropout) on its s/t tokens; the copies that
@@ -68,9 +71,10 @@ from megatron_2bw.config import ModelConfig, PrecisionConfig
 from megatron_2bw.distributed.comm import ShardShapeGroup
 from megatron_2bw.distributed.launch import settle_host_allocator, usable_cores
 from megatron_2bw.planner.hardware import HardwareSpec, timed_call
-from megatron_2bw.planner.memory import (MASK_BYTES, dtype_bytes, grad_buffer_bytes,
-                                         layer_activation_bytes, stage_parameter_tensors,
-                                         stage_parameters, unfused_attention)
+from megatron_2bw.planner.memory import (MASK_BYTES, dtype_bytes, fused_attention,
+                                         grad_buffer_bytes, layer_activation_bytes,
+                                         stage_parameter_tensors, stage_parameters,
+                                         unfused_attention)
 
 
 @dataclass(frozen=True)
@@ -177,6 +181,11 @@ class AnalyticProfile:
         m, e = self.model, self.e
         scores = m.num_attention_heads * m.seq_length ** 2 * b / t
         flops = b * m.seq_length * attention_flops_per_token(m) / t
+        if fused_attention(m, e, self.hardware.device_type):
+            # one kernel: q, k and v read, the output and a log-sum-exp per row written; the
+            # scores stay on chip
+            rows = m.num_attention_heads * m.seq_length * b / t
+            return _Work(flops, 4 * e * m.seq_length * b * m.attention_size / t + 4 * rows, 1)
         if not unfused_attention(m, e):
             # write scores, mask, softmax, dropout (+ its mask), read for the product with V: q
             # and k scaling, two batched matmuls and four element-wise kernels
@@ -318,7 +327,8 @@ class AnalyticProfile:
             embedding_backward_s=s(self.embedding_backward(t, b)),
             head_forward_s=s(self.head_forward(t, b)),
             head_backward_s=s(self.head_backward(t, b)),
-            layer_activation_bytes=layer_activation_bytes(self.model, t, b, self.e),
+            layer_activation_bytes=layer_activation_bytes(self.model, t, b, self.e,
+                                                          device_type=self.hardware.device_type),
             selective_layer_activation_bytes=layer_activation_bytes(self.model, t, b, self.e,
                                                                     selective=True))
 

@@ -199,7 +199,8 @@ def startup_memory_report(stage: Stage) -> str:
     model = replace(c.model, seq_length=c.model.seq_length // layout.context)
     estimate = estimate_stage_memory(model, c.parallel, c.precision, c.recompute,
                                      c.optimizer.optimizer, c.training.micro_batch_size,
-                                     stage.microbatches, layout.data, layout.stage)
+                                     stage.microbatches, layout.data, layout.stage,
+                                     device_type=stage.device.type)
     measured = static_breakdown(stage.versions, stage.optimizer, compensation_tensors(stage),
                                 pipemare_tensors(stage))
     mib = 2.0 ** 20

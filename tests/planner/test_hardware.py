@@ -73,6 +73,9 @@ def test_units_and_a_full_file(tmp_path):
     assert (cpu.compute_slots_per_node, cpu.compute_slots) == (2, 2)
     assert cpu.scheduler_slice_s == pytest.approx(0.004) and spec.scheduler_slice_s is None
     assert cpu.p2p_processor_s == pytest.approx(5e-4) and spec.p2p_processor_s == 0.0
+    # the attention kernels the planner counts: CUDA's fused ones unless the file says cpu
+    assert spec.device_type == "cuda"
+    assert load_hardware(write(tmp_path, GOOD + "device: cpu\n", "d.yaml")).device_type == "cpu"
 
 
 @pytest.mark.parametrize("edit, message", [
@@ -84,6 +87,7 @@ def test_units_and_a_full_file(tmp_path):
     (lambda t: t.replace("devices_per_node: 4", "devices_per_node: four"), "positive integer"),
     (lambda t: t.replace("efficiency: 50%", "efficiency: 1.5"), r"efficiency must be in \(0, 1\]"),
     (lambda t: t + "compute_slots_per_node: 0\n", "compute_slots_per_node must be a positive"),
+    (lambda t: t + "device: tpu\n", "device must be one of cuda, cpu, got 'tpu'"),
     (lambda t: "- a list\n", "expected a mapping"),
     (lambda t: "devices_per_node: [\n", "not valid YAML"),
 ])
@@ -124,6 +128,7 @@ def test_detect_hardware_over_two_gloo_ranks():
     assert set(spec.peak_flops) == {"float32", "float16", "bfloat16"}
     assert all(v > 0 for v in spec.peak_flops.values()) and spec.memory_bandwidth > 0
     assert spec.efficiency == 1.0  # measured rates are achieved rates
+    assert spec.device_type == "cpu"
     assert spec.kernel_overhead_s > 0
     assert spec.compute_slots_per_node == len(os.sched_getaffinity(0))  # CPU ranks share cores
     # all-reduce times of the 2-rank group, one per probed size

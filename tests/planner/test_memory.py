@@ -6,10 +6,25 @@ import torch
 from megatron_2bw.config import ModelConfig, ParallelConfig, PrecisionConfig, RecomputeConfig
 from megatron_2bw.distributed.comm import ShardShapeGroup
 from megatron_2bw.models import MODELS
-from megatron_2bw.planner.memory import (attention_core_bytes, estimate_stage_memory,
-                                         layer_activation_bytes, layer_parameters,
-                                         qkv_stash_bytes, stage_parameter_tensors,
-                                         stage_parameters, stage_tensor_partial_grad_parameters)
+from megatron_2bw.planner import memory as planner_memory
+from megatron_2bw.planner.memory import (layer_parameters, qkv_stash_bytes,
+                                         stage_parameter_tensors, stage_parameters,
+                                         stage_tensor_partial_grad_parameters)
+
+
+# The counts below are those of the CPU's attention kernels, which the CPU tests can measure:
+# PyTorch's math attention (it keeps the scores) wherever the model has attention dropout.
+def layer_activation_bytes(*args, **kwargs) -> float:
+    return planner_memory.layer_activation_bytes(*args, device_type="cpu", **kwargs)
+
+
+def attention_core_bytes(*args, **kwargs) -> float:
+    return planner_memory.attention_core_bytes(*args, device_type="cpu", **kwargs)
+
+
+def estimate_stage_memory(*args, **kwargs) -> planner_memory.StageMemory:
+    return planner_memory.estimate_stage_memory(*args, device_type="cpu", **kwargs)
+
 
 MODEL = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32,
                     vocab_size=1000)  # vocabulary padded to 1024
@@ -125,13 +140,31 @@ def test_qk_layernorm_parameters_are_replicated_and_summed_over_the_tensor_group
 
 
 def test_activation_formula_is_korthikantis_count():
+    """With attention dropout the CPU runs PyTorch's math attention, which keeps the scores."""
     sbh = S * 1 * H
     # sbh (34 + 5 a s / h) with 2-byte activations, t = 1
     assert layer_activation_bytes(MODEL, 1, 1, 2) == sbh * 34 + 5 * A * S * S
     # sbh (10 + 24/t + 5 a s / (h t)) for t = 2
-    assert layer_activation_bytes(MODEL, 2, 1, 2) == sbh * (10 + 12) + 5 * A * S * S / 2
+    assert layer_activation_bytes(MODEL, 2, 1, 2) == \
+        sbh * (10 + 12) + 5 * A * S * S / 2
     assert layer_activation_bytes(MODEL, 1, 3, 2, selective=True) == 3 * sbh * 34
-    assert layer_activation_bytes(MODEL, 1, 1, 4) == sbh * (16 * 4 + 2) + 9 * A * S * S
+    assert layer_activation_bytes(MODEL, 1, 1, 4) == \
+        sbh * (16 * 4 + 2) + 9 * A * S * S
+
+
+def test_fused_attention_keeps_a_row_statistic_instead_of_the_scores():
+    """CUDA's fused kernels (and the CPU's flash kernel, without dropout) keep an fp32
+    log-sum-exp per row and head: Korthikanti's 34 sbh without the 5as^2b term, as Megatron-LM
+    counts its flash-attention layers."""
+    sbh, rows = S * 1 * H, A * S
+    cuda = planner_memory.layer_activation_bytes  # device_type="cuda"
+    assert cuda(MODEL, 1, 1, 2) == sbh * 34 + 4 * rows
+    assert cuda(MODEL, 2, 1, 2) == sbh * (10 + 12) + 4 * rows / 2
+    no_dropout = dataclasses.replace(MODEL, attention_dropout=0.0)
+    assert layer_activation_bytes(no_dropout, 1, 1, 2) == sbh * 34 + 4 * rows  # on the CPU
+    bert = dataclasses.replace(MODEL, model_type="bert", num_tokentypes=2)
+    # and the float mask SDPA makes of BERT's boolean padding mask
+    assert planner_memory.attention_core_bytes(bert, 1, 3, 2) == 4 * 3 * rows + 2 * 3 * S
 
 
 @pytest.mark.parametrize("t", [1, 2])

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from megatron_2bw.config import Config, ModelConfig, PrecisionConfig, TrainingConfig
+from megatron_2bw.planner import memory as planner_memory
 from megatron_2bw.planner import profile as profile_module
 from megatron_2bw.planner.hardware import HardwareSpec, load_hardware
-from megatron_2bw.planner.memory import (MASK_BYTES, layer_activation_bytes, layer_parameters,
-                                         unfused_attention)
+from megatron_2bw.planner.memory import MASK_BYTES, layer_parameters, unfused_attention
 from megatron_2bw.planner.profile import (AnalyticProfile, MeasuredProfile,
                                           attention_flops_per_token, gemm, linear_flops_per_token,
                                           measure_costs, measure_costs_at_once,
@@ -19,7 +19,7 @@ from megatron_2bw.planner.profile import (AnalyticProfile, MeasuredProfile,
                                           measured_profile, profiling_processes,
                                           saved_activation_bytes, turn_taking_processors)
 from megatron_2bw.training.progress import model_flops_per_sample
-from tests.planner.test_memory import LLAMA_SWITCHES
+from tests.planner.test_memory import LLAMA_SWITCHES, layer_activation_bytes
 
 MODEL = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32,
                     vocab_size=1000)
@@ -32,7 +32,7 @@ HARDWARE = HardwareSpec(name="toy", devices_per_node=8, nodes=1, memory_per_devi
                         intra_node_bandwidth=1e10, intra_node_latency_s=1e-5,
                         inter_node_bandwidth=1e9, inter_node_latency_s=1e-4,
                         peak_flops={"float32": 1e12, "bfloat16": 4e12}, memory_bandwidth=1e11,
-                        efficiency=0.5)
+                        efficiency=0.5, device_type="cpu")
 
 
 @pytest.mark.parametrize("t", [1, 2])
@@ -279,17 +279,19 @@ LLAMA_QK_FP32_SOFTMAX_UNEVEN_HEADS = dataclasses.replace(LLAMA_QK_FP32_SOFTMAX,
 def test_the_activation_formula_is_what_a_real_layer_saves(model, t, sequence_parallel):
     """The analytic count against the bytes a real layer's shard stashes, exact but for the
     CPU's dropout masks and norm statistics (`cpu_layer_bytes`). The core's own stashes are
-    compared where the formula's attention path runs: in fp32 PyTorch's math path (taken with
-    attention dropout; without, fused kernels), in bf16 the unfused attention of the fp32
-    softmax (otherwise the CPU's math path computes the core in fp32). Under --sequence-parallel
+    compared where the formula's attention path runs: PyTorch's math path in fp32 (taken with
+    attention dropout), the CPU's fused flash kernel (without), the unfused attention of the fp32
+    softmax in bf16; not bf16 with attention dropout, where the CPU's math path computes the
+    core in fp32. Under --sequence-parallel
     the layer is fed its s/t tokens, as in training, and gathers the sequence for its linears
     itself."""
     b = 2
     model = dataclasses.replace(model, sequence_parallel=sequence_parallel)
     with_core = (False, True)
     for dtype, e, checked in (
-            (torch.float32, 4, with_core if model.attention_dropout > 0 else (True,)),
-            (torch.bfloat16, 2, with_core if unfused_attention(model, 2) else (True,))):
+            (torch.float32, 4, with_core),
+            (torch.bfloat16, 2, with_core if unfused_attention(model, 2)
+             or model.attention_dropout == 0 else (True,))):
         body = profile_module._piece(model, t, 1, False, False, dtype, torch.device("cpu"))
         layer = next(iter(body.transformer.layers.values()))
         s = model.seq_length
@@ -697,3 +699,22 @@ def test_analytic_efficiency_rises_with_micro_batch_and_hidden_size_on_an_h100()
     [(flops, moved)] = gemm(8192, 4096, 4096, 2).gemms
     assert profile.seconds(gemm(8192, 4096, 4096, 2)) == pytest.approx(
         flops / attainable + hardware.kernel_overhead_s)
+
+
+def test_analytic_fused_attention_moves_no_scores_on_cuda():
+    """On CUDA the fused kernel's traffic is q, k, v and the output (e each per token and
+    channel of the attention's width) and a log-sum-exp per row: linear in s, where the math
+    path's scores grow with s^2; its stash is the formula's with the fused core."""
+    cuda = dataclasses.replace(HARDWARE, device_type="cuda")
+    b, e, t = 2, 4, 2
+    for model in (MODEL, dataclasses.replace(MODEL, seq_length=2 * MODEL.seq_length)):
+        core = AnalyticProfile(model, PrecisionConfig(), cuda).attention_core(t, b)
+        sb, width = model.seq_length * b, model.attention_size
+        assert (core.bytes, core.kernels) == (4 * e * sb * width / t
+                                              + 4 * model.num_attention_heads * sb / t, 1)
+        assert core.flops == sb * attention_flops_per_token(model) / t
+        costs = AnalyticProfile(model, PrecisionConfig(), cuda).costs(t, b)
+        assert costs.layer_activation_bytes == planner_memory.layer_activation_bytes(
+            model, t, b, e, device_type="cuda")
+        math = AnalyticProfile(model, PrecisionConfig(), HARDWARE).attention_core(t, b)
+        assert math.bytes > core.bytes and math.flops == core.flops
