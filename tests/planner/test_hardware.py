@@ -49,6 +49,9 @@ def test_shipped_files_load_with_the_papers_cluster_figures():
     assert a100.inter_node_bandwidth == 8 * 200e9 / 8 and h100.inter_node_bandwidth == 8 * 400e9 / 8
     assert a100.flops_for("bfloat16") == 312e12 and h100.intra_node_bandwidth == 450e9
     assert p3.kernel_overhead_s == pytest.approx(5e-6) and p3.efficiency == 0.4
+    # the one-GPU files of `make gpu-check`: a large GEMM's share of the peak on those GPUs
+    for name in ("h100-sxm-1gpu", "h200-1gpu"):
+        assert load_hardware(name).efficiency == 0.8 and load_hardware(name).device_type == "cuda"
 
 
 def test_units_and_a_full_file(tmp_path):
