@@ -39,7 +39,7 @@ from megatron_2bw.config import (Config, ModelConfig, OptimizerConfig, ParallelC
 from megatron_2bw.distributed.layout import ParallelLayout  # noqa: E402
 from megatron_2bw.planner.hardware import load_hardware  # noqa: E402
 from megatron_2bw.planner.memory import estimate_stage_memory  # noqa: E402
-from megatron_2bw.planner.profile import AnalyticProfile  # noqa: E402
+from megatron_2bw.planner.analytic_profile import AnalyticProfile  # noqa: E402
 from megatron_2bw.training.progress import model_flops_per_sample  # noqa: E402
 from megatron_2bw.training.segments import run_segment  # noqa: E402
 from megatron_2bw.training.stage import build_stage  # noqa: E402

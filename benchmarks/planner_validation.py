@@ -55,10 +55,11 @@ from megatron_2bw.distributed.launch import pick_device  # noqa: E402
 from megatron_2bw.distributed.layout import ParallelLayout  # noqa: E402
 from megatron_2bw.planner.cost import RECOMPUTE_OPTIONS  # noqa: E402
 from megatron_2bw.planner.hardware import HardwareSpec, detect_hardware  # noqa: E402
-from megatron_2bw.planner.profile import (AnalyticProfile, MeasuredProfile,  # noqa: E402
-                                          measure_costs_per_copy, measure_turn_taking,
-                                          median_record, profiling_processes,
-                                          turn_taking_processors)
+from megatron_2bw.planner.analytic_profile import AnalyticProfile  # noqa: E402
+from megatron_2bw.planner.measured_profile import (MeasuredProfile,  # noqa: E402
+                                                   measure_costs_per_copy, measure_turn_taking,
+                                                   median_record, profiling_processes,
+                                                   turn_taking_processors)
 from megatron_2bw.planner.search import (Plan, SearchSpace, apply_plan,  # noqa: E402
                                          measured_profile_for, rank_plans_for)
 from megatron_2bw.training.segments import run_segment  # noqa: E402

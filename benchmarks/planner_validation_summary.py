@@ -31,7 +31,8 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).res
 import planner_validation as validation  # noqa: E402
 
 from megatron_2bw.planner.hardware import HardwareSpec  # noqa: E402
-from megatron_2bw.planner.profile import AnalyticProfile, MeasuredProfile  # noqa: E402
+from megatron_2bw.planner.analytic_profile import AnalyticProfile  # noqa: E402
+from megatron_2bw.planner.measured_profile import MeasuredProfile  # noqa: E402
 
 
 def fail(message: str) -> None:

@@ -24,7 +24,7 @@ from megatron_2bw.arguments import (ConfigError, build_parser, config_from_args,
 from megatron_2bw.cpu_threads import busy_machine_note
 from megatron_2bw.planner.hardware import (HardwareSpec, detect_hardware, load_hardware,
                                            shipped_hardware)
-from megatron_2bw.planner.profile import architecture_name, default_cache_dir
+from megatron_2bw.planner.measured_profile import architecture_name, default_cache_dir
 from megatron_2bw.planner.search import (Plan, SearchSpace, pinned_search_space,
                                          measured_search, rank_plans_for)
 

@@ -1,7 +1,9 @@
 """Hardware-aware planner: choose t, p, d, micro batch size, recomputation and pipeline schedule.
 
-    hardware.py  HardwareSpec from YAML (shipped: p3.16xlarge, dgx-a100, dgx-h100) or detected
-    profile.py   per-layer/embedding/head times and activation bytes: measured here or analytic
+    hardware.py  HardwareSpec from YAML (shipped: p3.16xlarge, dgx-a100, dgx-h100, one-GPU H100
+                 and H200) or detected
+    profile.py   per-layer/embedding/head times and activation bytes (ComputeCosts), from
+                 analytic_profile.py (hardware not at hand) or measured_profile.py (measured here)
     memory.py    estimate_stage_memory: bytes per rank of a stage (also logged by the runtime)
     cost.py      durations of every schedule action; the PipeDream-2BW closed form
     simulator.py replays pipeline/schedules.py's action lists with those durations

@@ -16,7 +16,7 @@ Weights and gradients (pipeline/weights.py, pipeline/update.py):
   use_distributed_optimizer divides the master weights, master gradients and optimizer state by d.
 
 Activations: the bytes one layer stashes per microbatch (`activation_bytes_per_layer`, measured by
-profile.py on the device at hand, else the analytic count below) x layers x microbatches in flight
+measured_profile.py on the device at hand, else the analytic count below) x layers x microbatches in flight
 (schedules.max_in_flight: p - r for 1F1B, m for GPipe, p on every stage for ZB-H1, whose
 activations live until the weight gradient; interleaved: its warm-up + 1 microbatch-chunks of 1/v
 of the stage each), plus the stage's own extras. Under

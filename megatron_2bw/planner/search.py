@@ -34,9 +34,10 @@ from megatron_2bw.planner.cost import (RECOMPUTE_OPTIONS, Candidate, CoreSharing
                                        time_per_batch_lower_bound)
 from megatron_2bw.planner.hardware import HardwareSpec
 from megatron_2bw.planner.memory import StageMemory, estimate_stage_memory, memory_limit_bytes
-from megatron_2bw.planner.profile import (AnalyticProfile, ComputeCosts, MeasuredProfile, Profile,
-                                          measured_profile, profiling_processes,
-                                          turn_taking_processors)
+from megatron_2bw.planner.analytic_profile import AnalyticProfile
+from megatron_2bw.planner.measured_profile import (MeasuredProfile, measured_profile,
+                                                   profiling_processes, turn_taking_processors)
+from megatron_2bw.planner.profile import ComputeCosts, Profile
 from megatron_2bw.planner.simulator import Compiled, compiled_schedule, simulate
 from megatron_2bw.planner.stage_plan import memory_bound, plan_stages
 

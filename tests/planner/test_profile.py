@@ -9,15 +9,16 @@ import torch
 
 from megatron_2bw.config import Config, ModelConfig, PrecisionConfig, TrainingConfig
 from megatron_2bw.planner import memory as planner_memory
-from megatron_2bw.planner import profile as profile_module
+from megatron_2bw.planner import measured_profile as measured_module
+from megatron_2bw.planner.analytic_profile import AnalyticProfile, gemm
 from megatron_2bw.planner.hardware import HardwareSpec, load_hardware
+from megatron_2bw.planner.measured_profile import (MeasuredProfile, measure_costs,
+                                                   measure_costs_at_once, measure_costs_per_copy,
+                                                   measure_turn_taking, measured_profile,
+                                                   profiling_processes, saved_activation_bytes,
+                                                   turn_taking_processors)
 from megatron_2bw.planner.memory import MASK_BYTES, layer_parameters, unfused_attention
-from megatron_2bw.planner.profile import (AnalyticProfile, MeasuredProfile,
-                                          attention_flops_per_token, gemm, linear_flops_per_token,
-                                          measure_costs, measure_costs_at_once,
-                                          measure_costs_per_copy, measure_turn_taking,
-                                          measured_profile, profiling_processes,
-                                          saved_activation_bytes, turn_taking_processors)
+from megatron_2bw.planner.profile import attention_flops_per_token, linear_flops_per_token
 from megatron_2bw.training.progress import model_flops_per_sample
 from tests.planner.test_memory import LLAMA_SWITCHES, layer_activation_bytes
 
@@ -219,7 +220,7 @@ def test_saved_tensor_count_of_the_real_layer():
     its output (which is also the dense layer's input) and a log-sum-exp per row."""
     model = ModelConfig(num_layers=1, hidden_size=64, num_attention_heads=4, seq_length=32,
                         vocab_size=1000, hidden_dropout=0.0, attention_dropout=0.0)
-    body = profile_module._piece(model, 1, 1, False, False, torch.float32, torch.device("cpu"))
+    body = measured_module._piece(model, 1, 1, False, False, torch.float32, torch.device("cpu"))
     layer = next(iter(body.transformer.layers.values()))
     b, s, h, a, e = 2, 32, 64, 4, 4
     none, selective = saved_activation_bytes(layer, torch.randn(b, s, h, requires_grad=True))
@@ -292,7 +293,7 @@ def test_the_activation_formula_is_what_a_real_layer_saves(model, t, sequence_pa
             (torch.float32, 4, with_core),
             (torch.bfloat16, 2, with_core if unfused_attention(model, 2)
              or model.attention_dropout == 0 else (True,))):
-        body = profile_module._piece(model, t, 1, False, False, dtype, torch.device("cpu"))
+        body = measured_module._piece(model, t, 1, False, False, dtype, torch.device("cpu"))
         layer = next(iter(body.transformer.layers.values()))
         s = model.seq_length
         rotary = None if body.transformer.rotary is None else body.transformer.rotary(s)
@@ -323,21 +324,21 @@ def test_a_sequence_parallel_profile_feeds_each_rank_its_part_of_the_sequence(mo
     are the formula's for that split."""
     model = dataclasses.replace(model, sequence_parallel=True)
     cpu, b, t = torch.device("cpu"), 2, 2
-    modules = {"body": profile_module._piece(model, t, 1, False, False, torch.float32, cpu),
-               "embedding": profile_module._piece(model, t, 0, True, False, torch.float32, cpu),
-               "head": profile_module._piece(model, t, 0, False, True, torch.float32, cpu)}
+    modules = {"body": measured_module._piece(model, t, 1, False, False, torch.float32, cpu),
+               "embedding": measured_module._piece(model, t, 0, True, False, torch.float32, cpu),
+               "head": measured_module._piece(model, t, 0, False, True, torch.float32, cpu)}
     fed = []
     for piece in ("body", "head"):
         modules[piece].register_forward_pre_hook(
             lambda module, args, piece=piece: fed.append((piece, tuple(args[0].shape))))
-    timed, stashed = profile_module._size_pieces(model, modules, b, cpu)
+    timed, stashed = measured_module._size_pieces(model, modules, b, cpu)
     for name, (fn, setup) in timed.items():
         if setup is not None:
             setup()
         fn()
     half = (b, 16, 64)
     assert set(fed) == {("body", half), ("head", half)}
-    embedded = modules["embedding"](None, profile_module._synthetic_batch(model, b, cpu))
+    embedded = modules["embedding"](None, measured_module._synthetic_batch(model, b, cpu))
     assert tuple(embedded.shape) == half
     if model.model_type == "gpt":
         assert stashed["layer_activation_bytes"] == cpu_layer_bytes(model, t, b, 4, False)
@@ -370,7 +371,7 @@ def test_analytic_sequence_parallel_runs_the_replicated_work_on_part_of_the_sequ
 
 def test_measured_profile_is_cached_interpolated_and_scaled(tmp_path, monkeypatch):
     calls = []
-    real = profile_module.measure_costs
+    real = measured_module.measure_costs
 
     def counting(model, precision, sizes, device=None, repeats=7):
         calls.append(list(sizes))
@@ -378,7 +379,7 @@ def test_measured_profile_is_cached_interpolated_and_scaled(tmp_path, monkeypatc
         return {key: {**record, "head_forward_s": float(len(calls))}  # which call measured it
                 for key, record in records.items()}
 
-    monkeypatch.setattr(profile_module, "measure_costs", counting)
+    monkeypatch.setattr(measured_module, "measure_costs", counting)
     profile = measured_profile(MODEL, PrecisionConfig(), HARDWARE, [1, 2], tmp_path,
                                tensor_parallel_sizes=[2], rounds=3)
     # t = 1 always (other t fall back on it); every size in every round's one pass
@@ -416,10 +417,10 @@ def test_sizes_are_interleaved_run_by_run_after_a_warm_up_run(monkeypatch):
         return timed, {"layer_activation_bytes": float(b)}
 
     clock = iter(range(1000))  # the k-th timed call takes k seconds
-    monkeypatch.setattr(profile_module, "_size_pieces", logging_pieces)
-    monkeypatch.setattr(profile_module, "timed_call",
+    monkeypatch.setattr(measured_module, "_size_pieces", logging_pieces)
+    monkeypatch.setattr(measured_module, "timed_call",
                         lambda fn, device, setup=None: (fn(), float(next(clock)))[1])
-    records = profile_module.measure_costs(MODEL, PrecisionConfig(), [(1, 1), (1, 2)],
+    records = measured_module.measure_costs(MODEL, PrecisionConfig(), [(1, 1), (1, 2)],
                                            torch.device("cpu"), repeats=3)
     assert log == [(name, b) for _ in range(4) for name in names for b in (1, 2)]
     # calls 0-3 warm up; the layer's forward at b = 1 is calls 4, 8 and 12, the head's at b = 2
@@ -443,7 +444,7 @@ def test_profiling_at_once_runs_in_forked_copies_and_takes_the_median(monkeypatc
         return {(t, b): {"layer_forward_s": float(os.getpid()), "head_forward_s": float(b)}
                 for t, b in sizes}
 
-    monkeypatch.setattr(profile_module, "measure_costs", which_process)
+    monkeypatch.setattr(measured_module, "measure_costs", which_process)
     here = measure_costs_at_once(MODEL, PrecisionConfig(), [(1, 2)], processes=1)
     assert here == {(1, 2): {"layer_forward_s": float(parent), "head_forward_s": 2.0}}
     at_once = measure_costs_at_once(MODEL, PrecisionConfig(), [(1, 2), (2, 4)], processes=3)
@@ -458,7 +459,7 @@ def test_profiling_at_once_runs_in_forked_copies_and_takes_the_median(monkeypatc
     def failing(*args, **kwargs):
         raise ValueError("no memory for this micro batch")
 
-    monkeypatch.setattr(profile_module, "measure_costs", failing)
+    monkeypatch.setattr(measured_module, "measure_costs", failing)
     with pytest.raises(RuntimeError, match="(?s)profiling in 2 processes failed.*no memory"):
         measure_costs_at_once(MODEL, PrecisionConfig(), [(1, 2)], processes=2)
 
@@ -467,7 +468,7 @@ def test_a_profile_measured_at_once_is_cached_apart(tmp_path, monkeypatch):
     names = ("layer_forward_s", "layer_backward_s", "attention_core_forward_s",
              "embedding_forward_s", "embedding_backward_s", "head_forward_s", "head_backward_s",
              "layer_activation_bytes", "selective_layer_activation_bytes")
-    monkeypatch.setattr(profile_module, "measure_costs",
+    monkeypatch.setattr(measured_module, "measure_costs",
                         lambda model, precision, sizes, device=None, repeats=7:
                         {key: dict.fromkeys(names, 1.0) for key in sizes})
     measured_profile(MODEL, PrecisionConfig(), HARDWARE, [1], tmp_path, rounds=1, processes=2)
@@ -482,7 +483,7 @@ def test_a_cached_profile_serves_only_the_same_model_and_torch(tmp_path, monkeyp
         calls.append(model.hidden_dropout)
         return {key: {"layer_forward_s": 1.0} for key in sizes}
 
-    monkeypatch.setattr(profile_module, "measure_costs", constant)
+    monkeypatch.setattr(measured_module, "measure_costs", constant)
     measured_profile(MODEL, PrecisionConfig(), HARDWARE, [1], tmp_path, rounds=1)
     measured_profile(MODEL, PrecisionConfig(), HARDWARE, [1], tmp_path, rounds=1)
     assert calls == [0.1]  # the second time from the cache
@@ -528,7 +529,7 @@ def test_a_cached_profile_serves_only_the_same_model_and_torch(tmp_path, monkeyp
 ])
 def test_a_cached_profile_serves_only_the_same_architecture(tmp_path, monkeypatch, switches, name):
     calls = []
-    monkeypatch.setattr(profile_module, "measure_costs",
+    monkeypatch.setattr(measured_module, "measure_costs",
                         lambda model, precision, sizes, device=None, repeats=7:
                         calls.append(model) or {key: {"layer_forward_s": 1.0} for key in sizes})
     measured_profile(MODEL, PrecisionConfig(), HARDWARE, [1], tmp_path, rounds=1)
@@ -541,7 +542,7 @@ def test_a_cached_profile_serves_only_the_same_architecture(tmp_path, monkeypatc
     assert calls == [MODEL, other]
     f, a = switches.get("ffn_hidden_size", 256), other.num_attention_heads
     assert f"toy__gpt-h64-a{a}-f{f}-s32-v1024{name}-dropout0.1-0.1__float32.json" in files
-    assert profile_module._profile_identity(other) != profile_module._profile_identity(MODEL)
+    assert measured_module._profile_identity(other) != measured_module._profile_identity(MODEL)
     measured_profile(other, PrecisionConfig(), HARDWARE, [1], tmp_path, rounds=1)
     assert len(calls) == 2  # its own file serves it next time
 
@@ -552,7 +553,7 @@ def test_the_fp32_softmax_has_its_own_profile_under_half_precision(
     fp32 softmax and runs the same kernels (the measured layer is the first: coefficient 1),
     shares its file."""
     calls = []
-    monkeypatch.setattr(profile_module, "measure_costs",
+    monkeypatch.setattr(measured_module, "measure_costs",
                         lambda model, precision, sizes, device=None, repeats=7:
                         calls.append(model) or {key: {"layer_forward_s": 1.0} for key in sizes})
     bf16 = PrecisionConfig(bf16=True)
@@ -571,7 +572,7 @@ def test_sequence_parallel_is_in_the_cache_identity_when_a_t_above_1_is_measured
     """--sequence-parallel changes what a t > 1 shard is fed, not t = 1: a profile of t = 1 alone
     is the plain model's (its file, measured without the flag); with t = 2 it has its own file."""
     calls = []
-    monkeypatch.setattr(profile_module, "measure_costs",
+    monkeypatch.setattr(measured_module, "measure_costs",
                         lambda model, precision, sizes, device=None, repeats=7:
                         calls.append((model.sequence_parallel, list(sizes)))
                         or {key: {"layer_forward_s": 1.0} for key in sizes})
@@ -585,8 +586,8 @@ def test_sequence_parallel_is_in_the_cache_identity_when_a_t_above_1_is_measured
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "toy__gpt-h64-a4-f256-s32-v1024-dropout0.1-0.1__float32.json",
         "toy__gpt-h64-a4-f256-s32-v1024-sp-dropout0.1-0.1__float32.json"]
-    assert profile_module._profile_identity(sp) == \
-        profile_module._profile_identity(MODEL) | {"sequence_parallel": True}
+    assert measured_module._profile_identity(sp) == \
+        measured_module._profile_identity(MODEL) | {"sequence_parallel": True}
     again = measured_profile(sp, PrecisionConfig(), HARDWARE, [1], tmp_path, rounds=1,
                              tensor_parallel_sizes=[2])
     assert len(calls) == 2 and again.analytic.model.sequence_parallel
@@ -594,7 +595,7 @@ def test_sequence_parallel_is_in_the_cache_identity_when_a_t_above_1_is_measured
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="CPU affinity is Linux's")
 def test_copies_forked_by_a_rank_bound_to_one_core_spread_over_the_node(monkeypatch):
-    monkeypatch.setattr(profile_module, "measure_costs",
+    monkeypatch.setattr(measured_module, "measure_costs",
                         lambda model, precision, sizes, device=None, repeats=7:
                         {key: {"cores": float(len(os.sched_getaffinity(0)))} for key in sizes})
     mine = os.sched_getaffinity(0)
@@ -624,7 +625,7 @@ def test_turn_taking_compares_two_copies_per_core_with_one(monkeypatch):
         bound = len(os.sched_getaffinity(0)) == 1
         return {key: float(start.parties) ** (1 if bound else 2) for key in sizes}
 
-    monkeypatch.setattr(profile_module, "_layer_processor_seconds", copies_at_once)
+    monkeypatch.setattr(measured_module, "_layer_processor_seconds", copies_at_once)
     overheads = measure_turn_taking(MODEL, PrecisionConfig(), [(1, 2), (2, 4)], processors=1,
                                     rounds=2)
     assert overheads == {(1, 2): pytest.approx(1.0), (2, 4): pytest.approx(1.0)}
@@ -639,7 +640,7 @@ def test_turn_taking_times_the_real_layer():
     assert set(overheads) == {(1, 2), (2, 2)}
     assert all(value >= 0.0 and math.isfinite(value) for value in overheads.values())
     # what each copy reports: its own processor seconds per forward and backward of the layer
-    alone = profile_module._layer_processor_seconds(MODEL, PrecisionConfig(), [(1, 2)],
+    alone = measured_module._layer_processor_seconds(MODEL, PrecisionConfig(), [(1, 2)],
                                                     threading.Barrier(1), 0.05)
     assert alone[(1, 2)] > 0.0 and math.isfinite(alone[(1, 2)])
 
@@ -649,10 +650,10 @@ def test_a_profile_measures_turn_taking_once_and_caches_it(tmp_path, monkeypatch
              "embedding_forward_s", "embedding_backward_s", "head_forward_s", "head_backward_s",
              "layer_activation_bytes", "selective_layer_activation_bytes")
     pieces, turns = [], []
-    monkeypatch.setattr(profile_module, "measure_costs",
+    monkeypatch.setattr(measured_module, "measure_costs",
                         lambda model, precision, sizes, device=None, repeats=7:
                         pieces.append(sizes) or {key: dict.fromkeys(names, 1.0) for key in sizes})
-    monkeypatch.setattr(profile_module, "measure_turn_taking",
+    monkeypatch.setattr(measured_module, "measure_turn_taking",
                         lambda model, precision, sizes, processors:
                         turns.append((sizes, processors)) or
                         {(t, b): 0.1 * b for t, b in sizes})
