@@ -88,6 +88,8 @@ class PipelineP2P:
         if ops:
             works = dist.batch_isend_irecv(ops) if len(ops) > 1 else [ops[0].op(
                 ops[0].tensor, ops[0].peer, ops[0].group, ops[0].tag)]
+            if len(works) == 1 < len(ops):  # NCCL coalesces a batch into one work for all ops
+                works = works * len(ops)
         if sends:
             self._sends.append(list(zip(works[:len(sends)], [t for _, t in sends])))
         posted_now = iter(works[len(sends):])

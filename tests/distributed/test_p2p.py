@@ -116,3 +116,27 @@ def test_a_long_segment_holds_the_tensors_of_two_sends_at_most(post_ahead):
     most, received = run_forked(2, _long_segment, post_ahead, 30, timeout=300)
     assert received == [float(k) for k in range(30)]
     assert most <= 2
+
+
+class _OneWorkForAll:
+    """What NCCL's batch_isend_irecv returns: the batch coalesced into a single work, which may
+    be waited for again (gloo's may not: a second wait blocks)."""
+
+    def __init__(self, works):
+        self.works = works
+
+    def wait(self):
+        while self.works:
+            self.works.pop().wait()
+        return True
+
+
+def _coalesced_one_f_one_b_exchanges(rank: int, world: int):
+    batched = dist.batch_isend_irecv
+    dist.batch_isend_irecv = lambda ops: [_OneWorkForAll(batched(ops))]  # this forked rank only
+    return _one_f_one_b_exchanges(rank, world, False)
+
+
+def test_a_batch_coalesced_into_one_work_as_under_nccl_pairs_up_in_order():
+    grads, acts = run_forked(2, _coalesced_one_f_one_b_exchanges, timeout=300)
+    assert acts == [[0.0], [1.0], [2.0]] and grads == [[10.0], [11.0], [12.0]]
