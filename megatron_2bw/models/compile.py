@@ -11,8 +11,8 @@ saved-tensor hooks are never traced into the graphs.
 
 Only the layers are compiled: the embeddings, the head and the loss run eagerly (the
 vocabulary-parallel cross entropy is a custom autograd function with collectives), and
-recomputation's checkpoints and the RNG tracker's forks inside a layer break its graph into
-pieces that each compile.
+recomputation's checkpoints and (with attention dropout) the RNG tracker's forks inside a layer
+break its graph into pieces that each compile.
 """
 from __future__ import annotations
 

@@ -8,6 +8,7 @@ this file reads like a single-device model.
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -247,7 +248,9 @@ class ParallelAttention(nn.Module):
         dropout = self.dropout_p if self.training else 0.0
         causal = self.causal and mask is None
         grouped = k.shape[1] != q.shape[1]
-        with get_rng_tracker().fork():  # this rank's heads: independent dropout per tp rank
+        # this rank's heads: independent dropout per tp rank. Without dropout nothing draws, and
+        # the fork (RNG states read on the host) would split a compiled layer into four graphs
+        with get_rng_tracker().fork() if dropout > 0 else nullcontext():
             if self.softmax_in_fp32 and q.dtype != torch.float32 and not sdpa_softmax_in_fp32():
                 if grouped:
                     k, v = (t.repeat_interleave(self.heads_per_group, dim=1) for t in (k, v))

@@ -105,3 +105,20 @@ def test_bf16_model_takes_the_fp32_softmax_path(flag, monkeypatch,
     assert torch.allclose(logits.float(), reference, atol=0.1)  # bf16 of the fp32 model
     logits.float().sum().backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+def test_a_layer_without_dropout_traces_as_one_graph():
+    """--torch-compile: without dropout the attention core forks no RNG state (reading one on the
+    host breaks the graph), so a compiled layer is one graph, not four."""
+    import torch._dynamo
+    from megatron_2bw.models.transformer import TransformerLayer
+    from megatron_2bw.tensor_parallel.random import seed_everything
+    seed_everything(1, 0, 0)  # the tracker holds its state, as in training
+    config = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=S,
+                         vocab_size=200, hidden_dropout=0.0, attention_dropout=0.0)
+    layer = TransformerLayer(config, None, causal=True)
+    try:
+        explained = torch._dynamo.explain(layer)(torch.randn(B, S, 64))
+    finally:
+        torch._dynamo.reset()
+    assert explained.graph_break_count == 0, [b.reason[:120] for b in explained.break_reasons]
