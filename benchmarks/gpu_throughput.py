@@ -28,6 +28,7 @@ import json
 import statistics
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -114,6 +115,11 @@ def run_ours(config: Config, device: torch.device, warmup: int, iterations: int)
     layout = ParallelLayout(1, 1, 1, 0)
     layout.build_groups(10.0)
     steps = []
+    if config.training.torch_compile:
+        # compile afresh: a recompilation for another model or micro batch would make their
+        # sizes dynamic (dynamo's automatic dynamic shapes), not the graph a run would compile
+        import torch._dynamo as dynamo
+        dynamo.reset()
     stage = build_stage(config, layout, device, None, on_step=steps.append)
     train = config.training
     tokens = torch.randint(0, config.model.vocab_size,
@@ -272,6 +278,8 @@ def _relative(measured, predicted) -> str:
 def describe(name: str, run: str, result: dict | None, peak: float | None) -> str:
     if result is None:
         return f"{name} {run}: no micro batch fits"
+    if "error" in result:
+        return f"{name} {run}: FAILED: {result['error']}"
     mfu = f", MFU {result['mfu']:.1%}" if result.get("mfu") is not None else ", MFU n/a (no peak)"
     memory = ""
     if result.get("peak_bytes") is not None:
@@ -342,21 +350,38 @@ def main(argv=None) -> dict:
     lines = [f"device: {device_name}, dense bf16 peak "
              f"{f'{peak:.1f} TFLOP/s' if peak else 'unknown (pass --peak-tflops)'}"]
     print(lines[0], flush=True)
+    report["failed_runs"] = []
+
+    def save() -> None:  # after every run: a benchmark cut short keeps what it measured
+        report["summary"] = lines
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(report, indent=1))
+    peer_run = "transformers GPT-2 peer"
     for name, shape in models.items():
         def make(micro, compiled=False, shape=shape):
             return gpt_config(shape, seq, vocab, micro, args.microbatches, compiled)
-        entry = {}
-        runs = [("ours eager", run_ours, lambda b: make(b))]
+        entry = report["models"][name] = {}
+        # the peer first, so that each of our runs states its ratio to it when it ends; the
+        # compiled run last, the longest (compilation) and the one a cut-off may best lose
+        runs = [] if args.no_peer else [(peer_run, run_peer, lambda b: make(b))]
+        runs.append(("ours eager", run_ours, lambda b: make(b)))
         if not args.no_compile:
             runs.append(("ours compiled", run_ours, lambda b: make(b, True)))
-        if not args.no_peer:
-            runs.append(("transformers GPT-2 peer", run_peer, lambda b: make(b)))
         for run_name, run, make_config in runs:
             sizes = micro_batches
-            if run_name == "ours compiled" and entry.get("ours eager"):
-                sizes = compiled_sizes(entry["ours eager"], micro_batches)
-            result = largest_fitting(run, make_config, sizes, device, args.warmup, args.iterations)
-            if result is not None:
+            eager = entry.get("ours eager")
+            if run_name == "ours compiled" and eager and "tried" in eager:
+                sizes = compiled_sizes(eager, micro_batches)
+            try:
+                result = largest_fitting(run, make_config, sizes, device, args.warmup,
+                                         args.iterations)
+            except Exception as error:  # noqa: BLE001 - the other runs still measure
+                traceback.print_exc()
+                result = {"error": f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
+                          if str(error) else type(error).__name__}
+                report["failed_runs"].append(f"gpt-{name} {run_name}")
+            if result is not None and "error" not in result:
                 config = make_config(result["micro_batch_size"])
                 result.update(throughput(result, config, peak))
                 if run is run_ours:
@@ -365,28 +390,22 @@ def main(argv=None) -> dict:
                         config.optimizer.optimizer, result["micro_batch_size"], args.microbatches,
                         1, 0, device_type=device.type)
                     result["planner_estimate_bytes"] = estimate.total
+                    peer = entry.get(peer_run)
+                    if peer and peer.get("tokens_per_s"):
+                        result["versus_peer"] = result["tokens_per_s"] / peer["tokens_per_s"]
             entry[run_name] = result
-        peer = entry.get("transformers GPT-2 peer")
-        for run_name in ("ours eager", "ours compiled"):
-            if entry.get(run_name) and peer:
-                ours = entry[run_name]["tokens_per_s"]
-                entry[run_name]["versus_peer"] = ours / peer["tokens_per_s"]
-        for run_name, result in entry.items():
             lines.append(describe(f"gpt-{name}", run_name, result, peak))
             print(lines[-1], flush=True)
+            save()
         if not args.no_layer_profile:
             rows = layer_profile(make(1), device, hardware, layer_micro_batches, args.iterations)
             entry["layer"] = rows
             for row in rows:
                 lines.append(describe_layer(f"gpt-{name}", row))
                 print(lines[-1], flush=True)
-        report["models"][name] = entry
-        report["summary"] = lines
-        if args.json:  # after every model: a run cut short keeps what it measured
-            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.json).write_text(json.dumps(report, indent=1))
+            save()
     return report
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(1 if main()["failed_runs"] else 0)

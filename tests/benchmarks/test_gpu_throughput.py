@@ -46,3 +46,34 @@ def test_compiled_run_tries_no_size_that_did_not_fit_eagerly():
     assert gpu_throughput.compiled_sizes(eager, [4, 8, 16, 32]) == [8]
     every_size_fitted = {"micro_batch_size": 8, "tried": tried[:2]}
     assert gpu_throughput.compiled_sizes(every_size_fitted, [4, 8, 16]) == [8, 16]
+
+
+def test_a_failing_run_is_reported_and_the_others_still_measure(monkeypatch):
+    """One GPU session runs it once: a run that fails other than out of memory (a transformers
+    or compiler missing a feature) must not take the other figures with it."""
+    def no_peer(*_):
+        raise RuntimeError("GPT2LMHeadModel does not support sdpa\nmore detail")
+    monkeypatch.setattr(gpu_throughput, "run_peer", no_peer)
+    report = gpu_throughput.main(["--tiny", "--no-compile", "--no-layer-profile", "--warmup", "1",
+                                  "--iterations", "1", "--microbatches", "1"])
+    tiny = report["models"]["tiny"]
+    assert report["failed_runs"] == ["gpt-tiny transformers GPT-2 peer"]
+    assert tiny["transformers GPT-2 peer"] == {
+        "error": "RuntimeError: GPT2LMHeadModel does not support sdpa"}
+    assert tiny["ours eager"]["tokens_per_s"] > 0 and "versus_peer" not in tiny["ours eager"]
+    assert "gpt-tiny transformers GPT-2 peer: FAILED: RuntimeError" in report["summary"][1]
+
+
+def test_the_json_holds_every_run_finished_before_a_cut_off(tmp_path, monkeypatch):
+    """gpu-check cuts the benchmark off at its time limit: what it measured must be on disk."""
+    path = tmp_path / "gpu.json"
+
+    def cut_off(*_):
+        raise SystemExit("cut off")  # where the time limit ends the process
+    monkeypatch.setattr(gpu_throughput, "layer_profile", cut_off)
+    with pytest.raises(SystemExit):
+        gpu_throughput.main(["--tiny", "--no-compile", "--warmup", "1", "--iterations", "1",
+                             "--microbatches", "1", "--json", str(path)])
+    saved = json.loads(path.read_text())["models"]["tiny"]
+    assert saved["ours eager"]["tokens_per_s"] > 0
+    assert saved["transformers GPT-2 peer"]["tokens_per_s"] > 0
