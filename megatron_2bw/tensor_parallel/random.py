@@ -17,7 +17,10 @@ import torch.utils.checkpoint
 
 
 def _device_states() -> list[torch.Tensor]:
-    return [torch.cuda.get_rng_state()] if torch.cuda.is_available() else []
+    # not in a process forked after its parent used CUDA (a CPU rank the test suite forks on a GPU
+    # machine): CUDA cannot start there, and such a rank runs on the CPU
+    usable = torch.cuda.is_available() and not torch.cuda._is_in_bad_fork()
+    return [torch.cuda.get_rng_state()] if usable else []
 
 
 def _set_device_states(states) -> None:
