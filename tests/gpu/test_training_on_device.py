@@ -43,7 +43,9 @@ def test_bf16_training_on_the_gpu_tracks_fp32_on_the_cpu(device):
         runs.append(losses)
     cpu, gpu = runs
     assert len(cpu) == len(gpu) == 20
-    assert gpu[-1] < gpu[0] - 0.5  # it learns
+    # the fp32 reference learns, and bf16 on the device with it: within the steps' 3% its drop
+    # can be smaller than the reference's
+    assert cpu[-1] < cpu[0] - 0.5 and gpu[-1] < gpu[0] - 0.25
     for step, (a, b) in enumerate(zip(cpu, gpu)):
         assert b == pytest.approx(a, rel=0.03), (step, a, b)
 
