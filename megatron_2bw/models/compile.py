@@ -24,7 +24,8 @@ from megatron_2bw.config import ConfigError
 
 def check_compile_supported() -> None:
     dynamo = getattr(torch, "_dynamo", None)
-    inlined = dynamo is not None and getattr(dynamo.config, "inline_inbuilt_nn_modules", False)
+    # on by default since torch 2.6, and deprecated since: a torch without the setting inlines
+    inlined = dynamo is not None and getattr(dynamo.config, "inline_inbuilt_nn_modules", True)
     if not inlined or not hasattr(torch.compiler, "set_stance"):
         raise ConfigError(f"--torch-compile needs torch >= 2.6 with "
                           f"torch._dynamo.config.inline_inbuilt_nn_modules on (torch "
