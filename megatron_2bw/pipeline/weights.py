@@ -26,8 +26,8 @@ schedule's actions name, and the gradient-accumulation buffer.
   where the master weights are part of the copy: fp32), one per region, in the background and
   waited for where its parameters are first needed (pipeline/param_gather.py).
 
-Every flat tensor shares one `FlatLayout` (pipeline/flat_layout.py), so copying, reducing and gathering are whole-region
-operations.
+Every flat tensor shares one `FlatLayout` (pipeline/flat_layout.py), so copying, reducing and
+gathering are whole-region operations.
 """
 from __future__ import annotations
 

@@ -16,8 +16,8 @@ Weights and gradients (pipeline/weights.py, pipeline/update.py):
   use_distributed_optimizer divides the master weights, master gradients and optimizer state by d.
 
 Activations: the bytes one layer stashes per microbatch (`activation_bytes_per_layer`, measured by
-measured_profile.py on the device at hand, else the analytic count below) x layers x microbatches in flight
-(schedules.max_in_flight: p - r for 1F1B, m for GPipe, p on every stage for ZB-H1, whose
+measured_profile.py on the device at hand, else the analytic count below) x layers x microbatches
+in flight (schedules.max_in_flight: p - r for 1F1B, m for GPipe, p on every stage for ZB-H1, whose
 activations live until the weight gradient; interleaved: its warm-up + 1 microbatch-chunks of 1/v
 of the stage each), plus the stage's own extras. Under
 --sequence-parallel (t > 1) what lies outside the tensor-parallel regions holds s/t tokens: the
@@ -227,11 +227,10 @@ def attention_core_bytes(model: ModelConfig, tensor_parallel: int, micro_batch_s
     (its output is the dense projection's input, counted there) and the float mask it makes of
     BERT's boolean padding mask. Otherwise the core keeps per score (a*s*s/t per sample):
     PyTorch's math path the softmax output and the dropout output (e each) and the dropout mask
-    (1); the unfused path
-    (`unfused_attention`) keeps the fp32 softmax output (4), the probabilities its product with v
-    reads (e: the dropout's output, or without attention dropout the cast probabilities) and the
-    dropout mask (1, with dropout) per score, and the inverted mask it fills the scores by (bool:
-    s*s of GPT's causal mask, b*s of BERT's padding mask)."""
+    (1); the unfused path (`unfused_attention`) the fp32 softmax output (4), the probabilities
+    its product with v reads (e: the dropout's output, or without attention dropout the cast
+    probabilities) and the dropout mask (1, with dropout) per score, and the inverted mask it
+    fills the scores by (bool: s*s of GPT's causal mask, b*s of BERT's padding mask)."""
     m, e, b = model, element_bytes, micro_batch_size
     if fused_attention(m, e, device_type):
         padding_mask = e * b * m.seq_length if m.model_type == "bert" else 0

@@ -49,8 +49,9 @@ def test_loss_falls(layout):
 def test_logged_time_per_iteration_holds_across_2bw_drains():
     """2BW defers each step until its version is needed, so a drain (here before every validation)
     runs the last steps back to back; the log still charges every iteration its batch's time.
-    The arithmetic is tested on an injected clock (tests/training/test_progress.py); here the figures of
-    a real job, whose sizes depend on the machine's speed, are checked for presence only."""
+    The arithmetic is tested on an injected clock (tests/training/test_progress.py); here the
+    figures of a real job, whose sizes depend on the machine's speed, are checked for presence
+    only."""
     args = [*TINY, "--hidden-size", "128", "--train-iters", "9", "--eval-interval", "3",
             "--log-interval", "1", "--pipeline-model-parallel-size", "2",
             "--pipeline-schedule", "2bw"]

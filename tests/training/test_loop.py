@@ -53,10 +53,11 @@ def test_profiler_traces_whole_iterations_on_the_requested_rank_only(tmp_path, c
     [2, 4): all of their steps and transfers, and no other iteration's (no evaluation falls
     inside the window: it would be in the trace too)."""
     tensorboard = tmp_path / "tb"
-    run_ranks(2, pretrain_on_rank, [*TINY, "--eval-interval", "6", "--pipeline-model-parallel-size", "2",
-                             "--global-batch-size",
-                             "4", "--profile", "--profile-step-start", "2", "--profile-step-end",
-                             "4", "--profile-ranks", "1", "--tensorboard-dir", str(tensorboard)])
+    run_ranks(2, pretrain_on_rank, [*TINY, "--eval-interval", "6",
+                                    "--pipeline-model-parallel-size", "2", "--global-batch-size",
+                                    "4", "--profile", "--profile-step-start", "2",
+                                    "--profile-step-end", "4", "--profile-ranks", "1",
+                                    "--tensorboard-dir", str(tensorboard)])
     trace = tensorboard / "profile_rank1_iter2-4.pt.trace.json"
     assert sorted(p.name for p in tensorboard.glob("profile_*")) == [trace.name]
     assert f"[rank 1] profile of iterations [2, 4) (the log's 3 to 4) written to {trace}" in \

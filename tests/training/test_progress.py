@@ -104,9 +104,10 @@ def test_timers_reach_the_sinks_only_with_the_flag(with_timers, tmp_path, monkey
 def test_a_2bw_pipeline_prints_every_intervals_timers_across_its_ranks(capfd):
     """The stages end an interval at different points of 2BW's schedule, which never drains:
     the exchange must neither hang nor lose an interval."""
-    run_ranks(2, pretrain_on_rank, [*TINY, "--pipeline-model-parallel-size", "2", "--global-batch-size",
-                             "8", "--log-interval", "2", "--timing-log-level", "1",
-                             "--eval-interval", "6"], timeout=120)
+    run_ranks(2, pretrain_on_rank, [*TINY, "--pipeline-model-parallel-size", "2",
+                                    "--global-batch-size", "8", "--log-interval", "2",
+                                    "--timing-log-level", "1", "--eval-interval", "6"],
+              timeout=120)
     out = capfd.readouterr().out
     blocks = re.findall(r"time across ranks \(ms per iteration, iterations (\d+)-(\d+)\):\n"
                         r"((?:    .*\n)+)", out)
