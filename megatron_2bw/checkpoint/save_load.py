@@ -339,6 +339,16 @@ def _schedule(config: Config) -> dict[str, object]:
     return values
 
 
+def check_optimizer(saved: Config, current: Config, root: str) -> None:
+    """An optimizer's state resumes only under the same rule (Muon's momentum buffer is not
+    Adam's moments)."""
+    was, now = saved.optimizer.optimizer, current.optimizer.optimizer
+    if was != now:
+        raise CheckpointError(f"checkpoint {root} holds the state of --optimizer {was}, this run "
+                              f"uses --optimizer {now}: pass --optimizer {was}, or --no-load-optim "
+                              f"to start a fresh optimizer from its weights")
+
+
 def resolve_schedule(saved: Config, current: Config, root: str) -> None:
     """A resumed run continues the checkpoint's schedule. Where this run's flags give another,
     --override-opt_param-scheduler keeps the flags', --use-checkpoint-opt_param-scheduler takes
@@ -411,7 +421,9 @@ def load_checkpoint(stage, root: str, iteration: int | None = None) -> dict | No
     # Megatron-LM: the schedule with the optimizer, where the checkpoint has one (a converted or
     # imported model has none, nor a schedule of its own)
     if not (ckpt.finetune or ckpt.no_load_optim) and state["optimizer"]["state"]:
-        resolve_schedule(Config.from_dict(metadata["config"]), stage.config, root)
+        saved_config = Config.from_dict(metadata["config"])
+        check_optimizer(saved_config, stage.config, root)
+        resolve_schedule(saved_config, stage.config, root)
     v.load_full_master([state["model"][name] for name in v.names])  # sharded: this rank's part
     if ckpt.finetune:  # weights only: training starts at iteration 0 with a fresh optimizer
         v.reset(0)

@@ -145,6 +145,12 @@ class Muon(torch.optim.AdamW):
         super().__init__(groups, lr=lr, **adam)
         self.whole_matrices = WholeMatrices()
 
+    def __setstate__(self, state):
+        # (load_state_dict) Adam's setup reads every parameter's step count: show it its groups
+        groups = state["param_groups"]
+        super().__setstate__({**state, "param_groups": [g for g in groups if not g["use_muon"]]})
+        self.param_groups = groups
+
     @torch.no_grad()
     def step(self, closure=None):
         groups = self.param_groups
