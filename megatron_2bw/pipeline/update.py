@@ -119,7 +119,7 @@ class GradientUpdater:
             optimizer.shard(versions)
         inner = optimizer.optimizer if isinstance(optimizer, DistributedOptimizer) else optimizer
         if isinstance(inner, Muon):  # orthogonalise whole matrices, not this rank's parts
-            inner.whole_matrices = WholeMatrices(versions, tensor_group)
+            inner.whole_matrices = WholeMatrices(tensor_group, versions)
         initialize_state(optimizer)
         self.pending: dict[int, _Pending] = {}
         self.version_scales = {0: loss_scaler.scale}  # version -> scale of the batches using it

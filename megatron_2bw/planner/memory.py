@@ -14,7 +14,8 @@ Weights and gradients (pipeline/weights.py, pipeline/update.py):
 - optimizer state: Adam 8P, SGD with momentum 4P, Muon 4 bytes per hidden-matrix parameter (its
   momentum buffer) and AdamW's 8 for the others, plus 4P for --delay-compensation's delta
   (pipeline/compensation.py; with predict the master weights are separate also in fp32).
-  use_distributed_optimizer divides the master weights, master gradients and optimizer state by d.
+  use_distributed_optimizer divides the master weights, master gradients and optimizer state by d
+  (Muon's: the most a rank's P/d elements can hold, its AdamW parameters all counted at 8).
 
 Activations: the bytes one layer stashes per microbatch (`activation_bytes_per_layer`, measured by
 measured_profile.py on the device at hand, else the analytic count below) x layers x microbatches
@@ -396,15 +397,17 @@ def estimate_stage_memory(model: ModelConfig, parallel: ParallelConfig, precisio
 
     params = e * P + (4 * P / shards if separate_master else 0)
     grads = g * P + (4 * P / shards if separate_master_grads else 0)
-    state = OPTIMIZER_STATE_BYTES[optimizer] * P
+    state = OPTIMIZER_STATE_BYTES[optimizer] * P / shards
     muon_step = 0.0
     if optimizer == "muon":
-        matrices = stage_hidden_matrix_parameters(model, t, layers, first, last)
-        state = OPTIMIZER_STATE_BYTES["muon"] * matrices + OPTIMIZER_STATE_BYTES["adam"] * (
-            P - matrices)
+        # a rank's shard holds P / d elements, matrices' (4 bytes) or AdamW's (8 bytes): at most
+        # all of the AdamW parameters, as the flat layout may give them to one rank
+        adamw = P - stage_hidden_matrix_parameters(model, t, layers, first, last)
+        state = OPTIMIZER_STATE_BYTES["muon"] * P / shards + (
+            OPTIMIZER_STATE_BYTES["adam"] - OPTIMIZER_STATE_BYTES["muon"]) * min(adamw, P / shards)
         muon_step = (4 * P if shards > 1 else 0) + \
             MUON_STEP_BYTES * t * largest_hidden_matrix(model, t, layers)
-    optimizer_bytes = (state + (4 if compensated else 0) * P) / shards
+    optimizer_bytes = state + (4 * P / shards if compensated else 0)
     stash = e * P * (versions - 1)
     if schedule == "pipemare" and parallel.pipemare_discrepancy_decay > 0 and \
             stage_delay(microbatches, stage, p) >= 1:
