@@ -157,6 +157,23 @@ def stage_hidden_matrix_parameters(model: ModelConfig, tensor_parallel: int, lay
                   lambda tensors: sum(n for n, _, matrix in tensors if matrix))
 
 
+@lru_cache(maxsize=64)
+def _layer_matrix_shapes(model_key: tuple) -> tuple[tuple[int, int], ...]:
+    from megatron_2bw.models import MODELS
+    from megatron_2bw.optim.optimizer import is_hidden_matrix
+    model = ModelConfig(**dict(model_key))
+    with torch.device("meta"):
+        module = MODELS[model.model_type](model, None, model.padded_vocab_size(1), range(1),
+                                          False, False)
+    return tuple(tuple(p.shape) for name, p in module.named_parameters()
+                 if is_hidden_matrix(name, p))
+
+
+def layer_matrix_shapes(model: ModelConfig) -> tuple[tuple[int, int], ...]:
+    """The whole (unsharded) shapes of one layer's hidden matrices, which Muon orthogonalises."""
+    return _layer_matrix_shapes(_model_key(model))
+
+
 def largest_hidden_matrix(model: ModelConfig, tensor_parallel: int, layers: int) -> int:
     """Elements of the shard's largest hidden matrix (0 without layers)."""
     tensors = _shard_tensors(_model_key(model), tensor_parallel, min(layers, 1), False, False)
