@@ -42,18 +42,21 @@ def rule_reference(rule, m=2, clip="global", untied=False):
                                      2, clip=clip)
 
 
-@pytest.mark.parametrize("schedule,rule", [("flush", "vanilla"), ("zb-h1", "vanilla"),
-                                           ("2bw", "2bw")])
-def test_synchronous_and_2bw_schedules_follow_their_rule(schedule, rule):
-    weights = run(config(schedule))
+@pytest.mark.parametrize("schedule,rule,chunks", [
+    ("flush", "vanilla", None), ("gpipe", "vanilla", None), ("zb-h1", "vanilla", None),
+    ("interleaved", "vanilla", 2), ("2bw", "2bw", None)])
+def test_synchronous_and_2bw_schedules_follow_their_rule(schedule, rule, chunks):
+    weights = run(config(schedule, virtual_pipeline_parallel=chunks))
     assert max_difference(weights, rule_reference(rule), VOCAB) < 1e-5
     other = "2bw" if rule == "vanilla" else "vanilla"
     assert max_difference(weights, rule_reference(other), VOCAB) > 1e-4
 
 
-def test_pipedream_weight_stashing_follows_its_rule():
-    weights = run(config("pipedream", m=1, untied=True))
-    reference = rule_reference("pipedream", m=1, clip="stage", untied=True)
+@pytest.mark.parametrize("vertical_sync", [False, True], ids=["pipedream", "vertical-sync"])
+def test_pipedream_weight_stashing_follows_its_rule(vertical_sync):
+    weights = run(config("pipedream", m=1, untied=True, vertical_sync=vertical_sync))
+    rule, clip = ("pipedream-vs", "global") if vertical_sync else ("pipedream", "stage")
+    reference = rule_reference(rule, m=1, clip=clip, untied=True)
     assert max_difference(weights, reference, VOCAB) < 1e-5
 
 
