@@ -148,7 +148,8 @@ class Muon(torch.optim.AdamW):
     def __setstate__(self, state):
         # (load_state_dict) Adam's setup reads every parameter's step count: show it its groups
         groups = state["param_groups"]
-        super().__setstate__({**state, "param_groups": [g for g in groups if not g["use_muon"]]})
+        super().__setstate__({**state, "param_groups": [g for g in groups
+                                                        if not g.get("use_muon")]})
         self.param_groups = groups
 
     @torch.no_grad()
