@@ -12,6 +12,7 @@ from pathlib import Path
 
 
 from megatron_2bw.arguments import parse_config
+from megatron_2bw.distributed import comm
 from megatron_2bw.pipeline import layer_times
 from megatron_2bw.training import loop
 from tests.collective_order import check_same_order, load_calls, record_collectives, save_calls
@@ -40,9 +41,10 @@ def recorded_pretrain(rank, world, flags, log_dir):
             save_calls(calls, Path(log_dir, f"{rank}.json"))
 
 
-def run_and_check(flags, log_dir, capfd) -> tuple[dict, str]:
+def run_and_check(flags, log_dir, capfd) -> tuple[dict, set, str]:
     """Run the job, check every group's order (before the job's own outcome: a divergence is
-    the likeliest cause of a failure), and return the collective counts by group and the log."""
+    the likeliest cause of a failure); the collective counts by group, the collectives rank 0
+    issued and the job's output."""
     Path(log_dir).mkdir()
     failure = None
     try:
@@ -56,19 +58,25 @@ def run_and_check(flags, log_dir, capfd) -> tuple[dict, str]:
     if failure is not None:
         raise failure
     assert len(logs) == WORLD
-    return counts, output
+    return counts, {call.what.split("(")[0] for call in logs[0]}, output
 
 
 def test_every_group_issues_the_same_collectives_in_order(tmp_path, capfd):
     save = ["--save", str(tmp_path / "checkpoint")]
-    counts, output = run_and_check([*JOB, *save, "--train-iters", "4"], tmp_path / "first", capfd)
+    counts, issued, output = run_and_check([*JOB, *save, "--train-iters", "4"],
+                                           tmp_path / "first", capfd)
     # what the run was meant to exercise did happen
     assert re.search(r"repartition at iteration 2: split 3,1 .* -> split (2,2|1,3) .*moved in",
                      output), output
     assert "validation at iteration 2" in output and "saved checkpoint" in output, output
-    # every kind of group carried collectives: the world and 2 tensor, 4 data, 4 pipeline groups
+    # collectives on the world and on every tensor (4), data (4) and embedding (4) group
     assert len(counts) >= 1 + 4 + 4 + 4 and min(counts.values()) > 0, counts
+    # sequence parallelism's gathers and reduce-scatters, ZeRO-1's reduce-scatters and gathers,
+    # the repartition's exchange of layer times and state, the checkpoint's barrier
+    assert {"all_reduce", "all_gather", comm.reduce_scatter_tensor.__name__,
+            comm.all_gather_into_tensor.__name__, "all_gather_object", "broadcast_object_list",
+            "barrier", "new_group"} <= issued, issued
 
-    counts, output = run_and_check([*JOB, *save, "--load", str(tmp_path / "checkpoint"),
-                                    "--train-iters", "6"], tmp_path / "second", capfd)
+    _, _, output = run_and_check([*JOB, *save, "--load", str(tmp_path / "checkpoint"),
+                                  "--train-iters", "6"], tmp_path / "second", capfd)
     assert "loaded checkpoint" in output and "validation at iteration 6" in output, output
