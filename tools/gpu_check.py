@@ -108,15 +108,16 @@ def smoke_commands(backend: str = "nccl") -> list[tuple[str, list[str]]]:
                     "--distributed-backend", backend]) for name, flags in SMOKE_RUNS]
 
 
-def run_smoke(env: dict, backend: str = "nccl") -> tuple[list[str], bool]:
-    """(one line per smoke run, whether all passed): a run passes if it exits 0 having logged
-    its last iteration. Fewer than two visible GPUs: one line saying they are skipped."""
+def run_smoke(env: dict, backend: str = "nccl") -> tuple[list[str], bool, str]:
+    """(one line per smoke run, whether all passed, the failed runs' output): a run passes if it
+    exits 0 having logged its last iteration. Fewer than two visible GPUs: one line saying they
+    are skipped."""
     import torch
     visible = torch.cuda.device_count()
     if backend == "nccl" and visible < 2:
         return [f"smoke SKIP the 2-process NCCL runs ({', '.join(n for n, _ in SMOKE_RUNS)}) "
-                f"need 2 GPUs, {visible} visible"], True
-    lines, ok = [], True
+                f"need 2 GPUs, {visible} visible"], True, ""
+    lines, ok, failed = [], True, ""
     last = SMOKE_MODEL[SMOKE_MODEL.index("--train-iters") + 1]
     for name, command in smoke_commands(backend):
         start = time.time()
@@ -133,7 +134,8 @@ def run_smoke(env: dict, backend: str = "nccl") -> tuple[list[str], bool]:
             lines.append(f"smoke FAIL {name} (exit {status}): "
                          f"{error[-1][:160] if error else 'no iteration ' + last + ' logged'}")
         ok = False
-    return lines, ok
+        failed += f"{name}:\n{(stdout + stderr)[-3000:]}\n"
+    return lines, ok, failed
 
 
 def main() -> int:
@@ -151,7 +153,7 @@ def main() -> int:
         parts = [pool.submit(run_tests, marker, paths, {**env, **changes}, tmp)
                  for marker, paths, changes in TEST_PARTS] if have_pytest else []
         parts = [part.result() for part in parts]
-        smoke_lines, smoke_ok = smoke.result()
+        smoke_lines, smoke_ok, smoke_output = smoke.result()
     lines = [line for part_lines, _, _ in parts for line in part_lines]
     tests_ok = all(ok for _, ok, _ in parts)
     if not have_pytest:
@@ -159,8 +161,8 @@ def main() -> int:
               f"is not installed", flush=True)
     for line in lines + smoke_lines:
         print(line, flush=True)
-    for _, ok, output in parts:
-        if not ok:
+    for output in [output for _, ok, output in parts if not ok] + [smoke_output]:
+        if output:
             print(output[-6000:], flush=True)
     # the benchmark also gets what the tests left of their time: the same 8 minutes at most
     limit_s = BENCHMARK_LIMIT_S + max(0, round(TESTS_LIMIT_S - (time.time() - start)))

@@ -116,7 +116,7 @@ def test_on_two_gpus_each_smoke_run_reports_one_line(capsys, monkeypatch, status
         assert "3/3 smoke runs passed" in out
     else:
         assert smoke[0] == "smoke FAIL 2BW p=2 (exit 1): Boom: bad" and len(smoke) == 3
-        assert "0/3 smoke runs passed" in out
+        assert "0/3 smoke runs passed" in out and "2BW p=2:\n iteration" in out  # its output
     assert [c for c in runs if "pretrain_gpt.py" in c] == [c for _, c in gpu_check.smoke_commands()]
 
 
@@ -143,5 +143,5 @@ def test_a_smoke_run_passes_on_gloo(monkeypatch):
     gpu-check's pass test recognises its log."""
     monkeypatch.setattr(gpu_check, "SMOKE_RUNS", gpu_check.SMOKE_RUNS[:1])
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    lines, ok = gpu_check.run_smoke(env, backend="gloo")
-    assert ok and len(lines) == 1 and lines[0].startswith("smoke PASS 2BW p=2 ("), lines
+    lines, ok, failed = gpu_check.run_smoke(env, backend="gloo")
+    assert ok and len(lines) == 1 and lines[0].startswith("smoke PASS 2BW p=2 ("), failed
