@@ -13,7 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-from megatron_2bw.pipeline import dualpipe_v, interleaved, one_f_one_b, zb_v, zero_bubble
+from megatron_2bw.pipeline import (dualpipe_v, interleaved, one_f_one_b, v_half, zb_v,
+                                   zero_bubble)
 from megatron_2bw.pipeline.actions import BACKWARD, BACKWARD_WEIGHT, FORWARD, Action
 from megatron_2bw.pipeline.gpipe import gpipe_actions
 
@@ -73,6 +74,9 @@ REGISTRY: dict[str, ScheduleSpec] = {
                               min_microbatches=lambda p: 2 * p, min_microbatches_reason=(
                                   "its steady state pairs forwards and backwards of 2p "
                                   "microbatches in flight")),
+    # at most (p + 2) // 2 microbatches' activations per rank: about half of 1F1B's p
+    "v-half": ScheduleSpec(v_half.v_half_actions, chunks=2, shape="v",
+                           in_flight=_counted_in_flight(v_half.v_half_order)),
 }
 SCHEDULES = tuple(REGISTRY)
 NEVER_DRAINED = tuple(name for name, spec in REGISTRY.items() if spec.never_drained)

@@ -30,7 +30,8 @@ class ScheduleShape:
                  "zb-h1": "ZB-H1 (zero bubble: backward split into B and W)",
                  "interleaved": f"interleaved 1F1B (v = {self.chunks} chunks per stage)",
                  "zb-v": "ZB-V (zero bubble, two chunks per rank in a V)",
-                 "dualpipev": "DualPipeV (two chunks per rank in a V; F&B pairs)"}
+                 "dualpipev": "DualPipeV (two chunks per rank in a V; F&B pairs)",
+                 "v-half": "V-Half (two chunks per rank in a V; half of 1F1B's activations)"}
         return (f"{names[self.schedule]}: p = {self.stages} stages, m = {self.microbatches} "
                 f"microbatches per batch, {self.batches} batches")
 

@@ -1,4 +1,4 @@
-"""V-shaped schedules at the action-list level: the placement, ZB-V and DualPipeV lists checked
+"""V-shaped schedules at the action-list level: the placement, ZB-V, DualPipeV and V-Half lists checked
 by the validator (data flow, versions, transfer order, replay), their memory against the papers'
 tables, and the receive order NCCL needs on a V's rank pairs."""
 import pytest
@@ -6,9 +6,10 @@ import pytest
 from megatron_2bw.pipeline import schedules as S
 from megatron_2bw.pipeline.actions import flushed_batches, receives_in_send_order
 from megatron_2bw.pipeline.placement import Placement
+from megatron_2bw.pipeline.v_half import activation_budget
 from megatron_2bw.pipeline.zb_v import zb_v_order
 
-V_SCHEDULES = ("zb-v", "dualpipev")
+V_SCHEDULES = ("zb-v", "dualpipev", "v-half")
 
 
 @pytest.mark.parametrize("shape,chunks", [("loop", 1), ("loop", 3), ("v", 2)])
@@ -82,3 +83,56 @@ def test_v_peak_activations_match_the_papers(stages):
     dualpipe_v = max(S.max_in_flight("dualpipev", stages, m, r, 2) for r in range(stages))
     assert zb_v == 2 * S.max_in_flight("flush", stages, m, 0)
     assert dualpipe_v == 2 * stages + 1
+
+
+@pytest.mark.parametrize("stages", [2, 3, 4, 8])
+def test_v_half_holds_the_papers_memory(stages):
+    """V-Half's table (arXiv 2405.15362): (p + 2) // 2 microbatches, i.e. 2 * ((p + 2) // 2)
+    microbatch-chunks, on every rank and for every m."""
+    for m in (1, stages, 2 * stages, 3 * stages + 1):
+        peak = max(S.max_in_flight("v-half", stages, m, r, 2) for r in range(stages))
+        assert peak <= activation_budget(stages) == 2 * ((stages + 2) // 2)
+    assert peak == activation_budget(stages)  # the budget is used once m is large
+
+
+def test_v_half_reaches_half_of_flush_memory_at_large_p():
+    """Flush's first stage holds p microbatches (2p microbatch-chunks). V-Half's (p + 2) // 2 is
+    at most 0.55x of it from p = 20 on; below that the + 2 weighs more (0.75x at p = 4)."""
+    def ratio(p):
+        m = 2 * p
+        v_half = max(S.max_in_flight("v-half", p, m, r, 2) for r in range(p))
+        return v_half / (2 * S.max_in_flight("flush", p, m, 0))
+    assert ratio(4) == 0.75 and ratio(8) == 0.625
+    assert ratio(20) <= 0.55
+
+
+# per chunk: F = B (input gradient) = W = 1, a full backward 2; a 1F1B stage holds both chunks
+CHUNK_TIMES = {S.FORWARD: 1.0, S.BACKWARD: 2.0, S.BACKWARD_INPUT: 1.0, S.BACKWARD_WEIGHT: 1.0}
+
+
+def _idle_per_rank(schedule, p, m):
+    chunks = S.REGISTRY[schedule].chunks or 1
+    scale = 2 / chunks  # a one-chunk stage holds the V's two chunks of layers
+    actions = S.build_schedule(schedule, p, m, 1, chunks=chunks)
+    rows = S.timeline(actions, lambda s, a: scale * CHUNK_TIMES.get(a.kind, 0.0),
+                      shape=S.REGISTRY[schedule].shape)
+    makespan = max(t.end for row in rows for t in row)
+    return makespan, [makespan - sum(t.end - t.start for t in row) for row in rows]
+
+
+def test_replayed_bubbles_against_the_papers_formulas():
+    """p = 4, m = 8, idle time per rank in units of one chunk's forward. The replay reproduces
+    1F1B's (p-1)(F+B) and ZB-H1's (p-1)(F+B-W) (stage times) exactly. ZB-V's table says bubble
+    rate 0 at equal F, B and W: the replay leaves only the start skew, (p-1) chunk forwards on
+    every rank. DualPipeV's README bound (p-1)(F&B+B-3W) (B the full backward, F&B = F+B with no
+    overlap) is 2(p-1); the replay is below it. V-Half's table: bubble rate about p/(2m) of the
+    longest rank's time; the replay is below it too."""
+    p, m = 4, 8
+    assert _idle_per_rank("flush", p, m)[1] == [(p - 1) * (2 + 4)] * p
+    assert _idle_per_rank("zb-h1", p, m)[1] == [(p - 1) * (2 + 2 - 2)] * p
+    assert _idle_per_rank("zb-v", p, m)[1] == [p - 1] * p
+    assert max(_idle_per_rank("dualpipev", p, m)[1]) <= (p - 1) * ((1 + 2) + 2 - 3 * 1)
+    makespan, idle = _idle_per_rank("v-half", p, m)
+    assert max(idle) / makespan <= p / (2 * m)
+    # the V's order: ZB-V below ZB-H1 below Flush, V-Half between ZB-V and Flush
+    assert max(_idle_per_rank("zb-v", p, m)[1]) < max(idle) < (p - 1) * 6
