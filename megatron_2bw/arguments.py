@@ -129,13 +129,16 @@ def build_parser(description: str = "", extra_args_provider=None) -> argparse.Ar
           help="GPT: split every sequence over this many ranks of each data-parallel replica "
                "(default 1); attention gathers the keys and values of the whole sequence")
     _flag(g, "--pipeline-schedule", "parallel", "schedule",
-          choices=["2bw", "flush", "gpipe", "pipedream", "pipemare", "zb-h1", "interleaved"],
+          choices=["2bw", "flush", "gpipe", "pipedream", "pipemare", "zb-h1", "interleaved",
+                   "zb-v", "dualpipev", "v-half"],
           help="2bw (default when p > 1), flush (1F1B), gpipe, pipedream (weight stashing, an "
                "update per batch), pipemare (one weight version per stage, the backward reads "
                "the newest weights; docs/async_schedules.md), zb-h1 (1F1B with the backward "
                "split into input and weight gradients, the drain filled with weight gradients) "
-               "or interleaved (Megatron-LM's "
-               "virtual stages; needs one of the virtual-pipeline flags)")
+               "interleaved (Megatron-LM's "
+               "virtual stages; needs one of the virtual-pipeline flags), or a V with two model "
+               "chunks per rank: zb-v (zero bubble), dualpipev (DualPipe cut in half, m >= 2p) "
+               "or v-half (about half of 1F1B's activation memory); docs/sync_schedules.md")
     _bool_flag(g, "--vertical-sync", "parallel", "vertical_sync", "pipedream: every stage runs "
                "a batch on the weight version the first stage used (a uniform delay of p - 1)")
     _flag(g, "--virtual-pipeline-model-parallel-size", "parallel", "virtual_pipeline_parallel",

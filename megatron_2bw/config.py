@@ -158,9 +158,17 @@ class ParallelConfig:
 
     @property
     def model_chunks(self) -> int:
-        """Model chunks per rank: v under interleaved (validated), else 1."""
-        return (self.virtual_pipeline_parallel or 1) if self.pipeline_schedule == "interleaved" \
-            else 1
+        """Model chunks per rank: v under interleaved (validated), 2 under a V, else 1."""
+        if self.pipeline_schedule == "interleaved":
+            return self.virtual_pipeline_parallel or 1
+        return 2 if self.pipeline_shape == "v" else 1
+
+    @property
+    def pipeline_shape(self) -> str:
+        """Where the model chunks sit (pipeline/placement.py): "v" for the V schedules."""
+        from megatron_2bw.pipeline.schedule_registry import REGISTRY  # config sits below it
+        spec = REGISTRY.get(self.pipeline_schedule)
+        return spec.shape if spec is not None else "loop"
 
 
 @dataclass

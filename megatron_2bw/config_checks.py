@@ -252,6 +252,12 @@ def _validate_virtual_stages(config: Config) -> None:
     par, layers = config.parallel, config.model.num_layers
     v, per_chunk, p = (par.virtual_pipeline_parallel, par.num_layers_per_virtual_pipeline_stage,
                        par.pipeline_parallel)
+    if par.pipeline_shape == "v":
+        _require(v is None and per_chunk is None,
+                 f"--pipeline-schedule {par.pipeline_schedule} places exactly 2 model chunks per "
+                 f"rank (a V); drop --virtual-pipeline-model-parallel-size and --num-layers-per-"
+                 f"virtual-pipeline-stage")
+        return
     if par.pipeline_schedule != "interleaved":
         _require(v is None and per_chunk is None,
                  f"--virtual-pipeline-model-parallel-size and --num-layers-per-virtual-pipeline-"
@@ -280,6 +286,22 @@ def _validate_virtual_stages(config: Config) -> None:
              f"--num-layers {layers} must be divisible by --pipeline-model-parallel-size {p} x "
              f"--virtual-pipeline-model-parallel-size {v} (equal chunks)")
     par.virtual_pipeline_parallel = v
+
+
+def _validate_v_schedule(config: Config) -> None:
+    """zb-v, dualpipev, v-half: 2p chunks of layers, none moved between ranks."""
+    par, layers = config.parallel, config.model.num_layers
+    if par.pipeline_shape != "v":
+        return
+    name, p = par.pipeline_schedule, par.pipeline_parallel
+    _require(layers >= 2 * p, f"--pipeline-schedule {name} cuts the model into 2 x --pipeline-"
+                              f"model-parallel-size = {2 * p} chunks of at least one layer: "
+                              f"--num-layers must be >= {2 * p}, got {layers}")
+    _require(par.layer_split is None, f"--pipeline-layer-split does not apply to --pipeline-"
+                                      f"schedule {name} (its 2p chunks split the layers evenly)")
+    _require(not par.repartition_interval,
+             f"--pipeline-repartition-interval does not apply to --pipeline-schedule {name}: "
+             f"moving layers between a V's chunks is not supported; use flush, 2bw or zb-h1")
 
 
 def validate(config: Config, require_data: bool = True) -> None:
@@ -335,6 +357,7 @@ def validate(config: Config, require_data: bool = True) -> None:
                  f"--pipeline-layer-split {','.join(map(str, par.layer_split))} must give {p} "
                  f"positive layer counts summing to --num-layers {m.num_layers}")
     _validate_virtual_stages(config)
+    _validate_v_schedule(config)
     _require(not (config.precision.fp16 and config.precision.bf16), "--fp16 and --bf16 exclude each other")
     _require(opt.lr >= 0 and opt.min_lr >= 0, "--lr and --min-lr must be >= 0")
     _validate_delay_compensation(par)
@@ -422,6 +445,7 @@ def validate_for_world(config: Config, world_size: int) -> int:
         tr.train_iters = batch_schedule(tr).iterations_for_samples(tr.train_samples)
     _validate_pipedream(config)  # also for configs built without the command line
     _validate_pipemare(config)
+    _validate_v_schedule(config)
     schedule = config.parallel.pipeline_schedule
     if schedule == "interleaved":
         _validate_virtual_stages(config)
@@ -439,6 +463,14 @@ def validate_for_world(config: Config, world_size: int) -> int:
                              f"multiple of p x micro x d = {p * tr.micro_batch_size * d} (whole "
                              f"groups of p microbatches): {flag} {uneven[0] if uneven else 0} is "
                              f"not")
+    if config.parallel.pipeline_shape == "v":
+        from megatron_2bw.pipeline.schedule_registry import REGISTRY
+        spec = REGISTRY[schedule]
+        least = spec.min_microbatches(p)
+        _require(m >= least, f"--pipeline-schedule {schedule} needs at least {least} microbatches "
+                             f"per batch ({spec.min_microbatches_reason}): m = global/(micro*d) = "
+                             f"{m}; raise {_smallest_batch_flag(tr)} to >= "
+                             f"{least * tr.micro_batch_size * d}")
     if schedule in ("2bw", "flush", "zb-h1") and p > 1:
         _require(m >= p, f"--pipeline-schedule {schedule} needs at least as many microbatches per "
                          f"batch as stages (1F1B keeps p in flight): m = global/(micro*d) = {m} < "

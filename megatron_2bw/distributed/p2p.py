@@ -27,10 +27,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-KINDS = ("act", "grad")
-# under the interleaved schedule two ranks exchange both kinds (p = 2: both neighbours are the
-# same rank), and a receive posted ahead must match a send of its own kind
-TAGS = {"act": 0, "grad": 1}
+# "act" runs down the ranks (to the next), "grad" up; under a V, chunk 1's activations run up
+# ("act_up") and its gradients down ("grad_down")
+KINDS = ("act", "grad", "act_up", "grad_down")
+DOWN = {"act": True, "grad": False, "act_up": False, "grad_down": True}
+# two ranks may exchange several kinds (interleaved at p = 2: both neighbours are the same rank;
+# a V's pairs always), and a receive posted ahead must match a send of its own kind
+TAGS = {kind: tag for tag, kind in enumerate(KINDS)}
 
 
 class PipelineP2P:
@@ -44,13 +47,13 @@ class PipelineP2P:
         self._ahead: dict[str, tuple] = {}  # kind -> (work, buffer) of the receive posted ahead
 
     def _source(self, kind: str) -> int:
-        return self.prev_rank if kind == "act" else self.next_rank
+        return self.prev_rank if DOWN[kind] else self.next_rank
 
     def _destination(self, kind: str) -> int:
-        return self.next_rank if kind == "act" else self.prev_rank
+        return self.next_rank if DOWN[kind] else self.prev_rank
 
     def expect(self, receives: dict[str, int]) -> None:
-        """The number of receives of each kind ("act", "grad") the coming segment makes; under
+        """The number of receives of each kind (KINDS) the coming segment makes; under
         gloo the first of each is posted now, and each next one when its predecessor arrives."""
         if self._ahead or any(self._expected.values()):
             raise RuntimeError(f"receives of the previous segment still pending: {self._expected}")
@@ -69,8 +72,8 @@ class PipelineP2P:
         return torch.empty(self.shape, dtype=self.dtype, device=self.device)
 
     def exchange(self, sends: list[tuple[str, torch.Tensor]], recvs: list[str]) -> list[torch.Tensor]:
-        """Post the sends ("act" to the next stage, "grad" to the previous one) and receives ("act"
-        from the previous stage, "grad" from the next one); return the received tensors."""
+        """Post the sends ("act", "grad_down" to the next stage, "grad", "act_up" to the previous
+        one) and receives (from where those come); return the received tensors."""
         if sends:
             self._retire_sends(keep=1)
         ops = [dist.P2POp(dist.isend, tensor.contiguous(), self._destination(kind), self.group,

@@ -1,5 +1,6 @@
-"""A pipeline rank's model chunks (interleaved schedule): chunk c of rank r is virtual stage
-c * p + r of the p * v, each a whole stage module over its range of layers.
+"""A pipeline rank's model chunks: under the interleaved schedule chunk c of rank r is virtual
+stage c * p + r of the p * v; under a V (pipeline/placement.py) chunk 0 is virtual stage r and
+chunk 1 virtual stage 2p - 1 - r. Each is a whole stage module over its range of layers.
 
 The chunks are one module for the weight versions, the optimizer and checkpoints, under the
 names a single stage's module would give (layers by their global index, the embeddings on the
@@ -15,9 +16,10 @@ from torch import nn
 
 
 class ModelChunks(nn.Module):
-    def __init__(self, chunks: list[nn.Module]):
+    def __init__(self, chunks: list[nn.Module], shape: str = "loop"):
         super().__init__()
         self.chunks = nn.ModuleList(chunks)
+        self.shape = shape  # the placement of the chunks (pipeline/placement.py)
 
     def named_parameters(self, prefix: str = "", recurse: bool = True,
                          remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:

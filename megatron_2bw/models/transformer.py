@@ -419,6 +419,7 @@ class LanguageModelStage(nn.Module):
         super().__init__()
         self.config, self.group, self.context_group = config, group, context_group
         self.pre_process, self.post_process = pre_process, post_process
+        self._embedding_on_rank: list[nn.Module] = []  # tie_to_local_embedding
         untied = config.untie_embeddings_and_output_weights
         if pre_process:
             self.embedding = Embedding(config, padded_vocab_size, group)
@@ -448,5 +449,21 @@ class LanguageModelStage(nn.Module):
     def head_weight(self) -> torch.Tensor:
         if self.config.untie_embeddings_and_output_weights:
             return self.output_layer
+        if self._embedding_on_rank:
+            return self._embedding_on_rank[0].word_embeddings.weight
         return self.embedding.word_embeddings.weight if self.pre_process else self.output_embedding
+
+    def borrowed_parameters(self) -> list[nn.Parameter]:
+        """Weights this module uses but another module on the rank holds (the tied output layer of
+        a V's last chunk): a split backward's W computes their gradients too."""
+        return [self.head_weight()] if self._embedding_on_rank else []
+
+    def tie_to_local_embedding(self, embedding: nn.Module) -> None:
+        """A last virtual stage on the rank of the first (a V): the output layer reads the
+        embedding module's weight itself, so the tie needs no copy and no all-reduce."""
+        if self.config.untie_embeddings_and_output_weights:
+            return
+        del self.output_embedding
+        embedding.word_embeddings.weight.spec.tied = False
+        self._embedding_on_rank[:] = [embedding]  # a plain list: not a submodule of this chunk
 

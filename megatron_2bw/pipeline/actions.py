@@ -172,10 +172,20 @@ def stage_receives(stages: int, microbatches: int, batches: int, stage: int,
                    chunks: int = 1, shape: str = "loop") -> dict[str, int]:
     """How many activations ("act") and gradients ("grad") the stage receives over `batches`
     batches, in every schedule: one of each per microbatch and chunk, except at the ends of the
-    (virtual) pipeline and at a V's turn."""
+    (virtual) pipeline and at a V's turn. Under a V chunk 1's run the other way: "act_up" from
+    the next rank, "grad_down" from the previous one (transfer_kind)."""
     count = microbatches * batches
-    if shape == "v":  # each from the rank below and the rank above, where there is one
-        neighbours = (stage > 0) + (stage < stages - 1)
-        return {"act": count * neighbours, "grad": count * neighbours}
+    if shape == "v":
+        below, above = count * (stage < stages - 1), count * (stage > 0)
+        return {"act": above, "grad": below, "act_up": below, "grad_down": above}
     return {"act": count * (chunks if stage > 0 else chunks - 1),
             "grad": count * (chunks if stage < stages - 1 else chunks - 1)}
+
+
+def transfer_kind(action: Action, shape: str = "loop") -> str:
+    """The wire kind of a transfer action (distributed/p2p.py): "act" down the ranks, "grad" up;
+    under a V, chunk 1's activations "act_up" and its gradients "grad_down"."""
+    activation = action.kind in (SEND_ACT, RECV_ACT)
+    if shape == "v" and action.chunk == 1:
+        return "act_up" if activation else "grad_down"
+    return "act" if activation else "grad"

@@ -1,9 +1,11 @@
 """Runs one stage's schedule actions with real tensors: one loop, one branch per action kind.
 
 The same action lists drive the validator, the planner's simulator and the schedule picture. A rank
-holding several model chunks (interleaved) runs each action on its chunk and keys its tensors by
-(chunk, microbatch); a split backward runs B (input gradient, sent on at once) and W (weight
-gradients) as two actions (split_backward.py).
+holding several model chunks (interleaved, or a V) runs each action on its chunk and keys its
+tensors by (chunk, microbatch); a split backward runs B (input gradient, sent on at once) and W
+(weight gradients) as two actions (split_backward.py). At a V's turn (the last rank's chunk 0
+feeding its chunk 1) the hand-off is local: the output becomes the next chunk's input, and that
+chunk's input gradient the gradient chunk 0's backward reads; no transfer action names it.
 """
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ import torch
 
 from megatron_2bw.distributed.p2p import PipelineP2P
 from megatron_2bw.pipeline import schedules as S
+from megatron_2bw.pipeline.actions import transfer_kind
+from megatron_2bw.pipeline.placement import Placement
 from megatron_2bw.pipeline.split_backward import backward_input, backward_weight
 from megatron_2bw.pipeline.update import GradientUpdater, StepResult
 from megatron_2bw.pipeline.weights import WeightVersions
@@ -32,7 +36,7 @@ class StageExecutor:
         # interleaved: the rank's model chunks (virtual stages chunk * p + stage), else the module
         self.chunks = list(getattr(module, "chunks", [module]))
         self.stage, self.stages, self.m = stage, stages, microbatches
-        self.first, self.last = stage == 0, stage == stages - 1
+        self.placement = Placement(stages, len(self.chunks), getattr(module, "shape", "loop"))
         self.timers, self.memory, self.on_step = timers, memory, on_step
         self.history: collections.deque = collections.deque(maxlen=12)
         self._inputs: dict[int, torch.Tensor] = {}
@@ -116,15 +120,15 @@ class StageExecutor:
             return
         batch, self._comm = self._comm, []
         self.history.extend(batch)
-        sends = [("act", self._outputs[_key(a)].detach()) if a.kind == S.SEND_ACT
-                 else ("grad", self._grads_out.pop(_key(a)))
+        shape = self.placement.shape
+        sends = [(transfer_kind(a, shape), self._outputs[_key(a)].detach() if a.kind == S.SEND_ACT
+                  else self._grads_out.pop(_key(a)))
                  for a in batch if a.kind in (S.SEND_ACT, S.SEND_GRAD)]
         recv_actions = [a for a in batch if a.kind in (S.RECV_ACT, S.RECV_GRAD)]
         timer = self._timer("p2p-wait")
         timer.start()
         try:
-            received = self.p2p.exchange(sends, ["act" if a.kind == S.RECV_ACT else "grad"
-                                                 for a in recv_actions])
+            received = self.p2p.exchange(sends, [transfer_kind(a, shape) for a in recv_actions])
         except Exception as error:  # noqa: BLE001 - name the transfer that failed
             names = ", ".join(str(a) for a in batch)
             raise PipelineError(f"stage {self.stage} failed in transfer [{names}]: {error}; last "
@@ -140,10 +144,26 @@ class StageExecutor:
     # -- compute ---------------------------------------------------------------------------
     def _is_first(self, a: S.Action) -> bool:
         """Whether a's chunk is the first virtual stage (it embeds; it has no input gradient)."""
-        return self.first and a.chunk == 0
+        return self.placement.is_first(self.stage, a.chunk)
 
     def _is_last(self, a: S.Action) -> bool:
-        return self.last and a.chunk == len(self.chunks) - 1
+        return self.placement.is_last(self.stage, a.chunk)
+
+    def _hands_over(self, a: S.Action, towards: str) -> tuple[int, int] | None:
+        """The key of the neighbour chunk on this rank that a's output ("next") or input gradient
+        ("previous") goes to without a transfer (a V's turn), else None."""
+        p = self.placement
+        neighbour = p.next(self.stage, a.chunk) if towards == "next" else \
+            p.previous(self.stage, a.chunk)
+        return (neighbour[1], a.microbatch) if p.is_local(self.stage, neighbour) else None
+
+    def _pass_input_gradient(self, a: S.Action, grad: torch.Tensor) -> None:
+        """A backward's input gradient: to the previous chunk on this rank, or sent on."""
+        local = self._hands_over(a, "previous")
+        if local is not None:
+            self._grads_in[local] = grad
+        else:
+            self._grads_out[_key(a)] = grad
 
     def _microbatch(self, a: S.Action, next_microbatch) -> dict:
         """Microbatch k's data: every chunk reads it; chunk 0's forward of k comes first."""
@@ -175,6 +195,9 @@ class StageExecutor:
             self.updater.record_metrics(a.microbatch // self.m, metrics, tokens)
         else:
             self._outputs[key] = out
+            local = self._hands_over(a, "next")
+            if local is not None:
+                self._inputs[local] = out.detach().requires_grad_()
         timer.stop()
 
     def _output_and_gradient(self, a: S.Action) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -196,7 +219,7 @@ class StageExecutor:
         torch.autograd.backward(output, grad_tensors=grad)
         inputs = self._inputs.pop(key, None)
         if not self._is_first(a):
-            self._grads_out[key] = inputs.grad
+            self._pass_input_gradient(a, inputs.grad)
         if self.memory is not None:
             self.memory.release(key)
         timer.stop()
@@ -209,10 +232,11 @@ class StageExecutor:
         self.versions.install(a.version)
         output, grad = self._output_and_gradient(a)
         inputs = self._inputs.pop(key, None)
-        weights = list(self.chunks[a.chunk].parameters())
+        chunk = self.chunks[a.chunk]
+        weights = list(chunk.parameters()) + list(getattr(chunk, "borrowed_parameters", list)())
         grad_in, self._pending_weights[key] = backward_input(output, grad, inputs, weights)
         if not self._is_first(a):
-            self._grads_out[key] = grad_in
+            self._pass_input_gradient(a, grad_in)
         timer.stop()
 
     def _backward_weight(self, a: S.Action) -> None:
@@ -250,14 +274,17 @@ class StageExecutor:
         self.versions.install(self.versions.newest)
         totals: dict[str, float] = {}
         weight = 0.0
+        shape = self.placement.shape
         if self.p2p is not None:
-            self.p2p.expect(S.stage_receives(self.stages, microbatches, 1, self.stage,
-                                             len(self.chunks)) | {"grad": 0})
-        for a in S.forward_only_actions(self.stages, microbatches, self.stage, len(self.chunks)):
+            receives = S.stage_receives(self.stages, microbatches, 1, self.stage,
+                                        len(self.chunks), shape)
+            self.p2p.expect({kind: n for kind, n in receives.items() if kind.startswith("act")})
+        for a in S.forward_only_actions(self.stages, microbatches, self.stage, len(self.chunks),
+                                        shape):
             if a.kind == S.RECV_ACT:
-                self._inputs[_key(a)] = self.p2p.exchange([], ["act"])[0]
+                self._inputs[_key(a)] = self.p2p.exchange([], [transfer_kind(a, shape)])[0]
             elif a.kind == S.SEND_ACT:
-                self.p2p.exchange([("act", self._outputs.pop(_key(a)))], [])
+                self.p2p.exchange([(transfer_kind(a, shape), self._outputs.pop(_key(a)))], [])
             else:
                 batch = self._microbatch(a, next_microbatch)
                 out = self.chunks[a.chunk](self._inputs.pop(_key(a), None), batch)
@@ -269,6 +296,9 @@ class StageExecutor:
                         totals[key] = totals.get(key, 0.0) + float(value) * tokens
                 else:
                     self._outputs[_key(a)] = out
+                    local = self._hands_over(a, "next")
+                    if local is not None:
+                        self._inputs[local] = self._outputs.pop(_key(a))
         if self.p2p is not None:
             self.p2p.wait_sends()
         self.module.train()

@@ -4,13 +4,19 @@ from __future__ import annotations
 from typing import Iterator
 
 from megatron_2bw.pipeline import interleaved
-from megatron_2bw.pipeline.actions import FORWARD, RECV_ACT, SEND_ACT, Action
+from megatron_2bw.pipeline.actions import FORWARD, RECV_ACT, SEND_ACT, Action, with_transfers
 
 
 def forward_only_actions(stages: int, microbatches: int, stage: int,
-                         chunks: int = 1) -> Iterator[Action]:
+                         chunks: int = 1, shape: str = "loop") -> Iterator[Action]:
     """Forwards of `microbatches` microbatches with the newest weights (version None); with
-    chunks, in the interleaved order (microbatches in groups of p through each chunk)."""
+    chunks, in the interleaved order (microbatches in groups of p through each chunk); under a
+    V, every microbatch down chunk 0, then every one back up chunk 1."""
+    if shape == "v":
+        for c in range(2):
+            for k in range(microbatches):
+                yield from with_transfers(FORWARD, stages, stage, 2, k, c, None, "v")
+        return
     if chunks > 1:
         order = interleaved.forward_order(stages, microbatches, chunks)
     else:

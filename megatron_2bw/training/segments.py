@@ -39,7 +39,8 @@ def run_segment(stage: Stage, first_batch: int, batches: int, feed: MicrobatchFe
     actions = stage_actions(par.pipeline_schedule, par.pipeline_parallel, m, batches,
                             stage.layout.stage, first_batch, par.model_chunks)
     stage.executor.run(actions, feed, stage_receives(par.pipeline_parallel, m, batches,
-                                                     stage.layout.stage, par.model_chunks))
+                                                     stage.layout.stage, par.model_chunks,
+                                                     par.pipeline_shape))
 
 
 def segment_ends(config: Config, start: int) -> list[int]:

@@ -19,6 +19,7 @@ from megatron_2bw.optim.optimizer import build_torch_optimizer
 from megatron_2bw.pipeline.compensation import build_delay_compensation
 from megatron_2bw.pipeline.executor import StageExecutor
 from megatron_2bw.pipeline.partition import chunk_recompute, layer_ranges, stage_recompute
+from megatron_2bw.pipeline.placement import Placement
 from megatron_2bw.pipeline.pipemare import PipeMareWeights
 from megatron_2bw.pipeline.schedules import VersionRule
 from megatron_2bw.pipeline.update import GradientUpdater, StepResult
@@ -106,7 +107,8 @@ def build_stage(config: Config, layout: ParallelLayout, device: torch.device, ti
     applied_steps = AppliedSteps()
     updater = GradientUpdater(
         versions, optimizer, scaler, applied_steps.schedule(config), config.optimizer,
-        layout.group("data"), layout.group("embedding"),
+        # under a V the embedding and the output layer share rank 0: the tie is local
+        layout.group("data"), None if par.pipeline_shape == "v" else layout.group("embedding"),
         # the ranks that decide a step together (norm, overflow): the stage alone under PipeDream
         layout.group("model") if rule.global_step_decisions else layout.group("tensor"),
         layout.group("tensor"), par.ddp_bucket_size, timers,
@@ -130,7 +132,7 @@ def build_stage(config: Config, layout: ParallelLayout, device: torch.device, ti
     if par.pipeline_parallel > 1:
         prev_rank = layout.stage_rank(stage - 1) if stage > 0 else None
         next_rank = layout.stage_rank(stage + 1) if not layout.is_last_stage else None
-        if par.model_chunks > 1:  # the virtual pipeline wraps from the last rank to the first
+        if par.model_chunks > 1 and par.pipeline_shape == "loop":  # wraps from last to first
             p = par.pipeline_parallel
             prev_rank, next_rank = layout.stage_rank((stage - 1) % p), layout.stage_rank(
                 (stage + 1) % p)
@@ -149,19 +151,22 @@ def build_stage(config: Config, layout: ParallelLayout, device: torch.device, ti
 
 
 def build_model_chunks(config: Config, layout: ParallelLayout):
-    """Interleaved: the rank's v chunks, chunk c holding virtual stage c * p + stage's layers."""
+    """The rank's v chunks (placement.py): interleaved, chunk c holds virtual stage c * p +
+    stage's layers; a V, chunk 0 virtual stage `stage` and chunk 1 virtual stage 2p - 1 - stage."""
     from megatron_2bw.models.chunks import ModelChunks
     par = config.parallel
-    p, v = par.pipeline_parallel, par.model_chunks
-    ranges = layer_ranges(config.model.num_layers, p * v)
-    mine = [ranges[c * p + layout.stage] for c in range(v)]
+    placement = Placement(par.pipeline_parallel, par.model_chunks, par.pipeline_shape)
+    ranges = layer_ranges(config.model.num_layers, placement.virtual_stages)
+    virtual = [placement.virtual_stage(layout.stage, c) for c in range(placement.chunks)]
+    mine = [ranges[v] for v in virtual]
     recompute = chunk_recompute(config.recompute, layout.stage, [len(r) for r in mine])
-    return ModelChunks([
-        build_stage_model(config.model, layout.group("tensor"), par.tensor_parallel,
-                          mine[c], c == 0 and layout.is_first_stage,
-                          c == v - 1 and layout.is_last_stage, config.training.seed,
-                          recompute[c], layout.group("context"))
-        for c in range(v)])
+    chunks = [build_stage_model(config.model, layout.group("tensor"), par.tensor_parallel,
+                                mine[c], v == 0, v == placement.virtual_stages - 1,
+                                config.training.seed, recompute[c], layout.group("context"))
+              for c, v in enumerate(virtual)]
+    if placement.shape == "v" and layout.is_first_stage:  # both ends of the model on this rank
+        chunks[1].tie_to_local_embedding(chunks[0].embedding)
+    return ModelChunks(chunks, placement.shape)
 
 
 def build_optimizer(config: Config, master_params, names: list[str], layout: ParallelLayout):

@@ -1,0 +1,104 @@
+"""The V schedules (zb-v, dualpipev, v-half) with real ranks: two model chunks per rank in a V,
+chunk 1's transfers running up the ranks, the turn on the last rank a local hand-off, the
+embedding and the output layer on rank 0 (the tie is local). Each equals one process to 1e-5,
+with recomputation, ZeRO-1 and tied embeddings."""
+import functools
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from megatron_2bw.arguments import ConfigError, parse_config
+from megatron_2bw.config import RecomputeConfig
+from megatron_2bw.config_checks import validate_for_world
+from tests.distributed_helpers import run_ranks
+from tests.pipeline.harness import full_weights, max_difference, tiny_config, train_on_ranks
+from tests.pipeline.precision_harness import train_stage
+
+VOCAB = 101
+
+
+def config(schedule="flush", layers=4, p=1, t=1, global_batch=8):
+    return tiny_config(optimizer="adam", lr=0.01, clip=0.5, schedule=schedule, layers=layers,
+                       p=p, t=t, global_batch=global_batch)
+
+
+@functools.lru_cache(maxsize=None)
+def one_process(layers: int, global_batch: int):
+    return full_weights(run_ranks(1, train_on_ranks, config(layers=layers,
+                                                            global_batch=global_batch), 3))
+
+
+def _matches(c, world, train=train_on_ranks):
+    results = run_ranks(world, train, c, 3)
+    reference = one_process(c.model.num_layers, c.training.global_batch_size)
+    assert max_difference(full_weights(results), reference, VOCAB) < 1e-5
+
+
+# (t, p, world, global batch): p2, p4, t2 x p2, p2 x d2; dualpipev needs m >= 2p
+LAYOUTS = [(1, 2, 2, 8), (1, 4, 4, 16), (2, 2, 4, 8), (1, 2, 4, 16)]
+
+
+@pytest.mark.parametrize("schedule", ["zb-v", "dualpipev", "v-half"])
+@pytest.mark.parametrize("t,p,world,global_batch", LAYOUTS)
+def test_v_schedules_match_one_process(schedule, t, p, world, global_batch):
+    _matches(config(schedule, layers=2 * p, p=p, t=t, global_batch=global_batch), world)
+
+
+@pytest.mark.parametrize("schedule", ["zb-v", "dualpipev", "v-half"])
+def test_recomputation_and_zero1_match_one_process(schedule):
+    recomputed = config(schedule, p=2)
+    recomputed.recompute = RecomputeConfig("full", "uniform", 1)
+    _matches(recomputed, 2)
+    zero1 = config(schedule, p=2, global_batch=16)
+    zero1.parallel.use_distributed_optimizer = True  # p2 x d2: each replica steps half
+    _matches(zero1, 4, train_stage)  # (it gathers the full master weights)
+
+
+TINY = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length",
+        "16", "--micro-batch-size", "2", "--train-iters", "2", "--mock-data", "--vocab-size", "64",
+        "--pipeline-model-parallel-size", "2"]
+
+
+@pytest.mark.parametrize("schedule", ["zb-v", "dualpipev", "v-half"])
+def test_the_v_flags_set_two_chunks_in_a_v(schedule):
+    config, _ = parse_config([*TINY, "--pipeline-schedule", schedule, "--global-batch-size", "8"])
+    assert config.parallel.model_chunks == 2 and config.parallel.pipeline_shape == "v"
+
+
+@pytest.mark.parametrize("extra,expected", [
+    (["--pipeline-schedule", "zb-v", "--num-layers", "3"],
+     "--pipeline-schedule zb-v cuts the model into 2 x --pipeline-model-parallel-size = 4 chunks"),
+    (["--pipeline-schedule", "v-half", "--virtual-pipeline-model-parallel-size", "3"],
+     "--pipeline-schedule v-half places exactly 2 model chunks per rank (a V)"),
+    (["--pipeline-schedule", "zb-v", "--pipeline-layer-split", "1,3"],
+     "--pipeline-layer-split does not apply to --pipeline-schedule zb-v"),
+    (["--pipeline-schedule", "dualpipev", "--pipeline-repartition-interval", "5"],
+     "--pipeline-repartition-interval does not apply to --pipeline-schedule dualpipev"),
+])
+def test_bad_v_flags_are_named(extra, expected):
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        parse_config([*TINY, *extra])
+
+
+def test_too_few_microbatches_for_dualpipev_are_named():
+    config, _ = parse_config([*TINY, "--pipeline-schedule", "dualpipev",
+                              "--global-batch-size", "6"])
+    with pytest.raises(ConfigError, match=re.escape(
+            "--pipeline-schedule dualpipev needs at least 4 microbatches per batch (its steady "
+            "state pairs forwards and backwards of 2p microbatches in flight): m = "
+            "global/(micro*d) = 3; raise --global-batch-size to >= 8")):
+        validate_for_world(config, 2)
+
+
+def test_a_bad_v_flag_ends_the_run_in_one_line():
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    result = subprocess.run([sys.executable, "pretrain_gpt.py", *TINY, "--pipeline-schedule",
+                             "zb-v", "--num-layers", "3"], cwd=root, capture_output=True,
+                            text=True, timeout=120)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2 and len(lines) == 1 and "Traceback" not in result.stderr, \
+        result.stderr
+    assert lines[0].startswith("pretrain_gpt.py: error: --pipeline-schedule zb-v cuts the model")
