@@ -18,6 +18,9 @@ from megatron_2bw.arguments import ConfigError, build_parser
 from megatron_2bw.checkpoint.reshard import check_layout_fits, read_full_state, write_full_state
 from megatron_2bw.checkpoint.tool_config import config_with_base
 from megatron_2bw.data.cli import exit_on_user_error
+from megatron_2bw.pipeline.schedule_registry import REGISTRY
+
+V_SCHEDULES = tuple(name for name, spec in REGISTRY.items() if spec.shape == "v")
 
 
 def add_arguments(parser) -> None:
@@ -27,6 +30,10 @@ def add_arguments(parser) -> None:
     group.add_argument("--target-virtual-pipeline-model-parallel-size", type=int, default=1,
                        help="model chunks per pipeline rank, for --pipeline-schedule interleaved "
                             "(default 1)")
+    group.add_argument("--target-pipeline-schedule", choices=V_SCHEDULES, default=None,
+                       help="write two model chunks per pipeline rank in a V for this schedule "
+                            "(zb-v, dualpipev, v-half; default: one chunk, or the interleaved "
+                            "chunks of --target-virtual-pipeline-model-parallel-size)")
     group.add_argument("--iteration", type=int, default=None,
                        help="iteration to convert (default: the latest)")
 
@@ -42,7 +49,12 @@ def main(argv=None) -> str:
     t, p = args.target_tensor_parallel_size, args.target_pipeline_parallel_size
     check_layout_fits(state.config.model, t, p, "--target-tensor-parallel-size",
                       "--target-pipeline-parallel-size")
-    write_full_state(state, args.save, t, p, chunks=args.target_virtual_pipeline_model_parallel_size)
+    chunks, v_schedule = args.target_virtual_pipeline_model_parallel_size, \
+        args.target_pipeline_schedule
+    if v_schedule is not None and chunks != 1:
+        raise ConfigError(f"--target-pipeline-schedule {v_schedule} places 2 model chunks per rank "
+                          f"in a V; drop --target-virtual-pipeline-model-parallel-size {chunks}")
+    write_full_state(state, args.save, t, p, chunks=chunks, v_schedule=v_schedule)
     print(f" converted {args.load} (iteration {state.iteration}) to t={t} x p={p} in {args.save}",
           flush=True)
     return args.save

@@ -10,7 +10,7 @@ loss). The last stage's tied copy of the word embeddings is rebuilt from the fir
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from tqdm import tqdm
@@ -21,6 +21,7 @@ from megatron_2bw.checkpoint.save_load import (FORMAT, CheckpointError, atomic_s
                                                write_metadata)
 from megatron_2bw.models import MODELS
 from megatron_2bw.pipeline.partition import layer_ranges
+from megatron_2bw.pipeline.placement import Placement
 
 WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
 # Parameters with one row per vocabulary entry (padded per layout).
@@ -148,26 +149,43 @@ def _source_name(name: str, spec) -> str:
 
 
 def _rank_parameter_specs(model: ModelConfig, tensor: int, pipeline: int, chunks: int,
-                          layer_split: list[int] | None, pp: int) -> list[tuple[str, object]]:
-    """(name, spec) of pipeline rank pp: its stage, or under the interleaved schedule its chunks
-    (chunk c: virtual stage c * p + pp of p * chunks even ones)."""
+                          layer_split: list[int] | None, pp: int,
+                          shape: str = "loop") -> list[tuple[str, object]]:
+    """(name, spec) of pipeline rank pp: its stage, or its chunks (pipeline/placement.py:
+    interleaved, chunk c is virtual stage c * p + pp; a V, chunks 0 and 1 are virtual stages pp
+    and 2p - 1 - pp, and rank 0's output layer reads its own embedding: no tied copy)."""
     if chunks == 1:
         ranges = layer_ranges(model.num_layers, pipeline, layer_split)
         return stage_parameter_specs(model, tensor, ranges[pp], pp == 0, pp == pipeline - 1)
-    ranges = layer_ranges(model.num_layers, pipeline * chunks)
-    return [spec for c in range(chunks) for spec in stage_parameter_specs(
-        model, tensor, ranges[c * pipeline + pp], c == 0 and pp == 0,
-        c == chunks - 1 and pp == pipeline - 1)]
+    placement = Placement(pipeline, chunks, shape)
+    ranges = layer_ranges(model.num_layers, placement.virtual_stages)
+    specs = []
+    for c in range(chunks):
+        v = placement.virtual_stage(pp, c)
+        specs += stage_parameter_specs(model, tensor, ranges[v], v == 0,
+                                       v == placement.virtual_stages - 1)
+    if shape == "v" and pp == 0:
+        specs = [(name, replace(spec, tied=False)) for name, spec in specs if not spec.tied_copy]
+    return specs
 
 
 def write_full_state(state: FullState, root: str, tensor: int, pipeline: int,
-                     layer_split: list[int] | None = None, chunks: int = 1) -> None:
+                     layer_split: list[int] | None = None, chunks: int = 1,
+                     v_schedule: str | None = None) -> None:
     """Write `state` as a checkpoint of layout t x p (every file, the metadata, then the marker),
-    with `chunks` model chunks per pipeline rank (the interleaved schedule's v).
+    with `chunks` model chunks per pipeline rank (the interleaved schedule's v), or, given
+    `v_schedule` (zb-v, dualpipev, v-half), two chunks per rank in a V for that schedule.
     RNG states are per rank of the old layout: none are written (a resumed run reseeds)."""
     model = state.config.model
     check_layout_fits(model, tensor, pipeline)
-    if chunks > 1 and (layer_split is not None or model.num_layers % (pipeline * chunks)):
+    shape = "v" if v_schedule is not None else "loop"
+    if shape == "v":
+        if chunks not in (1, 2) or layer_split is not None or model.num_layers < 2 * pipeline:
+            raise CheckpointError(f"a V layout ({v_schedule}) holds 2 model chunks per rank and "
+                                  f"needs --num-layers {model.num_layers} >= 2 x {pipeline} (and "
+                                  f"no layer split)")
+        chunks = 2
+    elif chunks > 1 and (layer_split is not None or model.num_layers % (pipeline * chunks)):
         raise CheckpointError(f"{chunks} model chunks per rank need --num-layers "
                               f"{model.num_layers} divisible by {pipeline} x {chunks} (and no "
                               f"layer split)")
@@ -175,16 +193,19 @@ def write_full_state(state: FullState, root: str, tensor: int, pipeline: int,
     config.parallel.tensor_parallel, config.parallel.pipeline_parallel = tensor, pipeline
     config.parallel.layer_split = layer_split
     config.parallel.num_layers_per_virtual_pipeline_stage = None
-    config.parallel.virtual_pipeline_parallel = chunks if chunks > 1 else None
-    if chunks > 1:
+    config.parallel.virtual_pipeline_parallel = chunks if chunks > 1 and shape == "loop" else None
+    if shape == "v":
+        config.parallel.schedule = v_schedule
+    elif chunks > 1:
         config.parallel.schedule = "interleaved"
-    elif config.parallel.schedule == "interleaved":
+    elif config.parallel.pipeline_schedule == "interleaved" or \
+            config.parallel.pipeline_shape == "v":
         config.parallel.schedule = None
     optimizer = state.optimizer or {"groups": [], "state": {}}
     progress = tqdm(total=tensor * pipeline, desc=f"writing {root}", unit="file",
                     disable=tensor * pipeline < 4)
     for pp in range(pipeline):
-        specs = _rank_parameter_specs(model, tensor, pipeline, chunks, layer_split, pp)
+        specs = _rank_parameter_specs(model, tensor, pipeline, chunks, layer_split, pp, shape)
         missing = [n for n, s in specs if _source_name(n, s) not in state.model]
         if missing:
             raise CheckpointError(f"the checkpoint lacks parameters {missing[:3]} of a "

@@ -284,21 +284,32 @@ def _layers_per_stage(config: Config) -> list[int]:
 def check_layout(metadata: dict, root: str, current: Config) -> None:
     saved = metadata["layout"]
     tensor, pipeline = current.parallel.tensor_parallel, current.parallel.pipeline_parallel
+    current_chunks, current_shape = current.parallel.model_chunks, current.parallel.pipeline_shape
+    target = (f" --target-pipeline-schedule {current.parallel.pipeline_schedule}"
+              if current_shape == "v" else
+              f" --target-virtual-pipeline-model-parallel-size {current_chunks}")
     if (saved["tensor"], saved["pipeline"]) != (tensor, pipeline):
         raise CheckpointError(
             f"checkpoint {root} (iteration {metadata['iteration']}) was saved with "
             f"--tensor-model-parallel-size {saved['tensor']} --pipeline-model-parallel-size "
             f"{saved['pipeline']}, but this run uses --tensor-model-parallel-size {tensor} "
             f"--pipeline-model-parallel-size {pipeline}; "
-            + CONVERT_HINT.format(root=root, t=tensor, p=pipeline))
+            + CONVERT_HINT.format(root=root, t=tensor, p=pipeline)
+            + (target if current_chunks > 1 else ""))
     saved_config = Config.from_dict(metadata["config"])
-    chunks, current_chunks = saved_config.parallel.model_chunks, current.parallel.model_chunks
+    chunks, shape = saved_config.parallel.model_chunks, saved_config.parallel.pipeline_shape
     if chunks != current_chunks:  # a rank's file holds the layers of its chunks
         raise CheckpointError(
             f"checkpoint {root} (iteration {metadata['iteration']}) was saved with {chunks} model "
             f"chunk(s) per pipeline rank (--virtual-pipeline-model-parallel-size), this run uses "
-            f"{current_chunks}; " + CONVERT_HINT.format(root=root, t=tensor, p=pipeline)
-            + f" --target-virtual-pipeline-model-parallel-size {current_chunks}")
+            f"{current_chunks}; " + CONVERT_HINT.format(root=root, t=tensor, p=pipeline) + target)
+    if shape != current_shape:  # the same chunk count, other layers on each rank
+        raise CheckpointError(
+            f"checkpoint {root} (iteration {metadata['iteration']}) was saved with the model "
+            f"chunks in a {'V' if shape == 'v' else 'loop'} (--pipeline-schedule "
+            f"{saved_config.parallel.pipeline_schedule}), this run places them in a "
+            f"{'V' if current_shape == 'v' else 'loop'}; "
+            + CONVERT_HINT.format(root=root, t=tensor, p=pipeline) + target)
     old, new = _layers_per_stage(saved_config), _layers_per_stage(current)
     if old != new:
         raise CheckpointError(

@@ -401,6 +401,10 @@ def estimate_stage_memory(model: ModelConfig, parallel: ParallelConfig, precisio
     recompute = stage_recompute(recompute, stage)
     layers = _stage_layers(model.num_layers, p, tuple(parallel.layer_split or ()))[stage]
     first, last = stage == 0, stage == p - 1
+    if parallel.pipeline_shape == "v":  # chunks r and 2p-1-r; both ends of the model on rank 0
+        ranges = layer_ranges(model.num_layers, 2 * p)
+        layers = len(ranges[stage]) + len(ranges[2 * p - 1 - stage])
+        first = last = stage == 0
     P = stage_parameters(model, t, layers, first, last)
     e, g = dtype_bytes(precision), grad_buffer_bytes(precision)
     versions = live_versions(schedule, p, stage)  # working copies: 2BW 2, PipeDream p - s

@@ -22,12 +22,13 @@ from dataclasses import dataclass, field
 from tqdm import tqdm
 
 from megatron_2bw.config import Config, ModelConfig, ParallelConfig, PrecisionConfig, RecomputeConfig
-from megatron_2bw.pipeline.schedules import SCHEDULES, VersionRule
+from megatron_2bw.pipeline.schedules import REGISTRY, SCHEDULES, VersionRule
 
 # what --pipeline-schedule offers (PipeDream's vertical sync is a flag of its own, not planned)
 # PipeMare's update rule differs from the others' (and its time is 2BW's): planned only where
 # --pipeline-schedule pipemare pins it, never chosen in place of another schedule
-# the V schedules are not planned: the runtime does not run them yet
+# the V schedules are not searched: the stage costs put the output layer on the last rank, a V
+# puts it on rank 0 (the simulator and the memory model know a V)
 PLANNED_SCHEDULES = tuple(s for s in SCHEDULES if s not in ("pipedream-vs", "pipemare", "zb-v",
                                                             "dualpipev"))
 from megatron_2bw.planner.cost import (RECOMPUTE_OPTIONS, Candidate, CoreSharing, StageCost,
@@ -310,7 +311,8 @@ class _Planner:
                 self._schedules[shape] = compiled_schedule(*shape[:3], SIMULATED_BATCHES,
                                                            c.chunks)
             result = simulate(self._schedules[shape], item.durations, sharing=item.sharing,
-                              stage_local_steps=not VersionRule(*shape[:2]).global_step_decisions)
+                              stage_local_steps=not VersionRule(*shape[:2]).global_step_decisions,
+                              shape=REGISTRY[c.schedule].shape)
             seconds, bubble = result.time_per_batch, result.bubble_fraction
             breakdown, bottleneck = result.breakdown, result.bottleneck
         else:

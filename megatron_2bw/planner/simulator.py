@@ -29,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from megatron_2bw.pipeline import schedules as S
+from megatron_2bw.pipeline.placement import Placement
 from megatron_2bw.planner.cost import (INPUT_GRADIENT_SHARE, CoreSharing, StageCost,
                                        bottleneck_label, busiest_stage)
 
@@ -72,7 +73,7 @@ class _Replay:
     """The state both replays share, and the rules for transfers, receives and steps."""
 
     def __init__(self, compiled: Compiled, durations: list[StageCost], microbatches: int,
-                 reduces: list[int], stage_local_steps: bool = False):
+                 reduces: list[int], stage_local_steps: bool = False, shape: str = "loop"):
         p = len(compiled)
         self.stage_local_steps = stage_local_steps
         self.compiled, self.durations, self.m = compiled, durations, microbatches
@@ -89,8 +90,9 @@ class _Replay:
         self.tied_first = p > 1 and durations[0].tied_async_s > 0
         self.step_arrival: dict[int, float] = {}  # batch -> when the first stage reached its step
         self.background: list[tuple[int, float] | None] = [None] * p  # (batch, when it is in)
-        # interleaved: a rank's chunks each take 1/v of its stage's pass
+        # interleaved and a V: a rank's chunks each take 1/v of its stage's pass
         self.chunks = 1 + max((a[3] for row in compiled for a in row), default=0)
+        self.placement = Placement(p, self.chunks, shape)
 
     def pass_cost(self, s: int, code: int) -> tuple[float, float, float]:
         """(seconds, of them blocked in collectives, collectives) of a forward, backward, B or W
@@ -129,19 +131,19 @@ class _Replay:
         self.peak[s] = max(self.peak[s], self.in_flight[s])
 
     def send(self, s: int, code: int, k: int, t: float, chunk: int = 0) -> None:
-        """An activation (code 2) or gradient (4) transfer queued on its link at time t (with
-        chunks the virtual pipeline wraps from the last stage to the first)."""
-        cost, p = self.durations[s], len(self.durations)
-        if code == 2:
-            start = max(t, self.link_next[s])
-            self.link_next[s] = start + cost.send_act_s
-            self.act_arrival[(s + 1) % p][k, chunk + (s == p - 1)] = (start + cost.send_act_s,
-                                                                      cost.send_act_s)
-        else:
-            start = max(t, self.link_prev[s])
-            self.link_prev[s] = start + cost.send_grad_s
-            self.grad_arrival[(s - 1) % p][k, chunk - (s == 0)] = (start + cost.send_grad_s,
-                                                                   cost.send_grad_s)
+        """An activation (code 2) or gradient (4) transfer queued on its link at time t, to the
+        neighbouring virtual stage (placement.py: a loop wraps from the last rank to the first; a
+        V's chunk 1 runs up the ranks, so its activations take the link to s-1)."""
+        cost = self.durations[s]
+        placement = self.placement
+        rank, their_chunk = placement.next(s, chunk) if code == 2 else placement.previous(s, chunk)
+        seconds = cost.send_act_s if code == 2 else cost.send_grad_s
+        down = (code == 2) != (placement.shape == "v" and chunk == 1)
+        links = self.link_next if down else self.link_prev
+        start = max(t, links[s])
+        links[s] = start + seconds
+        arrivals = self.act_arrival if code == 2 else self.grad_arrival
+        arrivals[rank][k, their_chunk] = (start + seconds, seconds)
 
     def receive(self, s: int, code: int, k: int, t: float, chunk: int = 0) -> float | None:
         """When a receive (code 3: activation, 5: gradient) reached at time t completes; None if
@@ -392,10 +394,12 @@ def _replay_sharing_processors(replay: _Replay, sharing: CoreSharing) -> None:
 
 def simulate(actions: list[list[S.Action]] | Compiled, durations: list[StageCost],
              activation_bytes: list[float] | None = None,
-             sharing: CoreSharing | None = None, stage_local_steps: bool = False) -> SimResult:
+             sharing: CoreSharing | None = None, stage_local_steps: bool = False,
+             shape: str = "loop") -> SimResult:
     """Replay every stage's actions with `durations` (one StageCost per stage); `sharing`: how the
     ranks share their nodes' processors, if they do; `stage_local_steps`: each stage's step waits
-    for its own reduce only (schedules.VersionRule.global_step_decisions false: PipeDream)."""
+    for its own reduce only (schedules.VersionRule.global_step_decisions false: PipeDream);
+    `shape`: where the chunks sit (placement.py; "v" for the V schedules)."""
     compiled = actions if actions and actions[0] and isinstance(actions[0][0], tuple) \
         else compile_actions(actions)
     p = len(compiled)
@@ -407,7 +411,7 @@ def simulate(actions: list[list[S.Action]] | Compiled, durations: list[StageCost
         raise ValueError("simulate needs at least 3 batches to measure a steady time per batch")
     m = forwards // len(reduces)
 
-    replay = _Replay(compiled, durations, m, reduces, stage_local_steps)
+    replay = _Replay(compiled, durations, m, reduces, stage_local_steps, shape)
     if sharing is None:
         _replay_own_processors(replay)
     else:

@@ -11,18 +11,26 @@ import sys
 import pytest
 
 from megatron_2bw.arguments import ConfigError, parse_config
+from megatron_2bw.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from megatron_2bw.checkpoint.reshard import read_full_state, write_full_state
 from megatron_2bw.config import RecomputeConfig
 from megatron_2bw.config_checks import validate_for_world
+from megatron_2bw.training.segments import run_segment
+from tests.data.helpers import load_tool
 from tests.distributed_helpers import run_ranks
-from tests.pipeline.harness import full_weights, max_difference, tiny_config, train_on_ranks
+from tests.pipeline.harness import (full_weights, gpt_feed, max_difference, rank_weights,
+                                    stage_on_rank, tiny_config, train_on_ranks)
 from tests.pipeline.precision_harness import train_stage
 
 VOCAB = 101
+convert_checkpoint = load_tool("convert_checkpoint")
 
 
-def config(schedule="flush", layers=4, p=1, t=1, global_batch=8):
-    return tiny_config(optimizer="adam", lr=0.01, clip=0.5, schedule=schedule, layers=layers,
-                       p=p, t=t, global_batch=global_batch)
+def config(schedule="flush", layers=4, p=1, t=1, global_batch=8, chunks=None):
+    c = tiny_config(optimizer="adam", lr=0.01, clip=0.5, schedule=schedule, layers=layers,
+                    p=p, t=t, global_batch=global_batch)
+    c.parallel.virtual_pipeline_parallel = chunks
+    return c
 
 
 @functools.lru_cache(maxsize=None)
@@ -102,3 +110,63 @@ def test_a_bad_v_flag_ends_the_run_in_one_line():
     assert result.returncode == 2 and len(lines) == 1 and "Traceback" not in result.stderr, \
         result.stderr
     assert lines[0].startswith("pretrain_gpt.py: error: --pipeline-schedule zb-v cuts the model")
+
+
+# -- checkpoints ---------------------------------------------------------------------------------
+
+def _train_and_save(rank: int, world: int, c, batches: int, save: str) -> dict:
+    layout, stage = stage_on_rank(rank, world, c)
+    run_segment(stage, 0, batches, gpt_feed(c, layout))
+    stage.iteration, stage.consumed_samples = batches, batches * c.training.global_batch_size
+    stage.config.checkpoint.save = save
+    save_checkpoint(stage)
+    return rank_weights(layout, stage)
+
+
+def _load_and_train(rank: int, world: int, c, load: str, batches: int) -> dict:
+    layout, stage = stage_on_rank(rank, world, c)
+    try:
+        load_checkpoint(stage, load)
+    except CheckpointError as error:
+        return {"refused": str(error)}
+    run_segment(stage, stage.iteration, batches, gpt_feed(c, layout))
+    return rank_weights(layout, stage)
+
+
+def _true_vocabulary(weights: dict) -> dict:
+    """Vocabulary-sized tensors cut to the true vocabulary: a conversion pads with zeros."""
+    padded = weights["embedding.word_embeddings.weight"].shape[0]
+    return {k: w[:VOCAB] if w.shape[0] == padded else w for k, w in weights.items()}
+
+
+def test_v_checkpoints_name_layers_globally_and_convert_to_and_from_v(tmp_path):
+    """Saved by zb-v at p2 after 2 batches: the files read back as the trained weights under
+    global layer names (rank 0 holds layers 0 and 3, the embedding and the output layer; no tied
+    copy); a loop layout is refused with the conversion to run; converted to t1 x p1 and back to a
+    V for v-half, a third batch reaches the weights of 3 batches in one process."""
+    saved = str(tmp_path / "zbv")
+    trained = run_ranks(2, _train_and_save, config("zb-v", p=2), 2, saved)
+    state = read_full_state(saved, show_progress=False)
+    weights = full_weights(trained)
+    assert state.model.keys() == set(weights)
+    assert max_difference(state.model, weights, VOCAB) == 0.0
+    rank0 = next(r for r in trained if r["coords"] == (0, 0, 0))["weights"]
+    assert {n.split(".")[2] for n in rank0 if n.startswith("transformer.layers.")} == {"0", "3"}
+    refused = run_ranks(2, _load_and_train, config("interleaved", p=2, chunks=2), saved, 1)
+    assert all("the model chunks in a V" in r["refused"] and "--target-virtual-pipeline-model-"
+               "parallel-size 2" in r["refused"] for r in refused)
+    refused = run_ranks(2, _load_and_train, config("flush", p=2), saved, 1)
+    assert all("--target-virtual-pipeline-model-parallel-size 1" in r["refused"] for r in refused)
+    single = str(tmp_path / "t1p1")
+    write_full_state(state, single, 1, 1)
+    resumed = run_ranks(1, _load_and_train, config("flush"), single, 1)
+    straight = _true_vocabulary(one_process(4, 8))
+    assert max_difference(_true_vocabulary(full_weights(resumed)), straight, VOCAB) < 1e-5
+    refused = run_ranks(2, _load_and_train, config("v-half", p=2), single, 1)
+    assert all("--target-pipeline-schedule v-half" in r["refused"] for r in refused)
+    v_again = str(tmp_path / "vhalf")
+    convert_checkpoint.main(["--load", single, "--save", v_again, "--target-tensor-parallel-size",
+                             "1", "--target-pipeline-parallel-size", "2",
+                             "--target-pipeline-schedule", "v-half"])
+    resumed = run_ranks(2, _load_and_train, config("v-half", p=2), v_again, 1)
+    assert max_difference(_true_vocabulary(full_weights(resumed)), straight, VOCAB) < 1e-5

@@ -7,6 +7,10 @@ from megatron_2bw.pipeline import schedules as S
 from megatron_2bw.pipeline.actions import flushed_batches, receives_in_send_order
 from megatron_2bw.pipeline.placement import Placement
 from megatron_2bw.pipeline.v_half import activation_budget
+from megatron_2bw.planner.cost import INPUT_GRADIENT_SHARE, StageCost
+from megatron_2bw.planner.memory import estimate_stage_memory
+from megatron_2bw.planner.simulator import compiled_schedule, simulate
+from tests.pipeline.harness import tiny_config
 from megatron_2bw.pipeline.zb_v import zb_v_order
 
 V_SCHEDULES = ("zb-v", "dualpipev", "v-half")
@@ -136,3 +140,36 @@ def test_replayed_bubbles_against_the_papers_formulas():
     assert max(idle) / makespan <= p / (2 * m)
     # the V's order: ZB-V below ZB-H1 below Flush, V-Half between ZB-V and Flush
     assert max(_idle_per_rank("zb-v", p, m)[1]) < max(idle) < (p - 1) * 6
+
+
+@pytest.mark.parametrize("schedule", V_SCHEDULES)
+def test_the_planners_simulator_replays_a_v_as_the_schedule_replay(schedule):
+    """Forward 1, backward 2 per stage (a chunk: half), no communication, p = 4, m = 8: the
+    simulator's time per batch is the replay's makespan with the same per-chunk times, and its
+    in-flight peaks are the registry's."""
+    durations = [StageCost(1.0, 2.0, 0.0, 0.0, 0.0, 0.0, 0.0)] * 4
+    result = simulate(compiled_schedule(schedule, 4, 8, 3, 2), durations, shape="v")
+    chunk = {S.FORWARD: 0.5, S.BACKWARD: 1.0, S.BACKWARD_INPUT: INPUT_GRADIENT_SHARE,
+             S.BACKWARD_WEIGHT: 1.0 - INPUT_GRADIENT_SHARE}
+    rows = S.timeline(S.build_schedule(schedule, 4, 8, 1, chunks=2),
+                      lambda s, a: chunk.get(a.kind, 0.0), shape="v")
+    assert result.time_per_batch == pytest.approx(max(t.end for row in rows for t in row))
+    assert result.peak_inflight_microbatches == [S.max_in_flight(schedule, 4, 8, s, 2)
+                                                 for s in range(4)]
+
+
+def test_the_memory_estimate_places_a_vs_layers_and_ends():
+    """p = 4, 8 layers: a V's rank holds layers r and 7 - r; rank 0 both the embedding and the
+    output layer, the last rank neither. Activations scale with the in-flight microbatch-chunks
+    (half a 1F1B stage's each)."""
+    def memory(schedule, stage):
+        c = tiny_config(p=4, schedule=schedule, layers=8)
+        return estimate_stage_memory(c.model, c.parallel, c.precision, c.recompute, "adam", 2, 8,
+                                     1, stage)
+    middle = memory("flush", 1)  # two layers, neither end
+    for schedule in V_SCHEDULES:
+        in_flight = S.max_in_flight(schedule, 4, 8, 1, 2) / 2
+        assert memory(schedule, 1).activations == pytest.approx(
+            middle.activations * in_flight / S.max_in_flight("flush", 4, 8, 1))
+        assert memory(schedule, 3).params == middle.params  # no output layer on the last rank
+        assert memory(schedule, 0).params > memory("flush", 0).params  # embedding and head
