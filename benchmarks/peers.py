@@ -1,6 +1,7 @@
 """The peers of the throughput benchmark: the same GPT, data and batch trained on 2 pipeline stages by
 torch.distributed.pipelining (Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B with two model
-chunks per rank, ScheduleInterleavedZeroBubble with one: ZB-H1) and by DeepSpeed's PipelineEngine.
+chunks per rank, ScheduleInterleavedZeroBubble with one: ZB-H1; ScheduleZBVZeroBubble and
+ScheduleDualPipeV with two in a V) and by DeepSpeed's PipelineEngine.
 
 The peers cannot run megatron_2bw's modules inside their runtimes as-is, so the model is rebuilt from
 plain torch.nn modules computing the same function (pre-LayerNorm blocks, fused qkv rows ordered
@@ -147,46 +148,56 @@ def build_optimizer(module: nn.Module, workload):
 # schedule name -> (torch.distributed.pipelining class, model chunks per rank)
 TORCH_SCHEDULES = {"1f1b": ("Schedule1F1B", 1), "gpipe": ("ScheduleGPipe", 1),
                    "interleaved_1f1b": ("ScheduleInterleaved1F1B", 2),
-                   "zero_bubble": ("ScheduleInterleavedZeroBubble", 1)}
+                   "zero_bubble": ("ScheduleInterleavedZeroBubble", 1),
+                   "zbv": ("ScheduleZBVZeroBubble", 2), "dualpipev": ("ScheduleDualPipeV", 2)}
+V_SCHEDULES = ("zbv", "dualpipev")  # chunk 0 of rank r: stage r; chunk 1: stage 2 x world - 1 - r
 
 
 class TorchPipeliningTrainer:
     """A torch.distributed.pipelining schedule on 2 ranks (TORCH_SCHEDULES). With chunks, chunk c of
-    rank r is virtual stage c * 2 + r of equal layer counts, as in our interleaved schedule. torch
-    pipelining keeps no tied weights across stages, so the embedding/head gradients are summed and
-    the gradients clipped over both ranks by hand here, as megatron_2bw and DeepSpeed do."""
+    rank r is virtual stage c * 2 + r of equal layer counts, as in our interleaved schedule, or in
+    a V (V_SCHEDULES) stage r for chunk 0 and 2 x 2 - 1 - r for chunk 1, as in ours. torch
+    pipelining keeps no tied weights across stages, so the embedding/head gradients are summed
+    (over both ranks, or on rank 0 under a V) and the gradients clipped over both ranks by hand
+    here, as megatron_2bw and DeepSpeed do."""
 
     def __init__(self, workload, split: list[int], rank: int, world: int, schedule_name: str,
                  device: torch.device):
         from torch.distributed import pipelining
         config = workload.model
         self.workload, self.rank, self.device = workload, rank, device
-        self.first, self.last = rank == 0, rank == world - 1
         class_name, chunks = TORCH_SCHEDULES[schedule_name]
+        self.v = schedule_name in V_SCHEDULES
+        # the ranks holding the first and the last stage (a V: both on rank 0)
+        self.first, self.last = rank == 0, rank == (0 if self.v else world - 1)
         if chunks == 1:
             start = sum(split[:rank])
+            virtual = [rank]
             layers = [range(start, start + split[rank])]
         else:
             per_chunk = config.num_layers // (world * chunks)
-            layers = [range((c * world + rank) * per_chunk, (c * world + rank + 1) * per_chunk)
-                      for c in range(chunks)]
-        chunk_modules = [PlainGPTStage(config, layers[c], self.first and c == 0,
-                                       self.last and c == chunks - 1, self.last and c == chunks - 1)
+            virtual = [rank, 2 * world - 1 - rank] if self.v else \
+                [c * world + rank for c in range(chunks)]
+            layers = [range(v * per_chunk, (v + 1) * per_chunk) for v in virtual]
+        ends = [(v == 0, v == world * chunks - 1) for v in virtual]
+        chunk_modules = [PlainGPTStage(config, layers[c], ends[c][0], ends[c][1], ends[c][1])
                          for c in range(chunks)]
         self.module = nn.ModuleList(chunk_modules).to(device)
         weights = megatron_weights(config, workload.seed)
         for chunk in chunk_modules:
             load_weights(chunk, weights)
         self.optimizer = build_optimizer(self.module, workload)
-        stages = [pipelining.PipelineStage(chunk, c * world + rank, world * chunks, device)
+        stages = [pipelining.PipelineStage(chunk, virtual[c], world * chunks, device)
                   for c, chunk in enumerate(chunk_modules)]
         schedule_class = getattr(pipelining, class_name)
         # loss_fn on every rank: a rank without it waits forever in shape inference
         self.schedule = schedule_class(stages if class_name.startswith("ScheduleInterleaved")
-                                       else stages[0], workload.microbatches,
+                                       or self.v else stages[0], workload.microbatches,
                                        loss_fn=language_model_loss)
-        self.tied = (chunk_modules[0].embedding.word_embeddings.weight if self.first
-                     else chunk_modules[-1].output_embedding)
+        self.tied = [module.embedding.word_embeddings.weight for module in chunk_modules
+                     if module.embedding is not None] + \
+            [module.output_embedding for module in chunk_modules
+             if module.output_embedding is not None]
         self.first_loss: float | None = None
         self.batch_ends: dict[int, float] = {}
 
@@ -194,13 +205,23 @@ class TorchPipeliningTrainer:
         for b in range(first_batch, first_batch + batches):
             tokens = self.workload.batch_tokens(b).to(self.device)
             losses: list[torch.Tensor] = []
-            if self.first:
-                self.schedule.step(tokens[:, :-1])
+            inputs = (tokens[:, :-1],) if self.first else ()
+            if self.last:
+                self.schedule.step(*inputs, target=tokens[:, 1:], losses=losses)
+            elif self.first:
+                self.schedule.step(*inputs)
             else:
-                self.schedule.step(target=tokens[:, 1:], losses=losses)
-            dist.all_reduce(self.tied.grad)  # tied embedding: both copies take the summed gradient
+                self.schedule.step()
+            if self.v:  # the embedding and its head copy both on rank 0: summed there
+                if self.tied:
+                    summed = self.tied[0].grad + self.tied[1].grad
+                    for tied in self.tied:
+                        tied.grad.copy_(summed)
+            else:  # tied embedding: both copies take the summed gradient
+                dist.all_reduce(self.tied[0].grad)
+            head_copy = self.tied[-1] if self.last and self.tied else None
             squared = torch.stack([p.grad.pow(2).sum() for p in self.module.parameters()
-                                   if p.grad is not None and not (self.last and p is self.tied)])
+                                   if p.grad is not None and p is not head_copy])
             total = squared.sum().reshape(1)
             dist.all_reduce(total)
             norm = float(total.sqrt())

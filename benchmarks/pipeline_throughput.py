@@ -88,10 +88,21 @@ RUNS = {
     "torch_zero_bubble": (STAGES, "torch.distributed.pipelining ScheduleInterleavedZeroBubble, "
                                   "1 chunk per rank (ZB-H1)"),
     "deepspeed": (STAGES, "DeepSpeed PipelineEngine (1F1B)"),
+    "zb-v": (STAGES, "megatron_2bw ZB-V (two chunks per rank in a V)"),
+    "dualpipev": (STAGES, "megatron_2bw DualPipeV (two chunks per rank in a V)"),
+    "v-half": (STAGES, "megatron_2bw V-Half (a V at half of 1F1B's activations)"),
+    "torch_zbv": (STAGES, "torch.distributed.pipelining ScheduleZBVZeroBubble, 2 chunks per rank "
+                          "in a V"),
+    "torch_dualpipev": (STAGES, "torch.distributed.pipelining ScheduleDualPipeV, 2 chunks per "
+                                "rank in a V"),
 }
-OURS = ("one_process", "gpipe", "flush", "2bw", "pipedream", "zb-h1", "interleaved")
-
-CHUNKED_RUNS = ("interleaved", "torch_interleaved_1f1b")  # two model chunks per rank
+OURS = ("one_process", "gpipe", "flush", "2bw", "pipedream", "zb-h1", "interleaved", "zb-v",
+        "dualpipev", "v-half")
+# two model chunks per rank in a V: run when --runs names them (ours beside torch's)
+V_RUNS = ("zb-v", "dualpipev", "v-half", "torch_zbv", "torch_dualpipev")
+# two model chunks per rank
+CHUNKED_RUNS = ("interleaved", "torch_interleaved_1f1b") + V_RUNS
+DUALPIPE_RUNS = ("dualpipev", "torch_dualpipev")  # m >= 2 x stages
 
 
 @dataclass
@@ -124,12 +135,13 @@ class Workload:
                             for i in range(start, start + self.global_batch)])
 
     def config(self, stages: int, schedule: str | None, split: list[int] | None) -> Config:
-        chunked = schedule == "interleaved"  # two chunks per rank, even layers (no split)
+        chunked = schedule in CHUNKED_RUNS  # two chunks per rank, even layers (no split)
         return Config(model=self.model,
                       parallel=ParallelConfig(pipeline_parallel=stages, schedule=schedule,
                                               layer_split=split if stages > 1 and not chunked
                                               else None,
-                                              virtual_pipeline_parallel=2 if chunked else None),
+                                              virtual_pipeline_parallel=2
+                                              if schedule == "interleaved" else None),
                       optimizer=self.optimizer,
                       training=TrainingConfig(micro_batch_size=self.micro_batch,
                                               global_batch_size=self.global_batch,
@@ -772,12 +784,17 @@ def parse_workload(args) -> tuple[Workload, list[str], list[int] | None]:
     chunks_fit = args.num_layers % (2 * STAGES) == 0 and m % STAGES == 0
     if args.runs is None:  # the runs this model allows: chunks where layers split, untied pipedream
         args.runs = ",".join(n for n in RUNS if (chunks_fit or n not in CHUNKED_RUNS) and
+                             n not in V_RUNS and
                              (args.untie_embeddings_and_output_weights or n != "pipedream"))
     chunked = [n for n in args.runs.split(",") if n.strip() in CHUNKED_RUNS]
     if chunked and not chunks_fit:
         fail(f"--runs {','.join(chunked)}: two chunks per rank need --num-layers a multiple of "
              f"{2 * STAGES} (got {args.num_layers}) and m a multiple of {STAGES} (got {m})")
     names = [n.strip() for n in args.runs.split(",") if n.strip()]
+    dualpipe = [n for n in names if n in DUALPIPE_RUNS]
+    if dualpipe and m < 2 * STAGES:
+        fail(f"--runs {','.join(dualpipe)}: DualPipeV needs at least {2 * STAGES} microbatches "
+             f"(2 x stages), got --global-batch-size / --micro-batch-size = {m}")
     unknown = [n for n in names if n not in RUNS]
     if unknown or not names:
         fail(f"--runs expects a comma-separated subset of {','.join(RUNS)}, got {args.runs!r}")

@@ -47,6 +47,21 @@ def test_every_run_trains_the_same_model_and_reports(tmp_path, capsys):
     assert "stages side by side" in table and "round 1: stage 0" in table and "2bw measured" in table
 
 
+def test_the_v_schedules_run_beside_torchs(tmp_path):
+    """Ours (zb-v, dualpipev, v-half) and torch's ScheduleZBVZeroBubble and ScheduleDualPipeV in
+    one run, on the same model, weights and data: the first batch's loss agrees."""
+    json_path = tmp_path / "v.json"
+    runs = "one_process,zb-v,torch_zbv,dualpipev,torch_dualpipev,v-half"
+    summaries = bench.main([*TINY, "--global-batch-size", "8", "--runs", runs,
+                            "--side-by-side-seconds", "0", "--json", str(json_path)])
+    record = json.loads(json_path.read_text())
+    assert [run["name"] for run in record["runs"]] == runs.split(",")
+    for run in record["runs"][1:]:
+        assert run["tokens_per_s"] > 0 and len(run["peak_memory_bytes"]) == 2
+    losses = [s.first_loss for s in summaries]
+    assert all(abs(loss - losses[0]) < 1e-4 for loss in losses), losses
+
+
 def test_side_by_side_phase_runs_right_after_each_round_s_2bw_run(monkeypatch):
     workload, _, _ = bench.parse_workload(bench.build_parser().parse_args(TINY))
     order = []
@@ -185,6 +200,8 @@ def test_split_is_chosen_from_measured_costs():
     (["--global-batch-size", "6", "--micro-batch-size", "4"], "must be a multiple"),
     (["--global-batch-size", "4", "--micro-batch-size", "4"], "need at least 2"),
     (["--json", "/no/such/dir/r.json"], "does not exist"),
+    (["--runs", "dualpipev", "--num-layers", "4", "--global-batch-size", "4", "--micro-batch-size",
+      "2"], "DualPipeV needs at least 4 microbatches"),
     (["--retries", "-1"], "must not be negative"),
     (["--side-by-side-seconds", "-1"], "--side-by-side-seconds must not be negative"),
     (["--measured-batches", "1"], "--measured-batches must be >= 2"),
