@@ -19,7 +19,6 @@ import pytest
 
 from megatron_2bw.arguments import ConfigError, parse_config
 from megatron_2bw.config_checks import validate_for_world
-from megatron_2bw.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from megatron_2bw.checkpoint.reshard import read_full_state, write_full_state
 from megatron_2bw.config import RecomputeConfig
 from megatron_2bw.pipeline import schedules as S
@@ -28,9 +27,9 @@ from megatron_2bw.planner.cost import StageCost, time_per_batch_lower_bound
 from megatron_2bw.planner.memory import estimate_stage_memory
 from megatron_2bw.planner.simulator import compiled_schedule, simulate
 from tests.distributed_helpers import run_ranks
-from megatron_2bw.training.segments import run_segment
-from tests.pipeline.harness import (full_weights, gpt_feed, max_difference, rank_weights,
-                                    stage_on_rank, tiny_config, train_on_ranks)
+from tests.pipeline.checkpoint_helpers import load_and_train, train_and_save, true_vocabulary
+from tests.pipeline.harness import (full_weights, gpt_feed, max_difference, stage_on_rank,
+                                    tiny_config, train_on_ranks)
 from tests.pipeline.precision_harness import precise_config, train_stage
 
 VOCAB = 101
@@ -272,52 +271,27 @@ def test_a_bad_schedule_flag_ends_the_run_in_one_line():
 
 # -- checkpoints ---------------------------------------------------------------------------------
 
-def _train_and_save(rank: int, world: int, config, batches: int, save: str) -> dict:
-    layout, stage = stage_on_rank(rank, world, config)
-    run_segment(stage, 0, batches, gpt_feed(config, layout))
-    stage.iteration, stage.consumed_samples = batches, batches * config.training.global_batch_size
-    stage.config.checkpoint.save = save
-    save_checkpoint(stage)
-    return rank_weights(layout, stage)
-
-
-def _load_and_train(rank: int, world: int, config, load: str, batches: int) -> dict:
-    layout, stage = stage_on_rank(rank, world, config)
-    try:
-        load_checkpoint(stage, load)
-    except CheckpointError as error:
-        return {"refused": str(error)}
-    run_segment(stage, stage.iteration, batches, gpt_feed(config, layout))
-    return rank_weights(layout, stage)
-
-
-def _true_vocabulary(weights: dict) -> dict:
-    """Vocabulary-sized tensors cut to the true vocabulary: a conversion pads with zeros."""
-    padded = weights["embedding.word_embeddings.weight"].shape[0]
-    return {k: w[:VOCAB] if w.shape[0] == padded else w for k, w in weights.items()}
-
-
 def test_interleaved_checkpoints_name_layers_globally_and_reshard(tmp_path):
     """Saved by p2 x v2 after 2 batches: the files read back as the trained weights; converted to
     t1 x p1 (and back to p2 x v2) a third batch reaches the weights of 3 batches in one process;
     another chunking is refused with the conversion to run."""
     saved = str(tmp_path / "interleaved")
-    trained = run_ranks(2, _train_and_save, config("interleaved", chunks=2, p=2), 2, saved)
+    trained = run_ranks(2, train_and_save, config("interleaved", chunks=2, p=2), 2, saved)
     state = read_full_state(saved, show_progress=False)
     weights = full_weights(trained)
     assert state.model.keys() == {k for k in weights if not k.startswith("tied_copy:")}
     assert max_difference(state.model, weights, VOCAB) == 0.0
-    refused = run_ranks(2, _load_and_train, config("flush", p=2), saved, 1)
+    refused = run_ranks(2, load_and_train, config("flush", p=2), saved, 1)
     assert all("--target-virtual-pipeline-model-parallel-size 1" in r["refused"] for r in refused)
     single = str(tmp_path / "t1p1")
     write_full_state(state, single, 1, 1)
-    resumed = run_ranks(1, _load_and_train, config("flush"), single, 1)
-    straight = _true_vocabulary(one_process(4))
-    assert max_difference(_true_vocabulary(full_weights(resumed)), straight, VOCAB) < 1e-5
+    resumed = run_ranks(1, load_and_train, config("flush"), single, 1)
+    straight = true_vocabulary(one_process(4), VOCAB)
+    assert max_difference(true_vocabulary(full_weights(resumed), VOCAB), straight, VOCAB) < 1e-5
     rechunked = str(tmp_path / "p2v2")
     write_full_state(read_full_state(single, show_progress=False), rechunked, 1, 2, chunks=2)
-    resumed = run_ranks(2, _load_and_train, config("interleaved", chunks=2, p=2), rechunked, 1)
-    assert max_difference(_true_vocabulary(full_weights(resumed)), straight, VOCAB) < 1e-5
+    resumed = run_ranks(2, load_and_train, config("interleaved", chunks=2, p=2), rechunked, 1)
+    assert max_difference(true_vocabulary(full_weights(resumed), VOCAB), straight, VOCAB) < 1e-5
 
 
 # -- the planner's simulator and memory estimate -------------------------------------------------

@@ -11,15 +11,13 @@ import sys
 import pytest
 
 from megatron_2bw.arguments import ConfigError, parse_config
-from megatron_2bw.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from megatron_2bw.checkpoint.reshard import read_full_state, write_full_state
 from megatron_2bw.config import RecomputeConfig
 from megatron_2bw.config_checks import validate_for_world
-from megatron_2bw.training.segments import run_segment
 from tests.data.helpers import load_tool
 from tests.distributed_helpers import run_ranks
-from tests.pipeline.harness import (full_weights, gpt_feed, max_difference, rank_weights,
-                                    stage_on_rank, tiny_config, train_on_ranks)
+from tests.pipeline.checkpoint_helpers import load_and_train, train_and_save, true_vocabulary
+from tests.pipeline.harness import full_weights, max_difference, tiny_config, train_on_ranks
 from tests.pipeline.precision_harness import train_stage
 
 VOCAB = 101
@@ -53,6 +51,17 @@ LAYOUTS = [(1, 2, 2, 8), (1, 4, 4, 16), (2, 2, 4, 8), (1, 2, 4, 16)]
 @pytest.mark.parametrize("t,p,world,global_batch", LAYOUTS)
 def test_v_schedules_match_one_process(schedule, t, p, world, global_batch):
     _matches(config(schedule, layers=2 * p, p=p, t=t, global_batch=global_batch), world)
+
+
+def test_an_untied_output_layer_on_rank_0_matches_one_process():
+    untied = config("zb-v", p=2)
+    untied.model.untie_embeddings_and_output_weights = True
+    reference = config()
+    reference.model.untie_embeddings_and_output_weights = True
+    expected = full_weights(run_ranks(1, train_on_ranks, reference, 3))
+    results = run_ranks(2, train_on_ranks, untied, 3)
+    assert "output_layer" in expected
+    assert max_difference(full_weights(results), expected, VOCAB) < 1e-5
 
 
 @pytest.mark.parametrize("schedule", ["zb-v", "dualpipev", "v-half"])
@@ -114,59 +123,34 @@ def test_a_bad_v_flag_ends_the_run_in_one_line():
 
 # -- checkpoints ---------------------------------------------------------------------------------
 
-def _train_and_save(rank: int, world: int, c, batches: int, save: str) -> dict:
-    layout, stage = stage_on_rank(rank, world, c)
-    run_segment(stage, 0, batches, gpt_feed(c, layout))
-    stage.iteration, stage.consumed_samples = batches, batches * c.training.global_batch_size
-    stage.config.checkpoint.save = save
-    save_checkpoint(stage)
-    return rank_weights(layout, stage)
-
-
-def _load_and_train(rank: int, world: int, c, load: str, batches: int) -> dict:
-    layout, stage = stage_on_rank(rank, world, c)
-    try:
-        load_checkpoint(stage, load)
-    except CheckpointError as error:
-        return {"refused": str(error)}
-    run_segment(stage, stage.iteration, batches, gpt_feed(c, layout))
-    return rank_weights(layout, stage)
-
-
-def _true_vocabulary(weights: dict) -> dict:
-    """Vocabulary-sized tensors cut to the true vocabulary: a conversion pads with zeros."""
-    padded = weights["embedding.word_embeddings.weight"].shape[0]
-    return {k: w[:VOCAB] if w.shape[0] == padded else w for k, w in weights.items()}
-
-
 def test_v_checkpoints_name_layers_globally_and_convert_to_and_from_v(tmp_path):
     """Saved by zb-v at p2 after 2 batches: the files read back as the trained weights under
     global layer names (rank 0 holds layers 0 and 3, the embedding and the output layer; no tied
     copy); a loop layout is refused with the conversion to run; converted to t1 x p1 and back to a
     V for v-half, a third batch reaches the weights of 3 batches in one process."""
     saved = str(tmp_path / "zbv")
-    trained = run_ranks(2, _train_and_save, config("zb-v", p=2), 2, saved)
+    trained = run_ranks(2, train_and_save, config("zb-v", p=2), 2, saved)
     state = read_full_state(saved, show_progress=False)
     weights = full_weights(trained)
     assert state.model.keys() == set(weights)
     assert max_difference(state.model, weights, VOCAB) == 0.0
     rank0 = next(r for r in trained if r["coords"] == (0, 0, 0))["weights"]
     assert {n.split(".")[2] for n in rank0 if n.startswith("transformer.layers.")} == {"0", "3"}
-    refused = run_ranks(2, _load_and_train, config("interleaved", p=2, chunks=2), saved, 1)
+    refused = run_ranks(2, load_and_train, config("interleaved", p=2, chunks=2), saved, 1)
     assert all("the model chunks in a V" in r["refused"] and "--target-virtual-pipeline-model-"
                "parallel-size 2" in r["refused"] for r in refused)
-    refused = run_ranks(2, _load_and_train, config("flush", p=2), saved, 1)
+    refused = run_ranks(2, load_and_train, config("flush", p=2), saved, 1)
     assert all("--target-virtual-pipeline-model-parallel-size 1" in r["refused"] for r in refused)
     single = str(tmp_path / "t1p1")
     write_full_state(state, single, 1, 1)
-    resumed = run_ranks(1, _load_and_train, config("flush"), single, 1)
-    straight = _true_vocabulary(one_process(4, 8))
-    assert max_difference(_true_vocabulary(full_weights(resumed)), straight, VOCAB) < 1e-5
-    refused = run_ranks(2, _load_and_train, config("v-half", p=2), single, 1)
+    resumed = run_ranks(1, load_and_train, config("flush"), single, 1)
+    straight = true_vocabulary(one_process(4, 8), VOCAB)
+    assert max_difference(true_vocabulary(full_weights(resumed), VOCAB), straight, VOCAB) < 1e-5
+    refused = run_ranks(2, load_and_train, config("v-half", p=2), single, 1)
     assert all("--target-pipeline-schedule v-half" in r["refused"] for r in refused)
     v_again = str(tmp_path / "vhalf")
     convert_checkpoint.main(["--load", single, "--save", v_again, "--target-tensor-parallel-size",
                              "1", "--target-pipeline-parallel-size", "2",
                              "--target-pipeline-schedule", "v-half"])
-    resumed = run_ranks(2, _load_and_train, config("v-half", p=2), v_again, 1)
-    assert max_difference(_true_vocabulary(full_weights(resumed)), straight, VOCAB) < 1e-5
+    resumed = run_ranks(2, load_and_train, config("v-half", p=2), v_again, 1)
+    assert max_difference(true_vocabulary(full_weights(resumed), VOCAB), straight, VOCAB) < 1e-5
