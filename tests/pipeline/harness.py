@@ -73,6 +73,13 @@ def train_on_ranks(rank: int, world: int, config: Config, batches: int, feed_fac
             "results": [(r.batch, r.skipped, r.grad_norm, r.metrics) for r in results]}
 
 
+def evaluate_on_ranks(rank: int, world: int, config: Config, microbatches: int = 4) -> dict:
+    """Forward-only over `microbatches` microbatches: this rank's loss sums and their weight."""
+    layout, stage = stage_on_rank(rank, world, config)
+    sums, weight = stage.executor.evaluate(microbatches, gpt_feed(config, layout))
+    return {"sums": sums, "weight": weight}
+
+
 def rank_weights(layout: ParallelLayout, stage) -> dict:
     """This rank's coordinates and master weights with their specs, as full_weights takes them."""
     c = layout.coords

@@ -28,8 +28,8 @@ from megatron_2bw.planner.memory import estimate_stage_memory
 from megatron_2bw.planner.simulator import compiled_schedule, simulate
 from tests.distributed_helpers import run_ranks
 from tests.pipeline.checkpoint_helpers import load_and_train, train_and_save, true_vocabulary
-from tests.pipeline.harness import (full_weights, gpt_feed, max_difference, stage_on_rank,
-                                    tiny_config, train_on_ranks)
+from tests.pipeline.harness import (evaluate_on_ranks, full_weights, max_difference, tiny_config,
+                                    train_on_ranks)
 from tests.pipeline.precision_harness import precise_config, train_stage
 
 VOCAB = 101
@@ -330,16 +330,10 @@ def test_the_memory_estimate_counts_each_schedules_activations():
     assert activations("interleaved", 0, 2) == pytest.approx(11 / 2 / 4 * activations("flush", 0))
 
 
-def _evaluate(rank: int, world: int, config) -> dict:
-    layout, stage = stage_on_rank(rank, world, config)
-    sums, weight = stage.executor.evaluate(4, gpt_feed(config, layout))
-    return {"sums": sums, "weight": weight}
-
-
 def test_interleaved_evaluation_matches_one_process():
     """Forward-only through the chunks in the interleaved order: the last rank's loss sums."""
-    single = run_ranks(1, _evaluate, config())[0]
-    chunked = run_ranks(2, _evaluate, config("interleaved", chunks=2, p=2))[1]
+    single = run_ranks(1, evaluate_on_ranks, config())[0]
+    chunked = run_ranks(2, evaluate_on_ranks, config("interleaved", chunks=2, p=2))[1]
     assert chunked["weight"] == single["weight"] == 4.0
     assert chunked["sums"]["lm loss"] == pytest.approx(single["sums"]["lm loss"], abs=1e-5)
 

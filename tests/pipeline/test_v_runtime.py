@@ -17,7 +17,8 @@ from megatron_2bw.config_checks import validate_for_world
 from tests.data.helpers import load_tool
 from tests.distributed_helpers import run_ranks
 from tests.pipeline.checkpoint_helpers import load_and_train, train_and_save, true_vocabulary
-from tests.pipeline.harness import full_weights, max_difference, tiny_config, train_on_ranks
+from tests.pipeline.harness import (evaluate_on_ranks, full_weights, max_difference, tiny_config,
+                                    train_on_ranks)
 from tests.pipeline.precision_harness import train_stage
 
 VOCAB = 101
@@ -51,6 +52,15 @@ LAYOUTS = [(1, 2, 2, 8), (1, 4, 4, 16), (2, 2, 4, 8), (1, 2, 4, 16)]
 @pytest.mark.parametrize("t,p,world,global_batch", LAYOUTS)
 def test_v_schedules_match_one_process(schedule, t, p, world, global_batch):
     _matches(config(schedule, layers=2 * p, p=p, t=t, global_batch=global_batch), world)
+
+
+@pytest.mark.parametrize("schedule,p", [("zb-v", 2), ("v-half", 4)])
+def test_v_evaluation_matches_one_process(schedule, p):
+    """Forward-only down chunk 0 and back up chunk 1: rank 0 sums the loss."""
+    single = run_ranks(1, evaluate_on_ranks, config(layers=2 * p))[0]
+    v = run_ranks(p, evaluate_on_ranks, config(schedule, layers=2 * p, p=p))[0]
+    assert v["weight"] == single["weight"] == 4.0
+    assert v["sums"]["lm loss"] == pytest.approx(single["sums"]["lm loss"], abs=1e-5)
 
 
 def test_an_untied_output_layer_on_rank_0_matches_one_process():
