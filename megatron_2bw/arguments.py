@@ -134,7 +134,7 @@ def build_parser(description: str = "", extra_args_provider=None) -> argparse.Ar
           help="2bw (default when p > 1), flush (1F1B), gpipe, pipedream (weight stashing, an "
                "update per batch), pipemare (one weight version per stage, the backward reads "
                "the newest weights; docs/async_schedules.md), zb-h1 (1F1B with the backward "
-               "split into input and weight gradients, the drain filled with weight gradients) "
+               "split into input and weight gradients, the drain filled with weight gradients), "
                "interleaved (Megatron-LM's "
                "virtual stages; needs one of the virtual-pipeline flags), or a V with two model "
                "chunks per rank: zb-v (zero bubble), dualpipev (DualPipe cut in half, m >= 2p) "

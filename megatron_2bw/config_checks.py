@@ -302,6 +302,10 @@ def _validate_v_schedule(config: Config) -> None:
     _require(not par.repartition_interval,
              f"--pipeline-repartition-interval does not apply to --pipeline-schedule {name}: "
              f"moving layers between a V's chunks is not supported; use flush, 2bw or zb-h1")
+    _require(not par.auto_parallel,
+             f"--auto-parallel does not plan --pipeline-schedule {name} (its stage costs put the "
+             f"output layer on the last rank, a V puts it on rank 0): drop --auto-parallel and set "
+             f"the parallel sizes, or pick another schedule")
 
 
 def validate(config: Config, require_data: bool = True) -> None:

@@ -29,8 +29,8 @@ from megatron_2bw.pipeline.schedules import REGISTRY, SCHEDULES, VersionRule
 # --pipeline-schedule pipemare pins it, never chosen in place of another schedule
 # the V schedules are not searched: the stage costs put the output layer on the last rank, a V
 # puts it on rank 0 (the simulator and the memory model know a V)
-PLANNED_SCHEDULES = tuple(s for s in SCHEDULES if s not in ("pipedream-vs", "pipemare", "zb-v",
-                                                            "dualpipev"))
+PLANNED_SCHEDULES = tuple(s for s in SCHEDULES if s not in ("pipedream-vs", "pipemare")
+                          and REGISTRY[s].shape != "v")
 from megatron_2bw.planner.cost import (RECOMPUTE_OPTIONS, Candidate, CoreSharing, StageCost,
                                        balanced_split, bottleneck_label, busiest_stage,
                                        core_sharing, layer_costs, paper_breakdown, stage_costs,

@@ -104,6 +104,8 @@ def test_the_v_flags_set_two_chunks_in_a_v(schedule):
      "--pipeline-layer-split does not apply to --pipeline-schedule zb-v"),
     (["--pipeline-schedule", "dualpipev", "--pipeline-repartition-interval", "5"],
      "--pipeline-repartition-interval does not apply to --pipeline-schedule dualpipev"),
+    (["--pipeline-schedule", "v-half", "--auto-parallel"],
+     "--auto-parallel does not plan --pipeline-schedule v-half"),
 ])
 def test_bad_v_flags_are_named(extra, expected):
     with pytest.raises(ConfigError, match=re.escape(expected)):
