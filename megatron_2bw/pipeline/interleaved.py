@@ -52,13 +52,48 @@ def interleaved_order(stages: int, microbatches: int, stage: int,
 
 def interleaved_actions(stages: int, microbatches: int, batches: int, stage: int,
                         first_batch: int, chunks: int = 1) -> Iterator[S.Action]:
+    """One batch after another, each with Megatron-LM's grouping of transfers: after a warm-up
+    forward its activation goes out with the receive of the next forward's input; in the steady
+    state a forward and a backward run back to back, then both results go out with the receives
+    of the next forward and backward in one exchange; in the drain each backward's gradient goes
+    with the next one's receive. Posted per pass instead (receive before, send after), two ranks
+    can each hold a send the other receives only in a later exchange: under NCCL, where a send
+    waits for its receive and a rank's exchanges run in order, a deadlock
+    (pipeline/nccl_replay.py)."""
     m = microbatches
-    order = interleaved_order(stages, m, stage, chunks)
+    forwards = forward_order(stages, m, chunks)
+    backwards = backward_order(stages, m, chunks)
+    total = len(forwards)
+    warmup = warmup_forwards(stages, m, stage, chunks)
+    steady = total - warmup
     for b in range(first_batch, first_batch + batches):
-        for kind, chunk, j in order:
-            before, compute, after = S.transfer_actions(kind, stages, stage, chunks, b * m + j,
-                                                        chunk, b)
-            yield from before
-            yield compute
-            yield from after
+        def transfers(kind: str, i: int) -> tuple[list, S.Action, list]:
+            chunk, j = (forwards if kind == S.FORWARD else backwards)[i]
+            return S.transfer_actions(kind, stages, stage, chunks, b * m + j, chunk, b)
+
+        def receive(kind: str, i: int) -> list[S.Action]:
+            return transfers(kind, i)[0] if i < total else []
+
+        def compute(kind: str, i: int) -> S.Action:
+            return transfers(kind, i)[1]
+
+        def send(kind: str, i: int) -> list[S.Action]:
+            return transfers(kind, i)[2]
+
+        yield from receive(S.FORWARD, 0)
+        for i in range(warmup):
+            yield compute(S.FORWARD, i)
+            yield from send(S.FORWARD, i) + receive(S.FORWARD, i + 1)
+            if i == warmup - 1:
+                yield from receive(S.BACKWARD, 0)
+        for i in range(steady):
+            yield compute(S.FORWARD, warmup + i)
+            yield compute(S.BACKWARD, i)
+            yield from send(S.FORWARD, warmup + i) + send(S.BACKWARD, i) + \
+                receive(S.FORWARD, warmup + i + 1) + receive(S.BACKWARD, i + 1)
+        if warmup == 0:
+            yield from receive(S.BACKWARD, 0)
+        for i in range(steady, total):
+            yield compute(S.BACKWARD, i)
+            yield from send(S.BACKWARD, i) + receive(S.BACKWARD, i + 1)
         yield from S.end_of_flushed_batch(b)
