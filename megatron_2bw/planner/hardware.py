@@ -579,8 +579,7 @@ def probe_p2p_processor_time(group=None, message_bytes: int = 128 << 10, rounds:
                              repeats: int = 5) -> float:
     """Processor seconds (all of a rank's threads) per pipeline message sent or received, beyond
     the computation around it: ranks in pairs (0-1, 2-3, ...), every rank at once, alternate a
-    compute segment with one send and one receive (the receive posted ahead, as the runtime does
-    under gloo), against the same segments without messages; blocks of both interleaved, the
+    compute segment with one send and one receive (the receive posted ahead), against the same segments without messages; blocks of both interleaved, the
     median over blocks and ranks. Collective; CPU ranks of one node (0 otherwise, and for an odd
     rank without a partner)."""
     group = group or dist.group.WORLD

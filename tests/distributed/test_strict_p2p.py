@@ -1,0 +1,113 @@
+"""Strict transfers (strict_p2p.py): gloo keeping NCCL's point-to-point rules. Each rule has a
+case that gloo alone lets pass and strict mode refuses, named."""
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_2bw.distributed import strict_p2p
+from megatron_2bw.distributed.forked import run_forked
+from megatron_2bw.distributed.p2p import PipelineP2P
+
+
+@pytest.fixture(params=[True, False], ids=["strict", "plain-gloo"])
+def strict(request, monkeypatch):
+    monkeypatch.setenv(strict_p2p.ENV, "1" if request.param else "0")  # the forked ranks read it
+    return request.param
+
+
+def _installed(rank: int, world: int):
+    return strict_p2p.installed()
+
+
+def test_the_test_suite_runs_its_ranks_in_strict_mode():
+    assert run_forked(2, _installed, timeout=60) == [True, True]
+
+
+def _single_against_batched(rank: int, world: int):
+    if rank == 0:
+        dist.isend(torch.full((4,), 7.0), 1).wait()
+        return None
+    buffer = torch.zeros(4)
+    for work in dist.batch_isend_irecv([dist.P2POp(dist.irecv, buffer, 0)]):
+        work.wait()
+    return buffer.tolist()
+
+
+def test_a_send_posted_single_and_received_batched(strict):
+    if not strict:  # gloo matches the two forms: what would hang on GPUs passes
+        assert run_forked(2, _single_against_batched, timeout=60)[1] == [7.0] * 4
+        return
+    with pytest.raises(RuntimeError, match=r"rank 0's send\(tag 0\) posted as a single "
+                                           r"isend/irecv was matched by rank 1's recv\(tag 0\) "
+                                           r"posted as batch_isend_irecv: .*different "
+                                           r"communicators"):
+        run_forked(2, _single_against_batched, timeout=60)
+
+
+def _receives_in_the_opposite_order(rank: int, world: int):
+    if rank == 0:
+        ops = [dist.P2POp(dist.isend, torch.full((4,), float(tag)), 1, tag=tag) for tag in (0, 1)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        return None
+    buffers = {tag: torch.zeros(4) for tag in (1, 0)}
+    ops = [dist.P2POp(dist.irecv, buffer, 0, tag=tag) for tag, buffer in buffers.items()]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    return {tag: buffer[0].item() for tag, buffer in buffers.items()}
+
+
+def test_two_receives_posted_in_the_opposite_order_to_their_sends(strict):
+    if not strict:  # gloo pairs them by tag; NCCL ignores tags and would swap the data
+        assert run_forked(2, _receives_in_the_opposite_order, timeout=60)[1] == {0: 0.0, 1: 1.0}
+        return
+    with pytest.raises(RuntimeError, match=r"rank 0's send\(tag 0\) posted as batch_isend_irecv "
+                                           r"was matched by rank 1's recv\(tag 1\) "
+                                           r".*posting order"):
+        run_forked(2, _receives_in_the_opposite_order, timeout=60)
+
+
+def _pipeline_microbatches_swapped(rank: int, world: int):
+    """Two activations of one kind: the receiver expects microbatch 1 first."""
+    p2p = PipelineP2P(None if rank == 0 else 0, 1 if rank == 0 else None, dist.group.WORLD,
+                      (2, 3), torch.float32, torch.device("cpu"))
+    if rank == 0:
+        for k in (0, 1):
+            p2p.exchange([("act", torch.full((2, 3), float(k)))], [], [(k, 0)])
+        p2p.wait_sends()
+        return None
+    return [p2p.exchange([], ["act"], [(k, 0)])[0][0, 0].item() for k in (1, 0)]
+
+
+def test_the_receiver_checks_the_microbatch_it_expected(strict):
+    if not strict:  # same kind, same tag: plain gloo hands microbatch 0 to the receive of 1
+        assert run_forked(2, _pipeline_microbatches_swapped, timeout=60)[1] == [0.0, 1.0]
+        return
+    with pytest.raises(RuntimeError, match=r"rank 0's send\(tag 0, microbatch 0, chunk 0\) .*"
+                                           r"matched by rank 1's recv\(tag 0, microbatch 1, "
+                                           r"chunk 0\)"):
+        run_forked(2, _pipeline_microbatches_swapped, timeout=60)
+
+
+def _blocking_sends_in_a_cycle(rank: int, world: int):
+    """Both ranks send first, then receive: fine where sends are buffered (gloo), a deadlock
+    where a send waits for its receive and the rank's transfers run in order (NCCL)."""
+    group = dist.new_group([0, 1], timeout=timedelta(seconds=3))
+    peer = 1 - rank
+    buffer = torch.zeros(4)
+    send = dist.isend(torch.full((4,), float(rank)), peer, group=group)
+    dist.irecv(buffer, peer, group=group).wait()
+    send.wait()
+    return buffer[0].item()
+
+
+def test_a_cycle_of_blocking_sends_deadlocks_and_the_timeout_names_it(strict):
+    if not strict:
+        assert run_forked(2, _blocking_sends_in_a_cycle, timeout=60) == [1.0, 0.0]
+        return
+    with pytest.raises(RuntimeError, match=r"rank 0's send\(tag 0\) posted as a single "
+                                           r"isend/irecv to rank 1 did not complete: rank 1 never "
+                                           r"posted its receive within the group's timeout"):
+        run_forked(2, _blocking_sends_in_a_cycle, timeout=60)
