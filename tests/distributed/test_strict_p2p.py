@@ -17,6 +17,17 @@ def strict(request, monkeypatch):
     return request.param
 
 
+def _passes_on_gloo_fails_strict(strict: bool, fn, gloo_result, strict_error: str,
+                                 rank: int = 1):
+    """Plain gloo: `fn` gives `gloo_result` on `rank` (what would hang or swap data on GPUs);
+    strict mode: the run fails with `strict_error` (a regular expression)."""
+    if not strict:
+        assert run_forked(2, fn, timeout=60)[rank] == gloo_result
+        return
+    with pytest.raises(RuntimeError, match=strict_error):
+        run_forked(2, fn, timeout=60)
+
+
 def _installed(rank: int, world: int):
     return strict_p2p.installed()
 
@@ -36,14 +47,12 @@ def _single_against_batched(rank: int, world: int):
 
 
 def test_a_send_posted_single_and_received_batched(strict):
-    if not strict:  # gloo matches the two forms: what would hang on GPUs passes
-        assert run_forked(2, _single_against_batched, timeout=60)[1] == [7.0] * 4
-        return
-    with pytest.raises(RuntimeError, match=r"rank 0's send\(tag 0\) posted as a single "
-                                           r"isend/irecv was matched by rank 1's recv\(tag 0\) "
-                                           r"posted as batch_isend_irecv: .*different "
-                                           r"communicators"):
-        run_forked(2, _single_against_batched, timeout=60)
+    # gloo matches the two forms: what would hang on GPUs passes
+    _passes_on_gloo_fails_strict(strict, _single_against_batched, [7.0] * 4,
+                                 r"rank 0's send\(tag 0\) posted as a single "
+                                 r"isend/irecv was matched by rank 1's recv\(tag 0\) "
+                                 r"posted as batch_isend_irecv: .*different "
+                                 r"communicators")
 
 
 def _receives_in_the_opposite_order(rank: int, world: int):
@@ -60,13 +69,11 @@ def _receives_in_the_opposite_order(rank: int, world: int):
 
 
 def test_two_receives_posted_in_the_opposite_order_to_their_sends(strict):
-    if not strict:  # gloo pairs them by tag; NCCL ignores tags and would swap the data
-        assert run_forked(2, _receives_in_the_opposite_order, timeout=60)[1] == {0: 0.0, 1: 1.0}
-        return
-    with pytest.raises(RuntimeError, match=r"rank 0's send\(tag 0\) posted as batch_isend_irecv "
-                                           r"was matched by rank 1's recv\(tag 1\) "
-                                           r".*posting order"):
-        run_forked(2, _receives_in_the_opposite_order, timeout=60)
+    # gloo pairs them by tag; NCCL ignores tags and would swap the data
+    _passes_on_gloo_fails_strict(strict, _receives_in_the_opposite_order, {0: 0.0, 1: 1.0},
+                                 r"rank 0's send\(tag 0\) posted as batch_isend_irecv "
+                                 r"was matched by rank 1's recv\(tag 1\) "
+                                 r".*posting order")
 
 
 def _pipeline_microbatches_swapped(rank: int, world: int):
@@ -82,13 +89,11 @@ def _pipeline_microbatches_swapped(rank: int, world: int):
 
 
 def test_the_receiver_checks_the_microbatch_it_expected(strict):
-    if not strict:  # same kind, same tag: plain gloo hands microbatch 0 to the receive of 1
-        assert run_forked(2, _pipeline_microbatches_swapped, timeout=60)[1] == [0.0, 1.0]
-        return
-    with pytest.raises(RuntimeError, match=r"rank 0's send\(tag 0, microbatch 0, chunk 0\) .*"
-                                           r"matched by rank 1's recv\(tag 0, microbatch 1, "
-                                           r"chunk 0\)"):
-        run_forked(2, _pipeline_microbatches_swapped, timeout=60)
+    # same kind, same tag: plain gloo hands microbatch 0 to the receive of 1
+    _passes_on_gloo_fails_strict(strict, _pipeline_microbatches_swapped, [0.0, 1.0],
+                                 r"rank 0's send\(tag 0, microbatch 0, chunk 0\) .*"
+                                 r"matched by rank 1's recv\(tag 0, microbatch 1, "
+                                 r"chunk 0\)")
 
 
 def _blocking_sends_in_a_cycle(rank: int, world: int):
@@ -104,10 +109,8 @@ def _blocking_sends_in_a_cycle(rank: int, world: int):
 
 
 def test_a_cycle_of_blocking_sends_deadlocks_and_the_timeout_names_it(strict):
-    if not strict:
-        assert run_forked(2, _blocking_sends_in_a_cycle, timeout=60) == [1.0, 0.0]
-        return
-    with pytest.raises(RuntimeError, match=r"rank 0's send\(tag 0\) posted as a single "
-                                           r"isend/irecv to rank 1 did not complete: rank 1 never "
-                                           r"posted its receive within the group's timeout"):
-        run_forked(2, _blocking_sends_in_a_cycle, timeout=60)
+    # gloo buffers the sends; rank 0 receives rank 1's value
+    _passes_on_gloo_fails_strict(strict, _blocking_sends_in_a_cycle, 1.0,
+                                 r"rank 0's send\(tag 0\) posted as a single "
+                                 r"isend/irecv to rank 1 did not complete: rank 1 never "
+                                 r"posted its receive within the group's timeout", rank=0)
