@@ -139,12 +139,9 @@ class StageExecutor:
         return batch
 
     def _sender_chunk(self, a: S.Action) -> int:
-        """The chunk whose output a transfer carries (the virtual pipeline wraps from the last
-        rank's chunk c to the first rank's chunk c + 1)."""
-        if a.kind == S.RECV_ACT:
-            return a.chunk - self.first
-        if a.kind == S.RECV_GRAD:
-            return a.chunk + self.last
+        """The chunk whose output a transfer carries (a receive's: its sender's)."""
+        if a.kind in (S.RECV_ACT, S.RECV_GRAD):
+            return S.transfer_peer(self.stage, a.kind, a.chunk, self.stages)[2]
         return a.chunk
 
     # -- compute ---------------------------------------------------------------------------

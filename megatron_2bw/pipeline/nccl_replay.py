@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from megatron_2bw.pipeline import schedules as S
+from megatron_2bw.pipeline.actions import send_destination, transfer_peer
 
 BATCHED, SINGLE = "batch_isend_irecv", "a single isend/irecv"
 
@@ -36,17 +37,11 @@ class Transfer:
     action: S.Action
     peer: int
     form: str
+    label: tuple[str, int, int]  # what it carries: (send kind, microbatch, the sending chunk)
 
     @property
     def is_send(self) -> bool:
         return self.action.kind in (S.SEND_ACT, S.SEND_GRAD)
-
-    def label(self, stages: int) -> tuple[str, int, int]:
-        """What the transfer carries: (send kind, microbatch, the sending chunk)."""
-        if self.is_send:
-            return self.action.kind, self.action.microbatch, self.action.chunk
-        _, kind, chunk = S._peer(self.stage, self.action.kind, self.action.chunk, stages)
-        return kind, self.action.microbatch, chunk
 
     def __str__(self) -> str:
         return f"stage {self.stage} action {self.position} ({self.action}, {self.form})"
@@ -61,16 +56,23 @@ class ReplayResult:
 
 
 def transfer_batches(stage_list: list[S.Action], stage: int, stages: int,
-                     form: Callable[[list[S.Action]], str] = batched) -> list[list[Transfer]]:
+                     form: Callable[[list[S.Action]], str] = batched,
+                     shape: str = "loop") -> list[list[Transfer]]:
     """The stage's exchanges in posting order: the transfers between two other actions, posted
     together (StageExecutor._flush_comm)."""
     result, current = [], []
 
+    def transfer(i: int, a: S.Action, how: str) -> Transfer:
+        if a.kind in (S.SEND_ACT, S.SEND_GRAD):
+            peer = send_destination(stage, a.kind, stages, a.chunk, shape)
+            return Transfer(stage, i, a, peer, how, (a.kind, a.microbatch, a.chunk))
+        peer, kind, chunk = transfer_peer(stage, a.kind, a.chunk, stages, shape)
+        return Transfer(stage, i, a, peer, how, (kind, a.microbatch, chunk))
+
     def close():
         if current:
             how = form([a for _, a in current])
-            result.append([Transfer(stage, i, a, _peer_stage(stage, a, stages), how)
-                           for i, a in current])
+            result.append([transfer(i, a, how) for i, a in current])
             current.clear()
     for i, a in enumerate(stage_list):
         if a.kind in S.COMM_KINDS:
@@ -81,14 +83,11 @@ def transfer_batches(stage_list: list[S.Action], stage: int, stages: int,
     return result
 
 
-def _peer_stage(stage: int, a: S.Action, stages: int) -> int:
-    return (stage + (1 if a.kind in (S.SEND_ACT, S.RECV_GRAD) else -1)) % stages
-
-
-def replay(actions: list[list[S.Action]],
-           form: Callable[[list[S.Action]], str] = batched) -> ReplayResult:
+def replay(actions: list[list[S.Action]], form: Callable[[list[S.Action]], str] = batched,
+           shape: str = "loop") -> ReplayResult:
+    """`shape`: where the chunks sit (placement.py), which decides each transfer's peer."""
     stages = len(actions)
-    batches = [transfer_batches(row, s, stages, form) for s, row in enumerate(actions)]
+    batches = [transfer_batches(row, s, stages, form, shape) for s, row in enumerate(actions)]
     result = ReplayResult(transfers=sum(len(b) for row in batches for b in row))
     where: dict[Transfer, int] = {}  # transfer -> index of its batch on its stage
     channels: dict[tuple, list[list[Transfer]]] = {}  # (src, dst, form) -> [sends, receives]
@@ -100,12 +99,12 @@ def replay(actions: list[list[S.Action]],
                 src, dst = (s, t.peer) if t.is_send else (t.peer, s)
                 side = 0 if t.is_send else 1
                 channels.setdefault((src, dst, t.form), [[], []])[side].append(t)
-                by_content.setdefault((src, dst, t.label(stages)), [[], []])[side].append(t)
+                by_content.setdefault((src, dst, t.label), [[], []])[side].append(t)
     match: dict[Transfer, Transfer] = {}
     for sends, recvs in channels.values():
         for send, recv in zip(sends, recvs):
             match[send], match[recv] = recv, send
-            if send.label(stages) != recv.label(stages):
+            if send.label != recv.label:
                 result.mismatched.append((send, recv))
     for sends, recvs in by_content.values():
         result.other_form += [(a, b) for a, b in zip(sends, recvs) if a.form != b.form]
@@ -152,10 +151,10 @@ def _waits(batch: list[Transfer], match: dict, done: set, position: list[int],
     return "; ".join(waits)
 
 
-def check(actions: list[list[S.Action]],
-          form: Callable[[list[S.Action]], str] = batched) -> ReplayResult:
+def check(actions: list[list[S.Action]], form: Callable[[list[S.Action]], str] = batched,
+          shape: str = "loop") -> ReplayResult:
     """Replay under NCCL's rules; raise ScheduleError on a deadlock or a mismatched transfer."""
-    result = replay(actions, form)
+    result = replay(actions, form, shape)
     if result.other_form:
         a, b = result.other_form[0]
         raise S.ScheduleError(f"{len(result.other_form)} of {result.transfers // 2} transfers "
@@ -178,6 +177,8 @@ def check_schedule(schedule: str, stages: int, microbatches: int, chunks: int = 
     the evaluation's forward-only lists under NCCL's rules. Raises ScheduleError."""
     actions = S.build_schedule(schedule, stages, microbatches, batches, 0, chunks)
     S.validate(actions, schedule, microbatches)
-    check(actions)
-    check([list(S.forward_only_actions(stages, microbatches, s, chunks))
-           for s in range(stages)])
+    shape = S.REGISTRY[schedule].shape
+    check(actions, shape=shape)
+    if shape == "loop":  # the evaluation's order (the executor runs loop placements only)
+        check([list(S.forward_only_actions(stages, microbatches, s, chunks))
+               for s in range(stages)])
