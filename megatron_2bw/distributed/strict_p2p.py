@@ -32,7 +32,7 @@ ENV = "MEGATRON_2BW_STRICT_P2P"
 TAG = 7919  # the one gloo tag of strict traffic
 SINGLE, BATCHED = 1, 2
 FORMS = {SINGLE: "a single isend/irecv", BATCHED: "batch_isend_irecv"}
-HEADER = 6  # int64 words: form, tag, microbatch, chunk, sender (global rank), spare
+HEADER = 5  # int64 words: form, tag, microbatch, chunk, sender (global rank)
 _ORIGINAL: dict = {}
 _labels = threading.local()
 _pending: dict = {}  # communicator key -> this rank's strict works posted on it, oldest first
@@ -102,7 +102,7 @@ class _Transfer:
         payload = tensor.nbytes
         self.wire = torch.empty(HEADER * 8 + payload, dtype=torch.uint8)
         if is_send:
-            header = torch.tensor([form, tag, self.microbatch, self.chunk, self.me, 0])
+            header = torch.tensor([form, tag, self.microbatch, self.chunk, self.me])
             self.wire[:HEADER * 8] = header.view(torch.uint8)
             data = tensor.detach().contiguous().cpu().reshape(-1)
             self.wire[HEADER * 8:] = data.view(torch.uint8)
@@ -118,7 +118,7 @@ class _Transfer:
         return f"{what}) posted as {FORMS[form]}"
 
     def check_received(self) -> None:
-        form, tag, microbatch, chunk, sender, _ = self.wire[:HEADER * 8].view(torch.int64).tolist()
+        form, tag, microbatch, chunk, sender = self.wire[:HEADER * 8].view(torch.int64).tolist()
         theirs = self.describe(form, tag, microbatch, chunk, rank=sender)
         mine = f"rank {self.me}'s {self.describe()}"
         if form != self.form:
