@@ -1,5 +1,8 @@
 """Strict transfers (strict_p2p.py): gloo keeping NCCL's point-to-point rules. Each rule has a
 case that gloo alone lets pass and strict mode refuses, named."""
+import os
+import subprocess
+import sys
 from datetime import timedelta
 
 import pytest
@@ -115,3 +118,16 @@ def test_a_cycle_of_blocking_sends_deadlocks_and_the_timeout_names_it(strict):
                                  r"rank (0|1)'s send\(tag 0\) posted as a single isend/irecv to "
                                  r"rank (1|0) did not complete: rank (1|0) never posted its "
                                  r"receive within the group's timeout", rank=0)
+
+def test_a_launched_rank_turns_strict_mode_on_from_the_environment():
+    """What torchrun's ranks in the functional tests run: init_distributed installs it."""
+    script = ("from megatron_2bw.distributed import launch, strict_p2p\n"
+              "launch.init_distributed('gloo', 1)\n"
+              "print('strict', strict_p2p.installed())\n")
+    for value, expected in (("1", "strict True"), ("0", "strict False")):
+        env = dict(os.environ, **{strict_p2p.ENV: value})
+        env.pop("RANK", None)
+        env.pop("WORLD_SIZE", None)
+        result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                                text=True, timeout=120)
+        assert expected in result.stdout, result.stderr
