@@ -77,9 +77,8 @@ def report_memory(stage: Stage) -> None:
 def pretrain(config: Config, typed: set = frozenset()) -> Stage:
     """Train to --train-iters (or an exit request); returns this rank's stage. `typed`: the
     (section, field) pairs given on the command line, which --auto-parallel keeps pinned."""
-    from megatron_2bw.checkpoint import maybe_load_checkpoint, save_checkpoint
+    from megatron_2bw.checkpoint.ownership import claim_save_directory
     from megatron_2bw.checkpoint.save_load import adopt_checkpoint_layout
-    from megatron_2bw.tensor_parallel.random import load_rng_state_dict
     check_inputs(config)
     tokenizer = build_checked_tokenizer(config)
     config.model.vocab_size = tokenizer.vocab_size  # before --auto-parallel profiles the model
@@ -89,6 +88,18 @@ def pretrain(config: Config, typed: set = frozenset()) -> Stage:
         print_rank0(layout, f" --load {config.checkpoint.load}: continuing with the checkpoint's "
                             f"{' '.join(adopted)} (flags set otherwise win)")
     FAILURE_CONTEXT["layout"] = layout
+    save_lock = claim_save_directory(config, layout, device)  # before the first write to --save
+    try:
+        return train_and_evaluate(config, layout, device, plan, tokenizer)
+    finally:
+        if save_lock is not None:
+            save_lock.release()
+
+
+def train_and_evaluate(config: Config, layout, device: torch.device, plan, tokenizer) -> Stage:
+    """pretrain() once the processes are up: build the stage, load, train, evaluate, save."""
+    from megatron_2bw.checkpoint import maybe_load_checkpoint, save_checkpoint
+    from megatron_2bw.tensor_parallel.random import load_rng_state_dict
     synchronize = torch.cuda.synchronize if device.type == "cuda" else None
     timers = Timers(config.logging.timing_log_level, synchronize)
     log = ProgressLog(config, layout, timers, 0)
