@@ -20,14 +20,14 @@ def run_and_report(main) -> None:
     try:
         main()
     except KeyboardInterrupt:  # Ctrl-C before training began (or in a tool): one line, no trace
-        layout = FAILURE_CONTEXT.get("layout")
-        if (layout.rank if layout else int(os.environ.get("RANK", "0"))) == 0:
+        if _global_rank() == 0:
             print(f"{os.path.basename(sys.argv[0])}: interrupted", file=sys.stderr, flush=True)
         exit_process(INTERRUPTED_EXIT_CODE)
     except ConfigError as error:
+        # every rank checks the same flags: rank 0 prints the line, once for the job; a rank that
+        # alone fails leaves it in its error file, which torchrun's summary prints
         name = os.path.basename(sys.argv[0])
-        layout = FAILURE_CONTEXT.get("layout")
-        if layout is None or layout.rank == 0:
+        if _global_rank() == 0:
             print(f"{name}: error: {error}", file=sys.stderr, flush=True)
         record_failure(f"{name}: error: {error}")
         exit_process(2)
@@ -47,3 +47,9 @@ def run_and_report(main) -> None:
         exit_process(1)
     else:
         exit_process(0)
+
+
+def _global_rank() -> int:
+    """This process's rank in the job: the layout's once started, the launcher's before."""
+    layout = FAILURE_CONTEXT.get("layout")
+    return layout.rank if layout is not None else int(os.environ.get("RANK", "0"))

@@ -121,7 +121,12 @@ def check_inputs(config: Config) -> None:
     exists, so that a mistake ends the job with one line naming the flag (ConfigError), not a
     traceback after start-up or an unwritable --save after the first interval of training."""
     from megatron_2bw.data.builder import check_data_flags
+    from megatron_2bw.data.tokenizers import tokenizer_files
     check_data_flags(config.data)
+    for field, _ in tokenizer_files(config.data.tokenizer_type):
+        path = getattr(config.data, field)
+        if path and os.path.exists(path):  # as the checkpoint records it: usable from any folder
+            setattr(config.data, field, os.path.abspath(path))
     for flag, path, directory in (("--save", config.checkpoint.save, True),
                                   ("--tensorboard-dir", config.logging.tensorboard_dir, True),
                                   ("--log-file", config.logging.log_file, False)):
