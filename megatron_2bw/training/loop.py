@@ -128,7 +128,7 @@ def train_and_evaluate(config: Config, layout, device: torch.device, plan, token
     train_data, valid_data, test_data = build_data(config, layout, tokenizer,
                                                    log.consumed_offset, stage.consumed_valid_samples)
     train_iterator = None if train.skip_train else train_data(stage.consumed_samples)
-    # --skip-train evaluates the weights on the validation set from its start, as Megatron-LM
+    # --skip-train evaluates the weights on the validation set from its start
     valid_start = 0 if train.skip_train else stage.consumed_valid_samples
     valid_iterator = valid_data(valid_start) if valid_data is not None else None
     if resumed_rng is not None:  # only now: creating the data loaders drew from the torch RNG
