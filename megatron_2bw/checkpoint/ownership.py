@@ -192,8 +192,9 @@ def claim_save_directory(config, layout, device) -> SaveLock | None:
             lines = [lock.acquire()]
             lines.append(fresh_run_over_checkpoints(ckpt.save, ckpt.load, ckpt.overwrite_save))
             outcome = [None, [line for line in lines if line]]
-        except CheckpointError as error:
-            outcome = [str(error), []]
+        except (CheckpointError, OSError) as error:  # every rank must learn of it, or they hang
+            outcome = [str(error) if isinstance(error, CheckpointError)
+                       else f"--save {ckpt.save}: cannot take {lock.path} ({error})", []]
             if lock.held():
                 lock.release()
             lock = None

@@ -7,7 +7,7 @@ import sys
 import traceback
 
 from megatron_2bw.config import ConfigError
-from megatron_2bw.distributed.error_file import record_failure
+from megatron_2bw.distributed.error_file import ERROR_FILE_VARIABLE, record_failure
 from megatron_2bw.distributed.launch import exit_process
 from megatron_2bw.training.exit_request import INTERRUPTED_EXIT_CODE
 
@@ -24,10 +24,11 @@ def run_and_report(main) -> None:
             print(f"{os.path.basename(sys.argv[0])}: interrupted", file=sys.stderr, flush=True)
         exit_process(INTERRUPTED_EXIT_CODE)
     except ConfigError as error:
-        # every rank checks the same flags: rank 0 prints the line, once for the job; a rank that
-        # alone fails leaves it in its error file, which torchrun's summary prints
+        # every rank checks the same flags: rank 0 prints the line, once for the job; under
+        # torchrun the others leave it in their error file (a rank that alone fails is then
+        # named by torchrun's summary), elsewhere they print it too, so that none fails silently
         name = os.path.basename(sys.argv[0])
-        if _global_rank() == 0:
+        if _global_rank() == 0 or not os.environ.get(ERROR_FILE_VARIABLE):
             print(f"{name}: error: {error}", file=sys.stderr, flush=True)
         record_failure(f"{name}: error: {error}")
         exit_process(2)

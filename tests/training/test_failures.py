@@ -21,7 +21,7 @@ def test_ctrl_c_before_training_ends_the_process_with_one_line(monkeypatch, caps
     assert capsys.readouterr().err == ""  # one line for the job: rank 0's
 
 
-def test_a_bad_input_is_one_line_for_the_job_and_every_rank_records_it(tmp_path, monkeypatch,
+def test_a_bad_input_is_one_line_under_torchrun_and_every_rank_records_it(tmp_path, monkeypatch,
                                                                       capsys):
     from megatron_2bw.config import ConfigError
     from megatron_2bw.distributed.error_file import ERROR_FILE_VARIABLE
@@ -40,7 +40,11 @@ def test_a_bad_input_is_one_line_for_the_job_and_every_rank_records_it(tmp_path,
     monkeypatch.setenv("RANK", "0")
     failures.run_and_report(bad_flag)
     assert capsys.readouterr().err == "pretrain_gpt.py: error: --data-path x: x.idx not found\n"
-    assert exits == [2, 2]
+    monkeypatch.delenv(ERROR_FILE_VARIABLE)  # another launcher: no summary would name it
+    monkeypatch.setenv("RANK", "1")
+    failures.run_and_report(bad_flag)
+    assert capsys.readouterr().err == "pretrain_gpt.py: error: --data-path x: x.idx not found\n"
+    assert exits == [2, 2, 2]
 
 
 def test_under_torchrun_the_line_is_printed_once_and_the_summary_names_exit_code_2(tmp_path):
