@@ -125,8 +125,8 @@ def train_and_evaluate(config: Config, layout, device: torch.device, plan, token
     print_rank0(layout, startup_summary(stage))
     if layout.coords.dp == 0:  # one line per model-parallel rank, as Megatron's memory report
         print(startup_memory_report(stage), flush=True)
-    train_data, valid_data, test_data = build_data(config, layout, tokenizer,
-                                                   log.consumed_offset, stage.consumed_valid_samples)
+    train_data, valid_data, test_data = build_data(
+        config, layout, tokenizer, log.consumed_offset, stage.consumed_valid_samples)
     train_iterator = None if train.skip_train else train_data(stage.consumed_samples)
     # --skip-train evaluates the weights on the validation set from its start
     valid_start = 0 if train.skip_train else stage.consumed_valid_samples
