@@ -133,6 +133,10 @@ class SaveLock:
                 f"--save {self.root} is in use by another job ({who}): wait for it to end, or "
                 f"save elsewhere; if that job is dead, delete {self.path}")
         self._write(exclusive=False)
+        if not self.held():  # another successor replaced it at the same moment: it won
+            winner = _read_holder(self.path)
+            raise CheckpointError(f"--save {self.root} was just taken over by another job "
+                                  f"({winner.describe() if winner else 'unreadable'})")
         previous = holder.describe() if holder is not None else "unreadable"
         return f" --save {self.root}: took over the lock of a job that ended ({previous}): {reason}"
 

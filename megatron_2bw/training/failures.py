@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import traceback
 
 from megatron_2bw.config import ConfigError
@@ -12,6 +13,9 @@ from megatron_2bw.distributed.launch import exit_process
 from megatron_2bw.training.exit_request import INTERRUPTED_EXIT_CODE
 
 FAILURE_CONTEXT: dict = {}
+# a bad input's other ranks wait this long before exiting, so that rank 0 prints the job's line
+# before torchrun, which stops the remaining ranks when the first one exits, stops it
+RANK_0_GRACE_SECONDS = 2.0
 
 
 def run_and_report(main) -> None:
@@ -28,9 +32,12 @@ def run_and_report(main) -> None:
         # torchrun the others leave it in their error file (a rank that alone fails is then
         # named by torchrun's summary), elsewhere they print it too, so that none fails silently
         name = os.path.basename(sys.argv[0])
-        if _global_rank() == 0 or not os.environ.get(ERROR_FILE_VARIABLE):
+        under_torchrun = bool(os.environ.get(ERROR_FILE_VARIABLE))
+        if _global_rank() == 0 or not under_torchrun:
             print(f"{name}: error: {error}", file=sys.stderr, flush=True)
         record_failure(f"{name}: error: {error}")
+        if under_torchrun and _global_rank() != 0:
+            time.sleep(RANK_0_GRACE_SECONDS)  # torchrun stops every rank once one exits
         exit_process(2)
     except BaseException as error:  # noqa: BLE001 - every failure must end the job loudly
         if isinstance(error, SystemExit) and not error.code:  # --help, a requested exit
