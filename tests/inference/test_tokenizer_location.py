@@ -13,6 +13,7 @@ from megatron_2bw.checkpoint.save_load import saved_config
 from megatron_2bw.config import ConfigError
 from megatron_2bw.inference.cli import add_generate_arguments
 from megatron_2bw.inference.loading import load_text_model
+from tests.data.helpers import load_tool
 from tests.training.runs import ROOT
 
 
@@ -21,7 +22,7 @@ def _load(root: str):
     return load_text_model(args, device=torch.device("cpu"), show_progress=False)
 
 
-def test_generation_finds_the_tokenizer_of_a_run_trained_in_another_folder(tmp_path, monkeypatch):
+def test_tools_find_the_tokenizer_of_a_run_trained_in_another_folder(tmp_path, monkeypatch):
     train = tmp_path / "train"
     train.mkdir()
     lines = ["the king and the queen spoke of love and war in the night"] * 50
@@ -42,6 +43,9 @@ def test_generation_finds_the_tokenizer_of_a_run_trained_in_another_folder(tmp_p
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)
     expected = _load(root).tokenizer.tokenize("the queen")
+    load_tool("export_to_hf").main(["--load", root, "--output", "hf"])  # relative to here
+    assert (elsewhere / "hf" / "tokenizer.model").read_bytes() == \
+        (train / "spm.model").read_bytes()
     shutil.move(train / "spm.model", train / "ckpt" / "spm.model")  # moved with the checkpoint
     assert _load(root).tokenizer.tokenize("the queen") == expected
     (train / "ckpt" / "spm.model").unlink()
