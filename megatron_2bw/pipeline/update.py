@@ -369,7 +369,7 @@ class GradientUpdater:
         self.version_scales[batch + 1] = self.scaler.scale
         oldest_needed = v.version_for_batch(batch + 1)  # no batch before b+1 asks any more
         self.version_scales = {k: s for k, s in self.version_scales.items() if k >= oldest_needed}
-        if v.alias:  # the master gradients are the accumulation buffer itself
+        if v.shared_grads:  # the master gradients are the accumulation buffer itself
             v.main_grad_buffer.zero_()
 
 

@@ -47,10 +47,11 @@ from functools import lru_cache
 from megatron_2bw.config import ModelConfig, ParallelConfig, PrecisionConfig
 from megatron_2bw.distributed.layout import ParallelLayout
 from megatron_2bw.pipeline.partition import layer_ranges
-from megatron_2bw.pipeline.schedules import NEVER_DRAINED
+from megatron_2bw.pipeline.schedules import NEVER_DRAINED, live_versions
 from megatron_2bw.planner.hardware import HardwareSpec
 from megatron_2bw.planner.memory import (dtype_bytes, grad_buffer_bytes,
-                                         stage_parameters, stage_tensor_partial_grad_parameters)
+                                         held_bytes_per_parameter, stage_parameters,
+                                         stage_tensor_partial_grad_parameters)
 from megatron_2bw.planner.profile import ComputeCosts
 from megatron_2bw.planner.stage_plan import LayerCosts
 
@@ -424,13 +425,10 @@ def stage_costs(model: ModelConfig, hardware: HardwareSpec, costs: ComputeCosts,
     tied_ar = net.allreduce_time("embedding", tied_bytes) if tied else 0.0
     shards = d if parallel.use_distributed_optimizer else 1
     # as in memory.py: in fp32 the master weights are (this rank's part of) a working copy, under
-    # 2BW the newest version's; the master gradients are separate unless fp32 Flush/GPipe, and
-    # in fp32 2BW, unsharded, they trade storage with the buffer (WeightVersions)
+    # 2BW the newest version's
     fp32 = e == 4 and g == 4
     fp32_versions = fp32 and candidate.schedule in NEVER_DRAINED and \
         candidate.schedule != "pipemare"  # PipeMare's one version is the master weights
-    separate_master_grads = not fp32 or fp32_versions
-    swaps_gradients = fp32_versions and shards == 1
     layer_counts = list(candidate.layer_split) if candidate.layer_split else \
         [len(r) for r in layer_ranges(model.num_layers, p)]
 
@@ -479,9 +477,13 @@ def stage_costs(model: ModelConfig, hardware: HardwareSpec, costs: ComputeCosts,
             + (hardware.allreduce_processor_s(2, tied_bytes) if tied and (first or last) else 0.0) \
             + hardware.allreduce_processor_s(t * p, 4) \
             + (hardware.allreduce_processor_s(d, 4) if shards > 1 else 0.0)
-        # the buffer into the master gradients: a copy and a zeroing pass, or where the two trade
-        # storage the zeroing alone; the grad norm
-        move = (g if swaps_gradients else 2 * g + 4) if separate_master_grads else 0
+        # the buffer into the master gradients where they are separate (held_bytes_per_parameter):
+        # a copy and a zeroing pass, or where both are whole and fp32 and trade storage the
+        # zeroing alone; the grad norm
+        held = held_bytes_per_parameter(e, g, live_versions(candidate.schedule, p, s), shards,
+                                        optimizer)
+        swaps_gradients = g == 4 and shards == 1
+        move = (g if swaps_gradients else 2 * g + 4) if held.master_grads else 0
         local = move * P + 12 * P
         # the blocking all-reduce over the tensor-parallel group of the replicated parameters'
         # gradients each rank computes in part (update.py, sum_tensor_partial_grads)
