@@ -486,8 +486,9 @@ def stage_costs(model: ModelConfig, hardware: HardwareSpec, costs: ComputeCosts,
         move = (g if swaps_gradients else 2 * g + 4) if held.master_grads else 0
         local = move * P + 12 * P
         # the blocking all-reduce over the tensor-parallel group of the replicated parameters'
-        # gradients each rank computes in part (update.py, sum_tensor_partial_grads)
-        summed = g * stage_tensor_partial_grad_parameters(model, t, layers, first, last)
+        # gradients each rank computes in part, after the data-parallel average: of the part
+        # this rank averaged (update.py, sum_tensor_partial_grads)
+        summed = g * stage_tensor_partial_grad_parameters(model, t, layers, first, last) / shards
         partial_ar = net.allreduce_time("tensor", summed, s) if summed else 0.0
         # optimizer + unscaling, and the new working version: written from the master weights or,
         # where they are the newest version, a copy of this rank's part of it before the step;
