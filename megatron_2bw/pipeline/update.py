@@ -10,8 +10,8 @@ finish_data_reductions(): called before each backward, the first write to the bu
   reduce(b), and by step. Once the average is in, it sums over the tensor-parallel group the
   gradients each rank computed in part (sequence-parallel norms, qk-layernorm), moves the buffer
   into the fp32 master gradients where they are separate (the buffer is free again for batch
-  b+1), then starts the all-reduce of the tied
-  word-embedding gradient over the first+last stage and one all-reduce over the whole
+  b+1), then starts the all-reduce of the tied word-embedding gradient over the first+last
+  stage and one all-reduce over the whole
   model-parallel group of the sum of squared gradients (non-finite if any rank overflowed; with
   the distributed optimizer over every replica too, adding up the shards' sums). So
   under 2BW the data-parallel transfer overlaps the forward that follows reduce(b), and the point
