@@ -23,7 +23,8 @@ schedule's actions name, and the gradient-accumulation buffer.
   weights too, the master weights are the working weights: no copy at all.
 - With more versions (2BW, PipeDream) the next batch's backwards accumulate into the buffer
   before the step has read the batch's gradients, so `take_gradients` moves them into separate
-  master gradients (whole and fp32: the two trade storage), leaving the buffer zeroed.
+  master gradients (whole and fp32: the two trade storage; sharded, into the working copy that
+  is free until the step, where they fit: `grads_in_free_copy`), leaving the buffer zeroed.
 - `shard(group)` (the distributed optimizer) keeps only this rank's 1/d of the master weights and
   of their gradients; a new version is then assembled by an all-gather over the group (in place
   where the master weights are part of the copy: fp32), one per region, in the background and
@@ -225,6 +226,8 @@ class WeightVersions:
         to the new buffer (the master gradients were consumed by the previous step)."""
         if self.shared_grads:
             return
+        if self.grads_in_free_copy:  # the copy the schedule has just released
+            self._point_master_grad_shard_at(self._free_copy_as_fp32_shard())
         if not self.swaps_gradients:
             for grad, (a, b) in zip(self.master_grad_regions, self.layout.owned):
                 grad.copy_(self.main_grad_buffer[a:b])
@@ -283,17 +286,49 @@ class WeightVersions:
             for (start, _), (a, b), region, full in zip(self.layout.regions, owned,
                                                         self.master_regions, unsharded):
                 region.copy_(full[a - start:b - start])
+        for m, weights in zip(self.master, self._owned_views(self.master_regions)):
+            m.data = weights
         if self.shared_grads:  # the master gradients are the buffer's owned part
-            self.master_grad_regions = [self.main_grad_buffer[a:b] for a, b in owned]
+            self._point_master_grad_shard_at([self.main_grad_buffer[a:b] for a, b in owned])
+        elif self.grads_in_free_copy:
+            self._point_master_grad_shard_at(self._free_copy_as_fp32_shard(zero=True))
         else:
-            self.master_grad_regions = list(self._zeros(self.layout.shard_numel, torch.float32)
-                                            .split(sizes))
-        for m, weights, grad in zip(self.master, self._owned_views(self.master_regions),
-                                    self._owned_views(self.master_grad_regions)):
-            m.data, m.grad = weights, grad
+            self._point_master_grad_shard_at(list(
+                self._zeros(self.layout.shard_numel, torch.float32).split(sizes)))
         from megatron_2bw.pipeline.param_gather import ParameterGathers
         self._gathers = ParameterGathers(self.module, self._slots, self.layout,
                                          lambda: self._installed)
+
+    @property
+    def grads_in_free_copy(self) -> bool:
+        """Sharded, with several versions and master weights apart from the working copies: the
+        master-gradient shard (4/d bytes per parameter) lives in a free working copy when it
+        fits (2 bytes per parameter in fp16/bf16 at d >= 2). Every multi-version schedule
+        leaves a copy free from a batch's reduction to its step (the copy of the version the
+        batch read, released at its end), and that step fills it with the new version only
+        after the optimizer has read the gradients."""
+        return self.sharded and self.capacity > 1 and self._master_copy is None and \
+            4 * self.layout.shard_numel <= self.working_dtype.itemsize * self.layout.total
+
+    def _free_copy_as_fp32_shard(self, zero: bool = False) -> list[torch.Tensor]:
+        """This rank's master-gradient regions in the first free working copy's storage
+        (reinterpreted as fp32), once its all-gathers are in."""
+        if not self._free:
+            raise RuntimeError("no free working copy to hold the master gradients: the "
+                               "schedule must release a batch's version before reducing it")
+        copy = self._free[0]
+        self.wait_gathers(copy)
+        shard = torch.empty(0, dtype=torch.float32, device=self.device).set_(
+            copy.flat.untyped_storage(), 0, (self.layout.shard_numel,))
+        if zero:
+            shard.zero_()
+        return list(shard.split([b - a for a, b in self.layout.owned]))
+
+    def _point_master_grad_shard_at(self, regions: list[torch.Tensor]) -> None:
+        """The (sharded) master gradients become `regions`, this rank's part of each region."""
+        self.master_grad_regions = regions
+        for m, grad in zip(self.master, self._owned_views(regions)):
+            m.grad = grad
 
     def wait_gathers(self, copy: WorkingCopy | None = None) -> None:
         """Wait for the all-gathers still filling `copy` (None: every copy): before anything

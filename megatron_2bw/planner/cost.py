@@ -49,8 +49,7 @@ from megatron_2bw.distributed.layout import ParallelLayout
 from megatron_2bw.pipeline.partition import layer_ranges
 from megatron_2bw.pipeline.schedules import NEVER_DRAINED, live_versions
 from megatron_2bw.planner.hardware import HardwareSpec
-from megatron_2bw.planner.memory import (dtype_bytes, grad_buffer_bytes,
-                                         held_bytes_per_parameter, stage_parameters,
+from megatron_2bw.planner.memory import (dtype_bytes, grad_buffer_bytes, stage_parameters,
                                          stage_tensor_partial_grad_parameters)
 from megatron_2bw.planner.profile import ComputeCosts
 from megatron_2bw.planner.stage_plan import LayerCosts
@@ -477,13 +476,12 @@ def stage_costs(model: ModelConfig, hardware: HardwareSpec, costs: ComputeCosts,
             + (hardware.allreduce_processor_s(2, tied_bytes) if tied and (first or last) else 0.0) \
             + hardware.allreduce_processor_s(t * p, 4) \
             + (hardware.allreduce_processor_s(d, 4) if shards > 1 else 0.0)
-        # the buffer into the master gradients where they are separate (held_bytes_per_parameter):
-        # a copy and a zeroing pass, or where both are whole and fp32 and trade storage the
-        # zeroing alone; the grad norm
-        held = held_bytes_per_parameter(e, g, live_versions(candidate.schedule, p, s), shards,
-                                        optimizer)
+        # the buffer into the master gradients unless they are the buffer (one version, fp32
+        # gradients: WeightVersions.shared_grads): a copy and a zeroing pass, or where both are
+        # whole and fp32 and trade storage the zeroing alone; the grad norm
+        shared_grads = live_versions(candidate.schedule, p, s) == 1 and g == 4
         swaps_gradients = g == 4 and shards == 1
-        move = (g if swaps_gradients else 2 * g + 4) if held.master_grads else 0
+        move = 0 if shared_grads else g if swaps_gradients else 2 * g + 4
         local = move * P + 12 * P
         # the blocking all-reduce over the tensor-parallel group of the replicated parameters'
         # gradients each rank computes in part, after the data-parallel average: of the part

@@ -96,13 +96,18 @@ def held_bytes_per_parameter(element_bytes: int, grad_bytes: int, versions: int,
     distributed optimizer's d). The master weights are a working copy in fp32 (unless
     `predicted`: weight prediction fills the versions from elsewhere); the master gradients are
     the buffer with one version and an fp32 buffer: with more, a backward of the next batch
-    accumulates into the buffer before the step has read them."""
+    accumulates into the buffer before the step has read them, and they are a tensor of their
+    own unless sharded (then in a free working copy, where they fit)."""
     if optimizer not in OPTIMIZER_STATE_BYTES:
         raise ValueError(f"unknown optimizer {optimizer!r}; expected one of "
                          f"{list(OPTIMIZER_STATE_BYTES)}")
     fp32 = element_bytes == 4 and grad_bytes == 4
     separate_master = not fp32 or predicted
     separate_master_grads = versions > 1 or grad_bytes != 4
+    # sharded, several versions: the shard lives in the working copy that is free from a
+    # batch's reduction to its step, where it fits (WeightVersions.grads_in_free_copy)
+    if shards > 1 and versions > 1 and separate_master and 4 / shards <= element_bytes:
+        separate_master_grads = False
     return HeldBytes(
         working=element_bytes * versions, buffer=grad_bytes,
         master=4 / shards if separate_master else 0.0,

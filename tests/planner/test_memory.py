@@ -364,7 +364,10 @@ def test_weights_gradients_and_versions(precision, schedule, params, grads, stas
 
 def test_optimizer_and_distributed_optimizer():
     assert memory(optimizer="sgd").optimizer == 4 * P0
+    # fp16 2BW: the master-gradient shard lives in the free working copy
     m = memory(data_parallel=4, distributed=True)
+    assert (m.params, m.grads, m.optimizer) == (2 * P0 + P0, 2 * P0, 2 * P0)
+    m = memory(schedule="flush", data_parallel=4, distributed=True)  # fp16 gradients: a shard
     assert (m.params, m.grads, m.optimizer) == (2 * P0 + P0, 2 * P0 + P0, 2 * P0)
     assert memory(data_parallel=4).optimizer == 8 * P0  # d alone shards nothing
     # fp32 2BW: the master weights are this rank's part of the newest version; their gradients
