@@ -211,8 +211,12 @@ def check_iterations_left(config: Config, layout, iteration: int) -> None:
 
 
 def startup_summary(stage: Stage) -> str:
-    c, layout = stage.config, stage.layout
-    n = sum(p.numel() for p in stage.versions.master)
+    c, layout, versions = stage.config, stage.layout, stage.versions
+    held = sum(versions.layout.numels)  # every parameter of the rank's shard, in working copies
+    owned = ""
+    if versions.sharded:  # the distributed optimizer: its part of the master weights and state
+        owned = (f" and owns {sum(m.numel() for m in versions.master) / 1e6:.2f} M of their "
+                 f"master weights and optimizer state (1/{versions.layout.shards})")
     first = microbatches_of(stage, 0)
     ramp = f" (first {first}: the batch size changes)" if first != stage.microbatches else ""
     context = f" x cp {layout.context}" if layout.context > 1 else ""
@@ -221,7 +225,7 @@ def startup_summary(stage: Stage) -> str:
             f"schedule {c.parallel.pipeline_schedule}, m = {stage.microbatches} "
             f"microbatches of {c.training.micro_batch_size}{ramp}, "
             f"{c.precision.working_dtype_name}; "
-            f"stage 0 holds {n / 1e6:.2f} M parameters on rank 0")
+            f"stage 0 holds {held / 1e6:.2f} M parameters on rank 0{owned}")
 
 
 def main(model_type: str, description: str = "") -> None:
