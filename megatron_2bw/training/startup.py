@@ -118,7 +118,10 @@ def check_inputs(config: Config) -> None:
     exists, so that a mistake ends the job with one line naming the flag (ConfigError), not a
     traceback after start-up or an unwritable --save after the first interval of training."""
     from megatron_2bw.data.builder import check_data_flags
-    check_data_flags(config.data)
+    train = config.training
+    splits = (*(() if train.skip_train else ("train",)),
+              *(("valid", "test") if train.eval_iters > 0 else ()))
+    check_data_flags(config.data, config.model.seq_length, config.model.model_type, splits)
     for flag, path, directory in (("--save", config.checkpoint.save, True),
                                   ("--tensorboard-dir", config.logging.tensorboard_dir, True),
                                   ("--log-file", config.logging.log_file, False)):
