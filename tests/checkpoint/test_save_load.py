@@ -39,16 +39,32 @@ def _stage(flags):
     return build_stage(config, ParallelLayout(1, 1, 1), torch.device("cpu"), None)
 
 
-def test_a_save_killed_half_way_leaves_the_previous_checkpoint_loadable(tmp_path, monkeypatch):
-    flags = pretrain_flags(1, 1, 10, "--save", str(tmp_path), "--load", str(tmp_path))
+def _saved_at_iteration_3(root):
+    """A stage saved at iteration 3 into `root`, now at iteration 4; its flags and saved weights."""
+    flags = pretrain_flags(1, 1, 10, "--save", str(root), "--load", str(root))
     stage = _stage(flags)
     stage.iteration, stage.consumed_samples = 3, 6
     save_checkpoint(stage)
     saved = [m.detach().clone() for m in stage.versions.master]
+    stage.iteration = 4
+    return flags, stage, saved
+
+
+def _assert_iteration_3_is_latest_and_intact(root, flags, saved):
+    assert read_marker(str(root)) == 3
+    assert not [f for _, _, files in os.walk(root) for f in files if ".tmp" in f]
+    fresh = _stage(flags)
+    maybe_load_checkpoint(fresh)
+    assert (fresh.iteration, fresh.consumed_samples) == (3, 6)
+    for m, expected in zip(fresh.versions.master, saved):
+        assert torch.equal(m, expected)
+
+
+def test_a_save_killed_half_way_leaves_the_previous_checkpoint_loadable(tmp_path, monkeypatch):
+    flags, stage, saved = _saved_at_iteration_3(tmp_path)
     with torch.no_grad():
         for m in stage.versions.master:
             m.add_(1.0)
-    stage.iteration = 4
     real_save, calls = torch.save, []
 
     def dying_save(obj, path, *args, **kwargs):  # the first file is written, the second is not
@@ -61,13 +77,7 @@ def test_a_save_killed_half_way_leaves_the_previous_checkpoint_loadable(tmp_path
     with pytest.raises(OSError, match="disk full"):
         save_checkpoint(stage)
     monkeypatch.setattr(torch, "save", real_save)
-    assert read_marker(str(tmp_path)) == 3
-    assert not [f for _, _, files in os.walk(tmp_path) for f in files if ".tmp" in f]
-    fresh = _stage(flags)
-    maybe_load_checkpoint(fresh)
-    assert (fresh.iteration, fresh.consumed_samples) == (3, 6)
-    for m, expected in zip(fresh.versions.master, saved):
-        assert torch.equal(m, expected)
+    _assert_iteration_3_is_latest_and_intact(tmp_path, flags, saved)
 
 
 def test_loading_another_layout_names_both_layouts_and_the_conversion_tool(tmp_path):
@@ -198,12 +208,7 @@ def test_a_full_disk_during_a_save_says_so_and_keeps_the_previous_checkpoint(tmp
     import errno
 
     from megatron_2bw.checkpoint import save_load
-    flags = pretrain_flags(1, 1, 10, "--save", str(tmp_path), "--load", str(tmp_path))
-    stage = _stage(flags)
-    stage.iteration, stage.consumed_samples = 3, 6
-    save_checkpoint(stage)
-    saved = [m.detach().clone() for m in stage.versions.master]
-    stage.iteration = 4
+    flags, stage, saved = _saved_at_iteration_3(tmp_path)
 
     class FullDisk:  # the module's files, on a disk that fills after 1000 bytes
         def __init__(self, path, mode="r"):
@@ -233,10 +238,4 @@ def test_a_full_disk_during_a_save_says_so_and_keeps_the_previous_checkpoint(tmp
     assert "no space left on device (" in message and "model_optim_rng.pt.tmp" in message
     assert message.endswith(f"{MARKER} still names iteration 3, which is intact")
     assert "\n" not in message
-    assert read_marker(str(tmp_path)) == 3
-    assert not [f for _, _, files in os.walk(tmp_path) for f in files if ".tmp" in f]
-    fresh = _stage(flags)
-    maybe_load_checkpoint(fresh)
-    assert (fresh.iteration, fresh.consumed_samples) == (3, 6)
-    for m, expected in zip(fresh.versions.master, saved):
-        assert torch.equal(m, expected)
+    _assert_iteration_3_is_latest_and_intact(tmp_path, flags, saved)
