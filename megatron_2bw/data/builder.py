@@ -112,8 +112,12 @@ def _check_dataset_files(flag: str, prefix: str, fractions: list[float] | None,
     for name, (first, last) in zip(SPLIT_NAMES, ranges):
         if seq_length is None or name not in splits or last <= first:
             continue
-        sequences = indexed.document_indices[first], indexed.document_indices[last]
-        tokens = int(indexed.sequence_lengths[sequences[0]:sequences[1]].sum(dtype=np.int64))
+        lengths = indexed.sequence_lengths[indexed.document_indices[first]:
+                                           indexed.document_indices[last]]
+        # the first seq_length + 1 sequences usually suffice: no pass over a large index
+        tokens = int(lengths[:seq_length + 1].sum(dtype=np.int64))
+        if tokens < seq_length + 1:
+            tokens = int(lengths.sum(dtype=np.int64))
         if tokens < seq_length + 1:
             where = f"the {name} split of " if fractions is not None else ""
             raise ConfigError(f"{flag} {prefix}: {where}the data has {tokens} tokens, fewer than "

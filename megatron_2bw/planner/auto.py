@@ -27,13 +27,15 @@ def plan_job(config: Config, world_size: int, rank: int, typed: set) -> tuple[Co
                                              par.planner_profile_cache)
         try:
             plans = rank_plans_for(config, world_size, hardware, profile, space, simulate_top=3)
+            chosen[0] = plans[0] if plans[0].fits else min(
+                plans, key=lambda plan: max(plan.memory_bytes_per_stage))
         except ValueError as error:  # no layout of this world and these pinned flags
-            raise ConfigError(f"--auto-parallel: {error}") from None
-        chosen[0] = plans[0] if plans[0].fits else min(
-            plans, key=lambda plan: max(plan.memory_bytes_per_stage))
+            chosen[0] = f"--auto-parallel: {error}"
     if dist.is_initialized() and world_size > 1:
         dist.broadcast_object_list(chosen, src=0)
     plan = chosen[0]
+    if isinstance(plan, str):  # every rank stops with rank 0's line
+        raise ConfigError(plan)
     if not plan.fits:  # every rank stops with the same line
         raise ConfigError(
             f"--auto-parallel: no configuration fits in memory on {hardware.name}; the smallest "

@@ -74,9 +74,20 @@ def test_nothing_that_fits_is_one_line_naming_the_smallest_need():
         plan_job(config, 1, 0, explicit_fields(args))
 
 
-def test_a_pinned_layout_the_world_cannot_hold_is_one_line():
-    argv = ARGV[:-1] + ["dgx-a100", "--tensor-model-parallel-size", "2"]
+def _refusal(rank, world_size, argv):
     config, args = parse_config(argv, "gpt", require_data=False)
-    with pytest.raises(ConfigError, match="^--auto-parallel: no valid parallel configuration for "
-                                          "world size 1"):
-        plan_job(config, 1, 0, explicit_fields(args))
+    try:
+        plan_job(config, world_size, rank, explicit_fields(args))
+    except ConfigError as error:
+        return str(error)
+    return None
+
+
+def test_a_pinned_layout_the_world_cannot_hold_stops_every_rank_with_one_line():
+    """Rank 0 searches; the other rank learns of the refusal from it instead of waiting."""
+    argv = ARGV[:-1] + ["dgx-a100", "--tensor-model-parallel-size", "2",
+                        "--pipeline-model-parallel-size", "2"]
+    refusals = run_ranks(2, _refusal, argv, timeout=300)
+    assert refusals[0] == refusals[1]
+    assert refusals[0].startswith("--auto-parallel: no valid parallel configuration for world "
+                                  "size 2"), refusals[0]
