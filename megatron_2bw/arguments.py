@@ -7,6 +7,7 @@ A bad flag ends the program with one line naming the flag (`ConfigError` -> `exi
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from contextlib import contextmanager
 
@@ -17,8 +18,17 @@ from megatron_2bw.data.tokenizers import TOKENIZER_TYPES
 
 
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # argparse (before Python 3.13) takes "-1e-3" for an option: a value such as
+        # `--lr -1e-3` must reach the checks, which name the flag and the range it needs.
+        self._negative_number_matcher = NEGATIVE_NUMBER
+
     def error(self, message):  # one line, no usage dump
         raise ConfigError(message)
+
+
+NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
 
 
 def _bool_flag(group, flag, section, field, help):

@@ -336,7 +336,9 @@ def validate(config: Config, require_data: bool = True) -> None:
                  f"positive layer counts summing to --num-layers {m.num_layers}")
     _validate_virtual_stages(config)
     _require(not (config.precision.fp16 and config.precision.bf16), "--fp16 and --bf16 exclude each other")
-    _require(opt.lr >= 0 and opt.min_lr >= 0, "--lr and --min-lr must be >= 0")
+    _require(opt.lr > 0 or (opt.lr == 0 and tr.skip_train),
+             f"--lr must be > 0 (with a rate of 0 training changes nothing), got {opt.lr:g}")
+    _require(opt.min_lr >= 0, f"--min-lr must be >= 0, got {opt.min_lr:g}")
     _validate_delay_compensation(par)
     _validate_schedule_units(tr, opt)
     _validate_batch_schedule(tr)
@@ -475,3 +477,21 @@ def _smallest_batch_flag(tr) -> str:
     if tr.step_batch_size_schedule:
         return "every batch of --step-batch-size-schedule"
     return "--global-batch-size"
+
+
+def config_warnings(config: Config) -> list[str]:
+    """Legal settings that are probably mistakes: one line each, printed once before training."""
+    from megatron_2bw.optim.lr_schedule import (learning_rate, schedule_iterations,
+                                                training_iterations)
+    opt, tr = config.optimizer, config.training
+    warnings = []
+    warmup, _ = schedule_iterations(opt, tr)
+    run = training_iterations(tr)
+    if not tr.skip_train and warmup > run:
+        flag = ("--lr-warmup-fraction" if opt.lr_warmup_fraction is not None
+                else "--lr-warmup-samples" if tr.train_samples is not None else "--lr-warmup-iters")
+        reached = learning_rate(max(int(run) - 1, 0), opt, tr)
+        warnings.append(f"warning: {flag} makes the warm-up {warmup:g} iterations, longer than "
+                        f"the run's {run:g}: the learning rate ends at {reached:.3g}, never "
+                        f"reaching --lr {opt.lr:g}")
+    return warnings

@@ -96,7 +96,11 @@ class SentencePieceTokenizer(Tokenizer):
         import sentencepiece
 
         self.name = name
-        self._model = sentencepiece.SentencePieceProcessor(model_file=model_file)
+        try:
+            self._model = sentencepiece.SentencePieceProcessor(model_file=model_file)
+        except (RuntimeError, OSError) as error:  # the library's "could not parse ModelProto"
+            raise ValueError(f"--tokenizer-model {model_file}: not a SentencePiece model "
+                             f"({str(error).strip()})") from None
         self._bos = [self._model.bos_id()] if prepend_bos else []
         if prepend_bos and self._model.bos_id() < 0:
             raise ValueError(f"--tokenizer-type {name}: {model_file} has no beginning-of-sequence "

@@ -8,6 +8,7 @@ import torch.distributed as dist
 from megatron_2bw.arguments import explicit_fields, parse_config
 from megatron_2bw.batch_schedule import batch_schedule
 from megatron_2bw.config import Config
+from megatron_2bw.config_checks import config_warnings
 from megatron_2bw.distributed.comm import all_reduce
 from megatron_2bw.logging import IterationProfiler, Timers
 from megatron_2bw.pipeline.update import StepResult
@@ -84,6 +85,8 @@ def pretrain(config: Config, typed: set = frozenset()) -> Stage:
     config.model.vocab_size = tokenizer.vocab_size  # before --auto-parallel profiles the model
     typed, adopted = adopt_checkpoint_layout(config, typed)
     config, layout, device, plan = setup(config, typed)
+    for warning in config_warnings(config):
+        print_rank0(layout, f" {warning}")
     if adopted:
         print_rank0(layout, f" --load {config.checkpoint.load}: continuing with the checkpoint's "
                             f"{' '.join(adopted)} (flags set otherwise win)")

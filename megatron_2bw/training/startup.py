@@ -122,7 +122,10 @@ def check_inputs(config: Config) -> None:
     traceback after start-up or an unwritable --save after the first interval of training."""
     from megatron_2bw.data.builder import check_data_flags
     from megatron_2bw.data.tokenizers import tokenizer_files
-    check_data_flags(config.data)
+    train = config.training
+    splits = (*(() if train.skip_train else ("train",)),
+              *(("valid", "test") if train.eval_iters > 0 else ()))
+    check_data_flags(config.data, config.model.seq_length, config.model.model_type, splits)
     for field, _ in tokenizer_files(config.data.tokenizer_type):
         path = getattr(config.data, field)
         if path and os.path.exists(path):  # as the checkpoint records it: usable from any folder
