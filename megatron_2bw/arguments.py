@@ -98,6 +98,9 @@ def build_parser(description: str = "", extra_args_provider=None) -> argparse.Ar
                "normalise each head's queries and keys (before rotary positions)")
     _bool_flag(g, "--apply-layernorm-1p", "model", "apply_layernorm_1p",
                "norm weights hold gain - 1, initialised to 0 (zero-centred gamma)")
+    _bool_flag(g, "--memory-efficient-layer-norm", "model", "memory_efficient_layer_norm",
+               "LayerNorm through NVIDIA apex's fused kernel, which keeps its output instead of "
+               "its input for the backward (needs apex; not with --torch-compile)")
     _bool_flag(g, "--attention-softmax-in-fp32", "model", "attention_softmax_in_fp32",
                "fp16/bf16: the attention softmax (and its mask) in fp32")
     _bool_flag(g, "--apply-query-key-layer-scaling", "model", "apply_query_key_layer_scaling",

@@ -31,6 +31,7 @@ def config_with_base(args: argparse.Namespace, base: Config, source: str,
     check_architecture_flags(args, base, source)
     base = Config.from_dict(base.to_dict())
     base.parallel, base.checkpoint = ParallelConfig(), CheckpointConfig()
+    base.model.sequence_parallel = False  # this run's choice (--sequence-parallel), as its t
     return config_from_args(args, base.model.model_type, base=base, require_data=require_data)
 
 

@@ -13,11 +13,11 @@ rate. Assumptions:
   scores and their product with V (`attention_flops_per_token`; causal masking is not credited:
   PyTorch's math path computes the full square; grouped-query attention repeats k and v to every
   head first, so it saves nothing here); backward does twice the forward's matmul FLOPs.
-- memory traffic: each element-wise kernel reads and writes its tensors once (the norms as the
-  model code runs them: RMSNorm in several fp32 kernels, with --qk-layernorm also over this
-  rank's q and k; the row-parallel bias add unless --disable-bias-linear, dropout + residual,
-  GELU or SwiGLU's silu and product, k and v repeated for grouped-query attention, rotary
-  embeddings on q and k, the layout copies around attention, the softmax chain over the b*a*s*s
+- memory traffic: each element-wise kernel reads and writes its tensors once (the norms one fused
+  kernel each, RMSNorm on a CPU several fp32 kernels, with --qk-layernorm also over this rank's q
+  and k; the row-parallel bias add unless --disable-bias-linear, dropout + residual, GELU or
+  SwiGLU's silu and product, k and v repeated for grouped-query attention, rotary embeddings on q
+  and k, the layout copies around attention, the softmax chain over the b*a*s*s
   scores (in fp32, with casts to it and back, under --attention-softmax-in-fp32 with fp16/bf16:
   Megatron-LM's unfused attention; a fused kernel, memory.fused_attention, moves only q, k, v,
   its output and a log-sum-exp per row), the fp32 cross entropy over the vocabulary); the
@@ -127,12 +127,13 @@ class AnalyticProfile:
                      9 + mask_kernels + dropout)
 
     def norm(self, elements: float) -> _Work:
-        """One norm over `elements`: LayerNorm one kernel (read, write); RMSNorm as the model code
-        runs it in fp32: pow (8 bytes per element), mean (4), eps and rsqrt, multiply (8), the
-        weight (2e), and in half precision the casts to fp32 and back (4 + e each). Under
-        --apply-layernorm-1p one more kernel adds 1 to the (tiny) weight."""
+        """One norm over `elements`: torch's fused layer_norm or rms_norm, one kernel (read,
+        write); but RMSNorm on a CPU as the model code runs it there in fp32: pow (8 bytes per
+        element), mean (4), eps and rsqrt, multiply (8), the weight (2e), and in half precision
+        the casts to fp32 and back (4 + e each). Under --apply-layernorm-1p one more kernel adds
+        1 to the (tiny) weight."""
         e, m = self.e, self.model
-        if m.normalization == "LayerNorm":
+        if m.normalization == "LayerNorm" or self.hardware.device_type != "cpu":
             return _Work(0.0, 2 * e * elements, 1 + m.apply_layernorm_1p)
         casts = 0 if e == 4 else 2
         return _Work(0.0, (20 + 2 * e + casts * (4 + e)) * elements,
@@ -255,5 +256,5 @@ class AnalyticProfile:
             head_backward_s=s(self.head_backward(t, b)),
             layer_activation_bytes=layer_activation_bytes(self.model, t, b, self.e,
                                                           device_type=self.hardware.device_type),
-            selective_layer_activation_bytes=layer_activation_bytes(self.model, t, b, self.e,
-                                                                    selective=True))
+            selective_layer_activation_bytes=layer_activation_bytes(
+                self.model, t, b, self.e, selective=True, device_type=self.hardware.device_type))

@@ -7,15 +7,20 @@ from megatron_2bw.config import ModelConfig, ParallelConfig, PrecisionConfig, Re
 from megatron_2bw.distributed.comm import ShardShapeGroup
 from megatron_2bw.models import MODELS
 from megatron_2bw.planner import memory as planner_memory
-from megatron_2bw.planner.memory import (layer_parameters, qkv_stash_bytes,
-                                         stage_parameter_tensors, stage_parameters,
+from megatron_2bw.planner.memory import (layer_parameters, stage_parameter_tensors,
+                                         stage_parameters,
                                          stage_tensor_partial_grad_parameters)
 
 
-# The counts below are those of the CPU's attention kernels, which the CPU tests can measure:
-# PyTorch's math attention (it keeps the scores) wherever the model has attention dropout.
+# The counts below are those of the CPU's kernels, which the CPU tests can measure: PyTorch's
+# math attention (it keeps the scores) wherever the model has attention dropout, and RMSNorm's
+# decomposition in fp32.
 def layer_activation_bytes(*args, **kwargs) -> float:
     return planner_memory.layer_activation_bytes(*args, device_type="cpu", **kwargs)
+
+
+def qkv_stash_bytes(*args, **kwargs) -> float:
+    return planner_memory.qkv_stash_bytes(*args, device_type="cpu", **kwargs)
 
 
 def attention_core_bytes(*args, **kwargs) -> float:
@@ -286,6 +291,20 @@ def test_qk_layernorm_stashes():
     for t in (1, 2):
         assert qkv_stash_bytes(wide, t, 2) == 2 * (3 * 2 * H + 6 * H) / t
         assert qkv_stash_bytes(wide_llama, t, 2) == (2 * 3 * 2 * H + (4 + 2) * 3 * H) / t
+
+
+def test_rms_norm_keeps_its_input_off_the_cpu():
+    """torch's fused rms_norm (off the CPU) keeps its input, as layer_norm does: Llama's layer
+    stashes what GPT-2's layout's does for its norms, with or without --qk-layernorm; on a CPU
+    the fp32 decomposition keeps 4 bytes more per element."""
+    for qk in (False, True):
+        rms = dataclasses.replace(MODEL, normalization="RMSNorm", qk_layernorm=qk)
+        layer_norm = dataclasses.replace(MODEL, qk_layernorm=qk)
+        for e in (2, 4):
+            assert planner_memory.layer_activation_bytes(rms, 1, 1, e, device_type="cuda") == \
+                planner_memory.layer_activation_bytes(layer_norm, 1, 1, e, device_type="cuda")
+    assert layer_activation_bytes(dataclasses.replace(MODEL, normalization="RMSNorm"), 1, 1, 2) \
+        - layer_activation_bytes(MODEL, 1, 1, 2) == 2 * 4 * S * H
 
 
 def test_layernorm_1p_norms_keep_the_gains_they_compute():
