@@ -309,23 +309,27 @@ def first_stage_extra_bytes(model: ModelConfig, micro_batch_size: int, element_b
 
 def last_stage_extra_bytes(model: ModelConfig, tensor_parallel: int, micro_batch_size: int,
                            element_bytes: int, device_type: str = "cuda") -> float:
-    """Final norm's stash and output (the logits' input), the fp32 softmax the vocabulary-parallel
-    cross entropy keeps for its backward, targets; BERT's LM transform adds its own two inputs.
-    All of the whole sequence: under --sequence-parallel the last stage gathers it first."""
+    """Final norm's stash and output (the logits' input), the logits the vocabulary-parallel
+    cross entropy keeps for its backward (in the working precision) with each token's fp32 max
+    and sum, targets; BERT's LM transform adds its own two inputs. All of the whole sequence:
+    under --sequence-parallel the last stage gathers it first."""
     sb = model.seq_length * micro_batch_size
     vocab = model.padded_vocab_size(tensor_parallel) // tensor_parallel
     hidden = (norm_stash_bytes(model, element_bytes, device_type) + element_bytes) * sb * \
         model.hidden_size
     if model.model_type == "bert":
         hidden += 2 * element_bytes * sb * model.hidden_size
-    return hidden + 4 * sb * vocab + 9 * sb
+    return hidden + element_bytes * sb * vocab + 17 * sb
 
 
 def cross_entropy_workspace_bytes(model: ModelConfig, tensor_parallel: int, micro_batch_size: int,
                                   element_bytes: int) -> float:
-    """The logits in the working precision plus two fp32 temporaries of the loss computation."""
+    """The logits' gradient in the working precision and one fp32 chunk of the loss's
+    computation (tensor_parallel.cross_entropy.CHUNK_ELEMENTS logits at most)."""
+    from megatron_2bw.tensor_parallel.cross_entropy import CHUNK_ELEMENTS
     vocab = model.padded_vocab_size(tensor_parallel) // tensor_parallel
-    return (element_bytes + 8) * model.seq_length * micro_batch_size * vocab
+    logits = model.seq_length * micro_batch_size * vocab
+    return element_bytes * logits + 4 * min(logits, CHUNK_ELEMENTS)
 
 
 # ---------------------------------------------------------------------------------------------
