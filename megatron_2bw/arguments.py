@@ -130,7 +130,7 @@ def build_parser(description: str = "", extra_args_provider=None) -> argparse.Ar
     _flag(g, "--pipeline-model-parallel-size", "parallel", "pipeline_parallel", type=int)
     _flag(g, "--context-parallel-size", "parallel", "context_parallel", type=int,
           help="GPT: split every sequence over this many ranks of each data-parallel replica "
-               "(default 1); attention gathers the keys and values of the whole sequence")
+               "(default 1); keys and values travel around the ring of them (ring attention)")
     _flag(g, "--pipeline-schedule", "parallel", "schedule",
           choices=["2bw", "flush", "gpipe", "pipedream", "pipemare", "zb-h1", "interleaved"],
           help="2bw (default when p > 1), flush (1F1B), gpipe, pipedream (weight stashing, an "

@@ -16,7 +16,7 @@ from torch import nn
 
 from megatron_2bw.config import ModelConfig, RecomputeConfig
 from megatron_2bw.distributed.comm import group_size
-from megatron_2bw.models.context_parallel import gather_keys
+from megatron_2bw.models.ring_attention import ring_attention
 from megatron_2bw.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
                                                  VocabParallelEmbedding, make_param,
                                                  replicated_param)
@@ -208,8 +208,8 @@ def apply_rotary(x, rotary, interleaved: bool):
 class ParallelAttention(nn.Module):
     """Self-attention with query groups (and their heads) split over the tensor-parallel group.
     `layer_number` (1-based, global) is --apply-query-key-layer-scaling's coefficient. With a
-    `context_group` (context parallelism) the queries are this rank's part of the sequence and the
-    keys and values are gathered from all of it (models/context_parallel.py)."""
+    `context_group` (context parallelism) the queries, keys and values are this rank's part of
+    the sequence, and the keys and values travel around the ring (models/ring_attention.py)."""
 
     def __init__(self, config: ModelConfig, group, causal: bool, recompute_core: bool,
                  layer_number: int = 1, context_group=None):
@@ -254,8 +254,6 @@ class ParallelAttention(nn.Module):
         if rotary is not None:
             q = apply_rotary(q, rotary, self.rotary_interleaved)
             k = apply_rotary(k, rotary, self.rotary_interleaved)
-        if self.context_group is not None:  # once per query group, before the heads share them
-            k, v = gather_keys(k, self.context_group), gather_keys(v, self.context_group)
         if self.heads_per_group > 1 and not shares_groups_in_sdpa(q, mask):
             k, v = (t.repeat_interleave(self.heads_per_group, dim=1) for t in (k, v))
         return q, k, v
@@ -269,6 +267,8 @@ class ParallelAttention(nn.Module):
         # this rank's heads: independent dropout per tp rank. Without dropout nothing draws, and
         # the fork (RNG states read on the host) would split a compiled layer into four graphs
         with get_rng_tracker().fork() if dropout > 0 else nullcontext():
+            if self.context_group is not None:  # `mask`: the ring's RingBlocks
+                return ring_attention(q, k, v, self.context_group, mask, dropout)
             if self.softmax_in_fp32 and q.dtype != torch.float32 and not sdpa_softmax_in_fp32():
                 if grouped:
                     k, v = (t.repeat_interleave(self.heads_per_group, dim=1) for t in (k, v))
