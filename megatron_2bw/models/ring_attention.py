@@ -7,9 +7,10 @@ s the causal mask leaves whole blocks: its own chunks causally (step 0), all its
 the early chunk of a rank s < r (the late chunk of s comes after both of r's), only its late
 queries over both chunks of a rank s > r. The chunks above the diagonal are never computed, and
 every step costs every rank the same work. An unmasked block runs scaled-dot-product attention's
-flash kernel for the CPU (its aten op returns the log-sum-exp, and its backward takes the merged
-output and log-sum-exp); a block with documents (--reset-attention-mask) or attention dropout,
-and any block off the CPU, runs the same arithmetic written out in fp32.
+flash kernel (the CPU's; CUDA's for fp16/bf16): its aten op returns the log-sum-exp, and its
+backward takes the merged output and log-sum-exp. A block with documents
+(--reset-attention-mask) or attention dropout, or fp32 on CUDA, runs the same arithmetic
+written out in fp32.
 
 The transfers follow NCCL's rules: every rank posts one batch_isend_irecv (send to the next
 rank, receive from the previous, keys before values before their gradients), so each pair's
@@ -66,12 +67,29 @@ class RingBlocks:
         return (causal & same)[:, None]
 
 
+def _flash_kernel(q: torch.Tensor, mask, dropout: float) -> str | None:
+    """Which flash kernel runs a block: the CPU's ("cpu"), CUDA's for fp16/bf16 ("cuda"), or
+    none (the block is written out) with a mask, attention dropout or another device/dtype."""
+    if mask is not None or dropout > 0.0:
+        return None
+    if q.device.type == "cpu":
+        return "cpu"
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        return "cuda"
+    return None
+
+
 def _block_forward(q, k, v, causal, mask, dropout, scale):
     """(out, lse, dropout mask) of q over one block of keys (lse fp32, -inf where a query sees
     no key)."""
-    if q.device.type == "cpu" and mask is None and dropout == 0.0:
+    kernel = _flash_kernel(q, mask, dropout)
+    if kernel == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, causal, scale=scale)
+        return out.float(), lse, None
+    if kernel == "cuda":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
+            q.contiguous(), k.contiguous(), v.contiguous(), 0.0, causal, False, scale=scale)[:2]
         return out.float(), lse, None
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
     if causal and mask is None:  # a block's own mask (documents) holds the causal one
@@ -89,9 +107,17 @@ def _block_forward(q, k, v, causal, mask, dropout, scale):
 
 def _block_backward(grad_out, q, k, v, out, lse, causal, mask, keep, dropout, scale):
     """(dq, dk, dv) of one block, in fp32, given the merged output and log-sum-exp."""
-    if q.device.type == "cpu" and mask is None and dropout == 0.0:
+    kernel = _flash_kernel(q, mask, dropout)
+    if kernel == "cpu":
         grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad_out, q, k, v, out, lse, 0.0, causal, scale=scale)
+        return tuple(g.float() for g in grads)
+    if kernel == "cuda":  # no dropout: no sequence lengths of packed batches, no RNG state
+        none = torch.empty(0, device=q.device)
+        grads = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            grad_out.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(),
+            out.contiguous(), lse.contiguous(), none, none, q.shape[2], k.shape[2], 0.0, causal,
+            none, none, scale=scale)
         return tuple(g.float() for g in grads)
     q32, k32, v32, dout = q.float(), k.float(), v.float(), grad_out.float()
     scores = torch.matmul(q32, k32.transpose(-1, -2)) * scale
