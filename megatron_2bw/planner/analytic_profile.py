@@ -23,9 +23,9 @@ rate. Assumptions:
   its output and a log-sum-exp per row), the fp32 cross entropy over the vocabulary); the
   backward moves twice the forward's bytes. The norms and the residual path are replicated over
   the tensor-parallel group (not divided by t), except under --sequence-parallel, where each rank
-  runs them (and the embedding's position add and dropout) on its s/t tokens; the copies that
-  gather and scatter the sequence count as part of the collectives (cost.py), as the clone before
-  an all-reduce does without it.
+  runs them (and the embedding's position add and dropout) on its s/t tokens; the layout copies
+  beside the sequence's gathers and reduce-scatters (micro-batches over 1) count as part of the
+  collectives (cost.py).
 - every microbatch's weight gradients are added into the accumulation buffer (read two buffers,
   write one), and the embedding's dense gradient is first written in full: memory-bound traffic
   proportional to the piece's parameters, counted from the model code (memory.stage_parameters).
