@@ -164,3 +164,37 @@ def test_sequence_parallel_micro_batch_2_keeps_one_layout_copy_per_collective():
                                                 "reduce_scatter_tensor"}
         assert {op for _, op in copies} == {"aten.clone.default"}
         assert overlapped
+
+
+def _under_autocast(rank, world, sequence_parallel):
+    """The column-parallel layer's autograd function runs its backward under the forward's
+    autocast (GLUE fine-tuning's bf16): gradients as torch's F.linear gives them."""
+    torch.manual_seed(0)
+    group = dist.new_group(list(range(world)))
+    layer = ColumnParallelLinear(HIDDEN, FFN, group, sequence_parallel=sequence_parallel)
+    initialize_parameters(layer, seed=3, std=0.5, num_layers=2)
+    x = torch.randn(2, SEQ, HIDDEN)
+    part = x[:, rank * SEQ // world:(rank + 1) * SEQ // world] if sequence_parallel else x
+    mine = part.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(mine)
+    (y.float() ** 2).sum().backward()
+    whole = x.clone().requires_grad_()
+    weight = layer.weight.detach().clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        reference = F.linear(whole, weight, layer.bias.detach())
+    (reference.float() ** 2).sum().backward()
+    grad_input = whole.grad.clone()
+    dist.all_reduce(grad_input, group=group)
+    if sequence_parallel:
+        grad_input = grad_input[:, rank * SEQ // world:(rank + 1) * SEQ // world]
+    assert y.dtype == torch.bfloat16 and mine.grad.dtype == torch.float32
+    torch.testing.assert_close(y, reference)
+    torch.testing.assert_close(mine.grad, grad_input, atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(layer.weight.grad, weight.grad, atol=1e-2, rtol=1e-2)
+    return True
+
+
+def test_column_parallel_backward_under_autocast():
+    for sequence_parallel in (False, True):
+        assert all(run_ranks(2, _under_autocast, sequence_parallel))
