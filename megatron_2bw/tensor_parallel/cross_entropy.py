@@ -72,7 +72,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         grad_loss = grad_loss.reshape(-1)
         inside = (~outside).float()
         # d loss / d logits = (softmax - onehot(target)) * grad_loss, a chunk of tokens at a time
-        for lo, hi in _chunks(flat.shape[0], real):
+        # (none on a rank whose rows are all padding)
+        for lo, hi in _chunks(flat.shape[0], real) if real else ():
             softmax = _exp_shifted(flat[lo:hi, :real], logits_max[lo:hi])
             softmax.div_(sum_exp[lo:hi].unsqueeze(-1))
             softmax.scatter_add_(-1, local_target[lo:hi].unsqueeze(-1),

@@ -11,10 +11,10 @@ from megatron_2bw.tensor_parallel.cross_entropy import vocab_parallel_cross_entr
 from tests.distributed_helpers import run_ranks
 
 
-def _check(rank, world, vocab):
+def _check(rank, world, vocab, padded=None):
     cross_entropy.CHUNK_ELEMENTS = 5 * 16  # 5 tokens a chunk: 24 tokens in 5 chunks
     group = dist.new_group(list(range(world))) if world > 1 else None
-    padded = -(-vocab // world) * world
+    padded = padded or -(-vocab // world) * world
     generator = torch.Generator().manual_seed(5)
     logits = torch.randn(4, 6, vocab, generator=generator) * 3
     target = torch.randint(0, vocab, (4, 6), generator=generator)
@@ -33,9 +33,11 @@ def _check(rank, world, vocab):
     return True
 
 
-@pytest.mark.parametrize("world,vocab", [(1, 37), (2, 37), (4, 50), (4, 64)])
-def test_vocab_parallel_cross_entropy(world, vocab):
-    assert all(run_ranks(world, _check, vocab))
+@pytest.mark.parametrize("world,vocab,padded", [(1, 37, None), (2, 37, None), (4, 50, None),
+                                                (4, 64, None), (2, 20, 64)])
+def test_vocab_parallel_cross_entropy(world, vocab, padded):
+    """(2, 20, 64): rank 1's rows are all padding."""
+    assert all(run_ranks(world, _check, vocab, padded))
 
 
 class _LogitsSizedAllocations(torch.utils._python_dispatch.TorchDispatchMode):
