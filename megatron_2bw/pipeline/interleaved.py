@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from megatron_2bw.pipeline import schedules as S
+from megatron_2bw.pipeline.actions import BACKWARD, FORWARD, Action, flushed_batches
 
 
 def _chunk_and_microbatch(i: int, stages: int, chunks: int, forward: bool) -> tuple[int, int]:
@@ -43,22 +43,14 @@ def interleaved_order(stages: int, microbatches: int, stage: int,
     forwards = forward_order(stages, microbatches, chunks)
     backwards = backward_order(stages, microbatches, chunks)
     warmup = warmup_forwards(stages, microbatches, stage, chunks)
-    order = [(S.FORWARD, *forwards[i]) for i in range(warmup)]
+    order = [(FORWARD, *forwards[i]) for i in range(warmup)]
     for i in range(len(forwards) - warmup):
-        order += [(S.FORWARD, *forwards[warmup + i]), (S.BACKWARD, *backwards[i])]
-    order += [(S.BACKWARD, *backwards[i]) for i in range(len(forwards) - warmup, len(forwards))]
+        order += [(FORWARD, *forwards[warmup + i]), (BACKWARD, *backwards[i])]
+    order += [(BACKWARD, *backwards[i]) for i in range(len(forwards) - warmup, len(forwards))]
     return order
 
 
 def interleaved_actions(stages: int, microbatches: int, batches: int, stage: int,
-                        first_batch: int, chunks: int = 1) -> Iterator[S.Action]:
-    m = microbatches
-    order = interleaved_order(stages, m, stage, chunks)
-    for b in range(first_batch, first_batch + batches):
-        for kind, chunk, j in order:
-            before, compute, after = S.transfer_actions(kind, stages, stage, chunks, b * m + j,
-                                                        chunk, b)
-            yield from before
-            yield compute
-            yield from after
-        yield from S.end_of_flushed_batch(b)
+                        first_batch: int, chunks: int = 1) -> Iterator[Action]:
+    order = interleaved_order(stages, microbatches, stage, chunks)
+    yield from flushed_batches(order, stages, stage, chunks, microbatches, batches, first_batch)

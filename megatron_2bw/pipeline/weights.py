@@ -39,7 +39,7 @@ from torch import nn
 
 from megatron_2bw.distributed.comm import all_gather_into_tensor, group_rank, group_size
 from megatron_2bw.pipeline.flat_layout import FlatLayout, gather_shards
-from megatron_2bw.pipeline.schedules import VersionRule
+from megatron_2bw.pipeline.version_rules import VersionRule
 
 class WorkingCopy(list):
     """The leaves of one working copy (what the module holds) and the flat tensor they view."""

@@ -13,14 +13,17 @@ SHAPES = [(1, 1, 3, 0), (2, 2, 4, 0), (4, 4, 3, 0), (4, 6, 3, 5), (3, 5, 2, 1), 
 
 @pytest.mark.parametrize("schedule,stages,microbatches,batches,first",
                          [(s, *shape) for s in S.SCHEDULES for shape in SHAPES
-                          if s != "interleaved" or shape[1] % shape[0] == 0]  # m a multiple of p
+                          if (s != "interleaved" or shape[1] % shape[0] == 0)  # m a multiple of p
+                          and shape[1] >= S.REGISTRY[s].min_microbatches(shape[0])]
                          + [("gpipe", 4, 2, 3, 0)])  # GPipe alone allows m < p
 def test_generated_schedules_are_valid(schedule, stages, microbatches, batches, first):
-    actions = S.build_schedule(schedule, stages, microbatches, batches, first)
+    spec = S.REGISTRY[schedule]
+    chunks = spec.chunks or 1
+    actions = S.build_schedule(schedule, stages, microbatches, batches, first, chunks)
     S.validate(actions, schedule, microbatches, first)
     for stage, stage_list in enumerate(actions):  # what the transfers post ahead
         kinds = [a.kind for a in stage_list]
-        assert S.stage_receives(stages, microbatches, batches, stage) == \
+        assert S.stage_receives(stages, microbatches, batches, stage, chunks, spec.shape) == \
             {"act": kinds.count(S.RECV_ACT), "grad": kinds.count(S.RECV_GRAD)}
 
 
