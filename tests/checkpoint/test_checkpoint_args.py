@@ -25,6 +25,7 @@ def model_flags_from_checkpoint(argv):
 def test_model_flags_come_from_the_checkpoint(tmp_path):
     saved = save_random_checkpoint(tmp_path, "gpt", 1, 1, **LLAMA).config.model
     config = model_flags_from_checkpoint([*RUN, "--load", str(tmp_path), "--use-checkpoint-args",
+                                          "--tensor-model-parallel-size", "2",
                                           "--sequence-parallel"])
     for field in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
                   *LLAMA):
