@@ -108,6 +108,9 @@ def build_parser(description: str = "", extra_args_provider=None) -> argparse.Ar
                "normalise each head's queries and keys (before rotary positions)")
     _bool_flag(g, "--apply-layernorm-1p", "model", "apply_layernorm_1p",
                "norm weights hold gain - 1, initialised to 0 (zero-centred gamma)")
+    _bool_flag(g, "--memory-efficient-layer-norm", "model", "memory_efficient_layer_norm",
+               "LayerNorm through NVIDIA apex's fused kernel, which keeps its output instead of "
+               "its input for the backward (needs apex; not with --torch-compile)")
     _bool_flag(g, "--attention-softmax-in-fp32", "model", "attention_softmax_in_fp32",
                "fp16/bf16: the attention softmax (and its mask) in fp32")
     _bool_flag(g, "--apply-query-key-layer-scaling", "model", "apply_query_key_layer_scaling",
@@ -137,7 +140,7 @@ def build_parser(description: str = "", extra_args_provider=None) -> argparse.Ar
     _flag(g, "--pipeline-model-parallel-size", "parallel", "pipeline_parallel", type=int)
     _flag(g, "--context-parallel-size", "parallel", "context_parallel", type=int,
           help="GPT: split every sequence over this many ranks of each data-parallel replica "
-               "(default 1); attention gathers the keys and values of the whole sequence")
+               "(default 1); keys and values travel around the ring of them (ring attention)")
     _flag(g, "--pipeline-schedule", "parallel", "schedule",
           choices=["2bw", "flush", "gpipe", "pipedream", "pipemare", "zb-h1", "interleaved"],
           help="2bw (default when p > 1), flush (1F1B), gpipe, pipedream (weight stashing, an "

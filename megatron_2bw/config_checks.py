@@ -172,6 +172,21 @@ def _validate_architecture(m, t: int) -> None:
         _require(not m.rope_scaling, "--use-rope-scaling needs --position-embedding-type rope")
 
 
+def _validate_apex_norm(m, torch_compile: bool) -> None:
+    if not m.memory_efficient_layer_norm:
+        return
+    from megatron_2bw.models.transformer import _apex_layer_norm
+    _require(_apex_layer_norm is not None,
+             "--memory-efficient-layer-norm runs NVIDIA apex's fused LayerNorm, but apex "
+             "(apex.normalization) does not import here: drop the flag or install apex")
+    _require(m.normalization == "LayerNorm",
+             f"--memory-efficient-layer-norm applies to --normalization LayerNorm, got "
+             f"{m.normalization} (RMSNorm runs torch's fused rms_norm)")
+    _require(not torch_compile,
+             "--memory-efficient-layer-norm's apex kernel would split each compiled layer's graph: "
+             "drop it or --torch-compile (torch's layer_norm compiles into the graph)")
+
+
 def _validate_context_parallel(config: Config) -> None:
     cp, m = config.parallel.context_parallel, config.model
     if cp == 1:
@@ -314,6 +329,10 @@ def validate(config: Config, require_data: bool = True) -> None:
              f"--swiglu its default is 2/3 of 4 * --hidden-size rounded down to a multiple of 64)")
     _validate_architecture(m, t)
     _validate_context_parallel(config)
+    _require(not m.sequence_parallel or t > 1 or par.auto_parallel,
+             "--sequence-parallel splits the activations over the tensor-parallel group: it needs "
+             "--tensor-model-parallel-size > 1 (got 1)")
+    _validate_apex_norm(m, config.training.torch_compile)
     local_length = m.seq_length // par.context_parallel
     _require(not m.sequence_parallel or local_length % t == 0,
              f"--sequence-parallel splits --seq-length {m.seq_length} (/ --context-parallel-size "

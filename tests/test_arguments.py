@@ -28,6 +28,12 @@ TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"
     (["--lr", "-1e-3"], "--lr must be > 0 (with a rate of 0 training changes nothing), got -0.001"),
     (["--lr", "0"], "--lr must be > 0 (with a rate of 0 training changes nothing), got 0"),
     (["--min-lr", "-.5"], "--min-lr must be >= 0, got -0.5"),
+    (["--sequence-parallel"], "--sequence-parallel splits the activations over the "
+                              "tensor-parallel group: it needs --tensor-model-parallel-size > 1"),
+    (["--context-parallel-size", "3"], "--seq-length 16 must be divisible by 6"),
+    (["--memory-efficient-layer-norm"], "--memory-efficient-layer-norm runs NVIDIA apex's fused "
+                                        "LayerNorm, but apex (apex.normalization) does not "
+                                        "import here"),
 ])
 def test_bad_flags_give_one_line(extra, expected):
     result = subprocess.run([sys.executable, "pretrain_gpt.py", *TINY, *extra], cwd=ROOT,
@@ -300,7 +306,7 @@ MEGATRON_LLAMA3_8B_RUN = [
 
 
 def test_megatron_llama3_training_flags_carry_over():
-    config, _ = parse_config([*TINY, *MEGATRON_LLAMA3_8B_RUN])
+    config, _ = parse_config([*TINY, *MEGATRON_LLAMA3_8B_RUN, "--tensor-model-parallel-size", "2"])
     opt, train, log = config.optimizer, config.training, config.logging
     assert (opt.decoupled_lr, opt.decoupled_min_lr) == (5.0e-4, 4.5e-5)
     assert train.manual_gc and train.manual_gc_eval and train.empty_unused_memory_level == 1

@@ -35,6 +35,7 @@ def config_with_base(args: argparse.Namespace, base: Config, source: str,
     check_architecture_flags(args, base, source)
     base = Config.from_dict(base.to_dict())
     base.parallel, base.checkpoint = ParallelConfig(), CheckpointConfig()
+    base.model.sequence_parallel = False  # this run's choice (--sequence-parallel), as its t
     config = config_from_args(args, base.model.model_type, base=base, require_data=require_data)
     if checkpoint is not None:
         locate_tokenizer_files(config, checkpoint, explicit_fields(args))

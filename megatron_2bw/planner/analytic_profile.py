@@ -13,19 +13,19 @@ rate. Assumptions:
   scores and their product with V (`attention_flops_per_token`; causal masking is not credited:
   PyTorch's math path computes the full square; grouped-query attention repeats k and v to every
   head first, so it saves nothing here); backward does twice the forward's matmul FLOPs.
-- memory traffic: each element-wise kernel reads and writes its tensors once (the norms as the
-  model code runs them: RMSNorm in several fp32 kernels, with --qk-layernorm also over this
-  rank's q and k; the row-parallel bias add unless --disable-bias-linear, dropout + residual,
-  GELU or SwiGLU's silu and product, k and v repeated for grouped-query attention, rotary
-  embeddings on q and k, the layout copies around attention, the softmax chain over the b*a*s*s
+- memory traffic: each element-wise kernel reads and writes its tensors once (the norms one fused
+  kernel each, RMSNorm on a CPU several fp32 kernels, with --qk-layernorm also over this rank's q
+  and k; the row-parallel bias add unless --disable-bias-linear, dropout + residual, GELU or
+  SwiGLU's silu and product, k and v repeated for grouped-query attention, rotary embeddings on q
+  and k, the layout copies around attention, the softmax chain over the b*a*s*s
   scores (in fp32, with casts to it and back, under --attention-softmax-in-fp32 with fp16/bf16:
   Megatron-LM's unfused attention; a fused kernel, memory.fused_attention, moves only q, k, v,
   its output and a log-sum-exp per row), the fp32 cross entropy over the vocabulary); the
   backward moves twice the forward's bytes. The norms and the residual path are replicated over
   the tensor-parallel group (not divided by t), except under --sequence-parallel, where each rank
-  runs them (and the embedding's position add and dropout) on its s/t tokens; the copies that
-  gather and scatter the sequence count as part of the collectives (cost.py), as the clone before
-  an all-reduce does without it.
+  runs them (and the embedding's position add and dropout) on its s/t tokens; the layout copies
+  beside the sequence's gathers and reduce-scatters (micro-batches over 1) count as part of the
+  collectives (cost.py).
 - every microbatch's weight gradients are added into the accumulation buffer (read two buffers,
   write one), and the embedding's dense gradient is first written in full: memory-bound traffic
   proportional to the piece's parameters, counted from the model code (memory.stage_parameters).
@@ -127,12 +127,13 @@ class AnalyticProfile:
                      9 + mask_kernels + dropout)
 
     def norm(self, elements: float) -> _Work:
-        """One norm over `elements`: LayerNorm one kernel (read, write); RMSNorm as the model code
-        runs it in fp32: pow (8 bytes per element), mean (4), eps and rsqrt, multiply (8), the
-        weight (2e), and in half precision the casts to fp32 and back (4 + e each). Under
-        --apply-layernorm-1p one more kernel adds 1 to the (tiny) weight."""
+        """One norm over `elements`: torch's fused layer_norm or rms_norm, one kernel (read,
+        write); but RMSNorm on a CPU as the model code runs it there in fp32: pow (8 bytes per
+        element), mean (4), eps and rsqrt, multiply (8), the weight (2e), and in half precision
+        the casts to fp32 and back (4 + e each). Under --apply-layernorm-1p one more kernel adds
+        1 to the (tiny) weight."""
         e, m = self.e, self.model
-        if m.normalization == "LayerNorm":
+        if m.normalization == "LayerNorm" or self.hardware.device_type != "cpu":
             return _Work(0.0, 2 * e * elements, 1 + m.apply_layernorm_1p)
         casts = 0 if e == 4 else 2
         return _Work(0.0, (20 + 2 * e + casts * (4 + e)) * elements,
@@ -218,12 +219,10 @@ class AnalyticProfile:
             self._accumulation(t, 0, True, False)
 
     def _loss_forward(self, t: int, b: int) -> _Work:
-        """The fp32 vocabulary-parallel cross entropy: cast (e + 4), padded rows masked (8),
-        max (4), shift (8), exp (8), sum (4), divide (8), per logit; about 8 kernels."""
+        """The vocabulary-parallel cross entropy, in fp32 chunks: max (e), cast (e + 4), shift
+        (8), exp (8), sum (4) per logit; about 5 kernels."""
         m = self.model
-        padded = m.padded_vocab_size(t) > m.vocab_size
-        return _Work(0.0, (self.e + 36 + (8 if padded else 0)) * m.seq_length * b
-                     * self._vocab_shard(t), 8)
+        return _Work(0.0, (2 * self.e + 24) * m.seq_length * b * self._vocab_shard(t), 5)
 
     def _head_body(self, t: int, b: int) -> _Work:
         """Final norm and logits (and BERT's LM transform: linear, GELU, LayerNorm)."""
@@ -255,5 +254,5 @@ class AnalyticProfile:
             head_backward_s=s(self.head_backward(t, b)),
             layer_activation_bytes=layer_activation_bytes(self.model, t, b, self.e,
                                                           device_type=self.hardware.device_type),
-            selective_layer_activation_bytes=layer_activation_bytes(self.model, t, b, self.e,
-                                                                    selective=True))
+            selective_layer_activation_bytes=layer_activation_bytes(
+                self.model, t, b, self.e, selective=True, device_type=self.hardware.device_type))

@@ -230,10 +230,14 @@ def layer_parameters(model: ModelConfig, tensor_parallel: int) -> int:
 # ---------------------------------------------------------------------------------------------
 # Activations (analytic)
 
-def norm_stash_bytes(model: ModelConfig, element_bytes: int) -> int:
-    """Bytes per element one norm keeps for its backward besides its output: LayerNorm its input;
-    RMSNorm (computed in fp32) its input cast to fp32 and the normalised value before the weight."""
-    return element_bytes if model.normalization == "LayerNorm" else 4 + element_bytes
+def norm_stash_bytes(model: ModelConfig, element_bytes: int, device_type: str = "cuda") -> int:
+    """Bytes per element one norm keeps for its backward besides its output: its input (torch's
+    fused layer_norm, and its fused rms_norm off the CPU); on a CPU RMSNorm's decomposition in
+    fp32 (transformer.rms_norm_in_fp32) its input cast to fp32 and the normalised value before
+    the gain."""
+    if model.normalization == "RMSNorm" and device_type == "cpu":
+        return 4 + element_bytes
+    return element_bytes
 
 
 def ffn_wide_tensors(model: ModelConfig) -> int:
@@ -264,7 +268,7 @@ def fused_attention(model: ModelConfig, element_bytes: int, device_type: str) ->
 
 
 def qkv_stash_bytes(model: ModelConfig, tensor_parallel: int, element_bytes: int,
-                    selective: bool = False) -> float:
+                    selective: bool = False, device_type: str = "cuda") -> float:
     """Bytes per token one rank keeps of the attention's q, k and v for its backward.
 
     The core keeps its own copies, ad/t elements each, the width of all a query heads of d
@@ -276,9 +280,9 @@ def qkv_stash_bytes(model: ModelConfig, tensor_parallel: int, element_bytes: int
     output (qkv_size/t) alive instead.
     --qk-layernorm adds its two norms' stashes over q and k (ad/t and query_groups*d/t
     elements): `norm_stash_bytes` per element, except that a norm keeping its input as it is
-    (LayerNorm; RMSNorm in fp32, whose cast to fp32 is the input itself) keeps views of the QKV
-    output (k's, and q's unless copied out of several groups), so the whole output, counted once
-    whoever else keeps it."""
+    (all but the CPU's RMSNorm of fp16/bf16 inputs, which casts them to fp32) keeps views of the
+    QKV output (k's, and q's unless copied out of several groups), so the whole output, counted
+    once whoever else keeps it."""
     m, t, e = model, tensor_parallel, element_bytes
     width = m.attention_size  # of q, and of k and v repeated to every query head
     one_per_head = m.query_groups == m.num_attention_heads
@@ -294,10 +298,11 @@ def qkv_stash_bytes(model: ModelConfig, tensor_parallel: int, element_bytes: int
     norms = 0.0
     if m.qk_layernorm:
         normed = width + m.query_groups * m.head_dim
-        if m.normalization == "RMSNorm" and e != 4:  # the input cast to fp32: new tensors
-            norms = norm_stash_bytes(m, e) * normed
+        stash = norm_stash_bytes(m, e, device_type)
+        if stash > e and e != 4:  # the input cast to fp32: new tensors
+            norms = stash * normed
         else:
-            norms = (norm_stash_bytes(m, e) - e) * normed
+            norms = (stash - e) * normed
             copies += q_copied
             qkv_output_kept = True
     return (e * (copies * width + qkv_output_kept * m.qkv_size) + norms) / t
@@ -354,12 +359,13 @@ def layer_activation_bytes(model: ModelConfig, tensor_parallel: int, micro_batch
     sb = s * micro_batch_size
     rope = m.position_embedding_type == "rope"
     rotary_tables = 8 * s * int(m.head_dim * m.rotary_percent) if rope else 0
-    split = (2 * norm_stash_bytes(m, e) + 2 * MASK_BYTES + 2 * e) / m.sequence_ranks(t)
+    split = (2 * norm_stash_bytes(m, e, device_type) + 2 * MASK_BYTES + 2 * e) / \
+        m.sequence_ranks(t)
     norm_channels = 2 * h + (2 * m.head_dim if m.qk_layernorm else 0)
     gains = e * norm_channels if m.apply_layernorm_1p else 0
     replicated = split * sb * h + rotary_tables + gains
     # the dense projection's input is the attention's context, attention_size wide
-    sharded = qkv_stash_bytes(m, t, e, selective) * sb + \
+    sharded = qkv_stash_bytes(m, t, e, selective, device_type) * sb + \
         e * sb * (m.attention_size + ffn_wide_tensors(m) * f) / t
     core = 0.0 if selective else attention_core_bytes(m, t, micro_batch_size, e, device_type)
     return replicated + sharded + core
@@ -385,23 +391,28 @@ def first_stage_extra_bytes(model: ModelConfig, micro_batch_size: int, element_b
 
 
 def last_stage_extra_bytes(model: ModelConfig, tensor_parallel: int, micro_batch_size: int,
-                           element_bytes: int) -> float:
-    """Final norm's stash and output (the logits' input), the fp32 softmax the vocabulary-parallel
-    cross entropy keeps for its backward, targets; BERT's LM transform adds its own two inputs.
-    All of the whole sequence: under --sequence-parallel the last stage gathers it first."""
+                           element_bytes: int, device_type: str = "cuda") -> float:
+    """Final norm's stash and output (the logits' input), the logits the vocabulary-parallel
+    cross entropy keeps for its backward (in the working precision) with each token's fp32 max
+    and sum, targets; BERT's LM transform adds its own two inputs. All of the whole sequence:
+    under --sequence-parallel the last stage gathers it first."""
     sb = model.seq_length * micro_batch_size
     vocab = model.padded_vocab_size(tensor_parallel) // tensor_parallel
-    hidden = (norm_stash_bytes(model, element_bytes) + element_bytes) * sb * model.hidden_size
+    hidden = (norm_stash_bytes(model, element_bytes, device_type) + element_bytes) * sb * \
+        model.hidden_size
     if model.model_type == "bert":
         hidden += 2 * element_bytes * sb * model.hidden_size
-    return hidden + 4 * sb * vocab + 9 * sb
+    return hidden + element_bytes * sb * vocab + 17 * sb
 
 
 def cross_entropy_workspace_bytes(model: ModelConfig, tensor_parallel: int, micro_batch_size: int,
                                   element_bytes: int) -> float:
-    """The logits in the working precision plus two fp32 temporaries of the loss computation."""
+    """The logits' gradient in the working precision and one fp32 chunk of the loss's
+    computation (tensor_parallel.cross_entropy.CHUNK_ELEMENTS logits at most)."""
+    from megatron_2bw.tensor_parallel.cross_entropy import CHUNK_ELEMENTS
     vocab = model.padded_vocab_size(tensor_parallel) // tensor_parallel
-    return (element_bytes + 8) * model.seq_length * micro_batch_size * vocab
+    logits = model.seq_length * micro_batch_size * vocab
+    return element_bytes * logits + 4 * min(logits, CHUNK_ELEMENTS)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -477,7 +488,7 @@ def estimate_stage_memory(model: ModelConfig, parallel: ParallelConfig, precisio
     if first:
         per_microbatch += first_stage_extra_bytes(model, b, e, t)
     if last:
-        per_microbatch += last_stage_extra_bytes(model, t, b, e)
+        per_microbatch += last_stage_extra_bytes(model, t, b, e, device_type)
     else:
         per_microbatch += layer_input  # the stage output, kept for its backward
     # interleaved: microbatch-chunks in flight, each chunk 1/v of the stage's layers

@@ -223,7 +223,7 @@ def test_sequence_parallel_overlaps_the_sharded_average_and_matches_one_process(
 ], ids=["gpt2-cp2", "gpt2-cp2-d2", "llama-documents-cp2-p2", "llama-cp2-t2-sequence-parallel"])
 def test_context_parallel_matches_one_process(architecture, feed, t, p, world, parallel_only):
     """--context-parallel-size 2: each rank holds two of the four chunks of every sequence (its
-    queries), and attention gathers the keys and values of all of them. Flush reaches one
+    queries), and ring attention passes the keys and values of all of them. Flush reaches one
     process's weights, 2BW the delayed-update reference's; with --eod-mask-loss the loss is the
-    whole sequence's masked mean, and --reset-attention-mask's documents mask the gathered keys."""
+    whole sequence's masked mean, and --reset-attention-mask's documents mask each block of keys."""
     check_flush_and_2bw(architecture, feed, t, p, world, parallel_only, context=2)
