@@ -268,6 +268,10 @@ def _pct(x: float | None) -> str:
     return "-" if x is None else f"{x:.0%}"
 
 
+def _met(error: float | None, target: float) -> str:
+    return "no rows" if error is None else "met" if error <= target else "not met"
+
+
 def _gain(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}x"
 
@@ -294,6 +298,9 @@ def markdown(report: dict) -> str:
               f" (largest {_pct(s['held_out']['max_abs_error'])}, {s['held_out']['rows']} rows); "
               f"all predicted rows {_pct(s['all']['median_abs_error'])} (largest "
               f"{_pct(s['all']['max_abs_error'])}, {s['all']['worst']}, {s['all']['rows']} rows).",
+              "", f"Targets (issue 57): held-out median at most 15%: "
+              f"{_met(s['held_out']['median_abs_error'], 0.15)}; no row off by more than 30%: "
+              f"{_met(s['all']['max_abs_error'], 0.30)}.",
               "", "Skipped rows (the planner cannot express them):", ""]
     lines += [f"- {r['id']} ({r['measured']:g} {unit[r['unit']]}; {r['source']}): {r['skip']}"
               for r in report["results"] if r["skip"]]
