@@ -114,7 +114,8 @@ def load_rows(path: Path = DATA) -> list[Row]:
             raise DataError(f"{where}: id used twice")
         seen.add(entry["id"])
         measured = entry["measured"]
-        if not isinstance(measured, dict) or len(measured) != 1 or next(iter(measured)) not in UNITS:
+        if not isinstance(measured, dict) or len(measured) != 1 or \
+                next(iter(measured)) not in UNITS:
             raise DataError(f"{where}: 'measured' must be one of {', '.join(UNITS)} with a value, "
                             f"got {measured!r}")
         unit, value = next(iter(measured.items()))
