@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterator
 
+from megatron_2bw.pipeline.placement import Placement
+
 FORWARD, BACKWARD = "forward", "backward"
 # the split backward (zero-bubble schedules): input gradient first, weight gradient later
 BACKWARD_INPUT, BACKWARD_WEIGHT = "backward_input", "backward_weight"
@@ -45,19 +47,22 @@ class ScheduleError(ValueError):
 
 
 def with_transfers(kind: str, stages: int, stage: int, chunks: int, k: int, chunk: int,
-                   version: int) -> Iterator[Action]:
+                   version: int, shape: str = "loop") -> Iterator[Action]:
     """A compute action with the receive before it and the send after it where the virtual
-    pipeline (chunk c of stage r is virtual stage c * p + r) has a neighbour on that side."""
-    first = stage == 0 and chunk == 0
-    last = stage == stages - 1 and chunk == chunks - 1
-    if kind == FORWARD and not first:
+    pipeline has a neighbour on another rank on that side (placement.py: a V's turn on the last
+    rank is a local hand-off, no transfer)."""
+    placement = Placement(stages, chunks, shape)
+    before, after = placement.previous(stage, chunk), placement.next(stage, chunk)
+    to_previous = before is not None and not placement.is_local(stage, before)
+    to_next = after is not None and not placement.is_local(stage, after)
+    if kind == FORWARD and to_previous:
         yield Action(RECV_ACT, k, chunk=chunk)
-    if kind in (BACKWARD, BACKWARD_INPUT) and not last:
+    if kind in (BACKWARD, BACKWARD_INPUT) and to_next:
         yield Action(RECV_GRAD, k, chunk=chunk)
     yield Action(kind, k, version, chunk=chunk)
-    if kind == FORWARD and not last:
+    if kind == FORWARD and to_next:
         yield Action(SEND_ACT, k, chunk=chunk)
-    if kind in (BACKWARD, BACKWARD_INPUT) and not first:
+    if kind in (BACKWARD, BACKWARD_INPUT) and to_previous:
         yield Action(SEND_GRAD, k, chunk=chunk)
 
 
@@ -67,24 +72,110 @@ def end_of_flushed_batch(batch: int) -> list[Action]:
             Action(STEP, version=batch + 1, batch=batch)]
 
 
-def transfer_peer(stage: int, kind: str, chunk: int = 0, stages: int = 0) -> tuple[int, str, int]:
-    """The stage, kind and chunk of the send a receive waits for (chunks: the virtual pipeline
-    wraps from the last stage's chunk c to the first stage's chunk c + 1)."""
+def flushed_batches(order: list[tuple[str, int, int]], stages: int, stage: int, chunks: int,
+                    microbatches: int, batches: int, first_batch: int,
+                    shape: str = "loop") -> Iterator[Action]:
+    """A vanilla schedule's actions: per batch, the stage's `order` of (kind, chunk, j) passes (j:
+    the microbatch's index in the batch) with their transfers, then the reduce and the step."""
+    for b in range(first_batch, first_batch + batches):
+        for kind, chunk, j in order:
+            yield from with_transfers(kind, stages, stage, chunks, b * microbatches + j, chunk, b,
+                                      shape)
+        yield from end_of_flushed_batch(b)
+
+
+def aligned_flushed_batches(order_of_stage, stages: int, stage: int, chunks: int,
+                            microbatches: int, batches: int, first_batch: int,
+                            shape: str = "loop") -> Iterator[Action]:
+    """flushed_batches with every receive in its sender's order (receives_in_send_order): for
+    schedules whose ranks exchange several kinds of transfer in orders of their own (the V's)."""
+    for b in range(first_batch, first_batch + batches):
+        rows = [list(flushed_batches(order_of_stage(s), stages, s, chunks, microbatches, 1, b,
+                                     shape)) for s in range(stages)]
+        yield from receives_in_send_order(rows, shape)[stage]
+
+
+def receives_in_send_order(actions: list[list[Action]], shape: str = "loop") -> list[list[Action]]:
+    """Every stage's list with each receive moved up, where needed, behind the receives of what
+    its peer sent earlier: NCCL matches a pair's transfers in posting order whatever their tags,
+    so a stage must receive from a peer in the order the peer sends (a V's rank pair carries
+    chunk 0's activations one way and chunk 1's the other, and its gradients both ways). A
+    receive posted early only holds its buffer longer."""
+    stages = len(actions)
+    sent: dict[tuple[int, int], list[tuple[str, int, int]]] = {}
+    for s, row in enumerate(actions):
+        for a in row:
+            if a.kind in (SEND_ACT, SEND_GRAD):
+                dst = send_destination(s, a.kind, stages, a.chunk, shape)
+                sent.setdefault((s, dst), []).append((a.kind, a.microbatch, a.chunk))
+    receive_kind = {SEND_ACT: RECV_ACT, SEND_GRAD: RECV_GRAD}
+    result = []
+    for s, row in enumerate(actions):
+        received: set[tuple[int, str, int, int]] = set()
+        position: dict[int, int] = {}  # source -> how many of its sends are received
+        aligned = []
+        for a in row:
+            if a.kind in (RECV_ACT, RECV_GRAD):
+                if (a.kind, a.microbatch, a.chunk) in received:
+                    continue
+                source, send_kind, chunk = transfer_peer(s, a.kind, a.chunk, stages, shape)
+                order = sent.get((source, s), [])
+                target = order.index((send_kind, a.microbatch, chunk))
+                for kind, k, c in order[position.get(source, 0):target + 1]:
+                    own_chunk = transfer_chunk(s, receive_kind[kind], source, c, stages, shape)
+                    aligned.append(Action(receive_kind[kind], k, chunk=own_chunk))
+                    received.add((receive_kind[kind], k, own_chunk))
+                position[source] = max(position.get(source, 0), target + 1)
+                continue
+            aligned.append(a)
+        result.append(aligned)
+    return result
+
+
+def transfer_chunk(stage: int, kind: str, source: int, source_chunk: int, stages: int,
+                   shape: str = "loop") -> int:
+    """The chunk of `stage` that receives (kind RECV_ACT or RECV_GRAD) what chunk `source_chunk`
+    of `source` sends."""
+    placement = _neighbours(stages, shape)
+    v = placement.virtual_stage(source, source_chunk)
+    return placement.position(v + 1 if kind == RECV_ACT else v - 1)[1]
+
+
+def transfer_peer(stage: int, kind: str, chunk: int = 0, stages: int = 1,
+                  shape: str = "loop") -> tuple[int, str, int]:
+    """The stage, kind and chunk of the send a receive waits for (loop placement: the virtual
+    pipeline wraps from the last stage's chunk c to the first stage's chunk c + 1)."""
+    placement = _neighbours(stages, shape)
+    v = placement.virtual_stage(stage, chunk)
     if kind == RECV_ACT:
-        return (stage - 1) % max(stages, 1), SEND_ACT, chunk - (stage == 0)
-    return (stage + 1) % max(stages, 1), SEND_GRAD, chunk + (stage == stages - 1)
+        source, source_chunk = placement.position(v - 1)
+        return source, SEND_ACT, source_chunk
+    source, source_chunk = placement.position(v + 1)
+    return source, SEND_GRAD, source_chunk
 
 
-def send_destination(stage: int, kind: str, stages: int) -> int:
-    """The stage a send goes to: activations to the next stage, gradients to the previous one."""
-    return (stage + 1 if kind == SEND_ACT else stage - 1) % stages
+def send_destination(stage: int, kind: str, stages: int, chunk: int = 0,
+                     shape: str = "loop") -> int:
+    """The rank a send goes to: activations to the next virtual stage, gradients to the
+    previous one."""
+    placement = _neighbours(stages, shape)
+    v = placement.virtual_stage(stage, chunk)
+    return placement.position(v + 1 if kind == SEND_ACT else v - 1)[0]
+
+
+def _neighbours(stages: int, shape: str) -> Placement:
+    """A placement for finding neighbours: a loop's positions do not depend on its chunk count."""
+    return Placement(stages, 2, shape)
 
 
 def stage_receives(stages: int, microbatches: int, batches: int, stage: int,
-                   chunks: int = 1) -> dict[str, int]:
+                   chunks: int = 1, shape: str = "loop") -> dict[str, int]:
     """How many activations ("act") and gradients ("grad") the stage receives over `batches`
     batches, in every schedule: one of each per microbatch and chunk, except at the ends of the
-    (virtual) pipeline."""
+    (virtual) pipeline and at a V's turn."""
     count = microbatches * batches
+    if shape == "v":  # each from the rank below and the rank above, where there is one
+        neighbours = (stage > 0) + (stage < stages - 1)
+        return {"act": count * neighbours, "grad": count * neighbours}
     return {"act": count * (chunks if stage > 0 else chunks - 1),
             "grad": count * (chunks if stage < stages - 1 else chunks - 1)}

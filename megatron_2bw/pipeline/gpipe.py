@@ -4,15 +4,10 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from megatron_2bw.pipeline.actions import (BACKWARD, FORWARD, Action, end_of_flushed_batch,
-                                           with_transfers)
+from megatron_2bw.pipeline.actions import BACKWARD, FORWARD, Action, flushed_batches
 
 
 def gpipe_actions(stages: int, microbatches: int, batches: int, stage: int, first_batch: int = 0,
                   chunks: int = 1) -> Iterator[Action]:
-    m = microbatches
-    for b in range(first_batch, first_batch + batches):
-        for kind in (FORWARD, BACKWARD):
-            for k in range(b * m, (b + 1) * m):
-                yield from with_transfers(kind, stages, stage, 1, k, 0, b)
-        yield from end_of_flushed_batch(b)
+    order = [(kind, 0, j) for kind in (FORWARD, BACKWARD) for j in range(microbatches)]
+    yield from flushed_batches(order, stages, stage, 1, microbatches, batches, first_batch)

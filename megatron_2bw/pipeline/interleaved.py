@@ -12,8 +12,7 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from megatron_2bw.pipeline.actions import (BACKWARD, FORWARD, Action, end_of_flushed_batch,
-                                           with_transfers)
+from megatron_2bw.pipeline.actions import BACKWARD, FORWARD, Action, flushed_batches
 
 
 def _chunk_and_microbatch(i: int, stages: int, chunks: int, forward: bool) -> tuple[int, int]:
@@ -53,9 +52,5 @@ def interleaved_order(stages: int, microbatches: int, stage: int,
 
 def interleaved_actions(stages: int, microbatches: int, batches: int, stage: int,
                         first_batch: int, chunks: int = 1) -> Iterator[Action]:
-    m = microbatches
-    order = interleaved_order(stages, m, stage, chunks)
-    for b in range(first_batch, first_batch + batches):
-        for kind, chunk, j in order:
-            yield from with_transfers(kind, stages, stage, chunks, b * m + j, chunk, b)
-        yield from end_of_flushed_batch(b)
+    order = interleaved_order(stages, microbatches, stage, chunks)
+    yield from flushed_batches(order, stages, stage, chunks, microbatches, batches, first_batch)

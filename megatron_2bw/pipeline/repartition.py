@@ -231,6 +231,7 @@ def migrate(stage, split, recompute, build):
     fresh = build(new_config)
     load_stage(fresh, kept, iteration)
     fresh.consumed_samples = stage.consumed_samples
+    fresh.consumed_valid_samples = stage.consumed_valid_samples
     fresh.step_results = stage.step_results
     load_rng_state_dict(rng)
     return fresh

@@ -23,7 +23,8 @@ class TimedAction:
 
 
 def timeline(actions: list[list[Action]], duration: Callable[[int, Action], float] | None = None,
-             transfer: Callable[[int, int, Action], float] | None = None) -> list[list[TimedAction]]:
+             transfer: Callable[[int, int, Action], float] | None = None,
+             shape: str = "loop") -> list[list[TimedAction]]:
     """Replay every stage's list in order. Sends never block; a receive starts once the matching
     send ended plus `transfer(src, dst, action)`. Raises ScheduleError naming each stuck stage."""
     duration = duration or (lambda stage, a: DEFAULT_DURATIONS.get(a.kind, 0.0))
@@ -41,7 +42,7 @@ def timeline(actions: list[list[Action]], duration: Callable[[int, Action], floa
                 a = actions[s][position[s]]
                 start = clock[s]
                 if a.kind in (RECV_ACT, RECV_GRAD):
-                    src, send_kind, chunk = transfer_peer(s, a.kind, a.chunk, n)
+                    src, send_kind, chunk = transfer_peer(s, a.kind, a.chunk, n, shape)
                     key = (src, send_kind, a.microbatch, chunk)
                     if key not in sent:
                         break

@@ -5,9 +5,9 @@ from megatron_2bw.pipeline.actions import BACKWARD_WEIGHT, COMPUTE_KINDS, LETTER
 from megatron_2bw.pipeline.replay import timeline
 
 
-def render(actions: list[list[Action]], width: int = 200) -> str:
+def render(actions: list[list[Action]], width: int = 200, shape: str = "loop") -> str:
     """Rank-by-time text grid (forward 1 slot, backward 2 slots): `F3` / `B3` then the version."""
-    timed = timeline(actions)
+    timed = timeline(actions, shape=shape)
     end = max((t.end for row in timed for t in row), default=0.0)
     columns = min(int(end), width)
     chunked = any(t.action.chunk for row in timed for t in row)

@@ -7,8 +7,9 @@ from megatron_2bw.pipeline.actions import (BACKWARD, BACKWARD_INPUT, BACKWARD_WE
                                            COMPUTE_KINDS, FORWARD, RECV_ACT, RECV_GRAD,
                                            REDUCE_GRADS, RELEASE_VERSION, SEND_ACT, SEND_GRAD, STEP,
                                            Action, ScheduleError, send_destination, transfer_peer)
+from megatron_2bw.pipeline.placement import Placement
 from megatron_2bw.pipeline.replay import timeline
-from megatron_2bw.pipeline.schedule_registry import max_in_flight
+from megatron_2bw.pipeline.schedule_registry import REGISTRY, max_in_flight
 from megatron_2bw.pipeline.version_rules import live_versions, version_for_batch
 
 
@@ -32,6 +33,8 @@ def validate(actions: list[list[Action]], schedule: str, microbatches: int,
     m = microbatches
     batches = range(first_batch, first_batch + (len(_microbatches(actions)) + m - 1) // m)
     chunks = 1 + max((a.chunk for row in actions for a in row), default=0)
+    shape = REGISTRY[schedule].shape if schedule in REGISTRY else "loop"
+    placement = Placement(stages, chunks, shape)
     for s, stage_list in enumerate(actions):
         limit = max_in_flight(schedule, stages, m, s, chunks)
         version_limit = live_versions(schedule, stages, s)
@@ -44,13 +47,18 @@ def validate(actions: list[list[Action]], schedule: str, microbatches: int,
         stepped: set[int] = set()
         for i, a in enumerate(stage_list):
             k = a.microbatch
-            first = s == 0 and a.chunk == 0  # of the virtual pipeline
-            last = s == stages - 1 and a.chunk == chunks - 1
+            first = placement.is_first(s, a.chunk)  # of the virtual pipeline
+            last = placement.is_last(s, a.chunk)
+            before, after = placement.previous(s, a.chunk), placement.next(s, a.chunk)
+            # the V's turn: the neighbour chunk on this rank hands over without a transfer
+            local_before, local_after = placement.is_local(s, before), placement.is_local(s, after)
             key = (a.chunk, k)
             if a.kind == FORWARD:
                 if key in forwarded:
                     _fail(s, i, a, "microbatch forwarded twice")
-                if not first and key not in received_act:
+                if local_before and (before[1], k) not in forwarded:
+                    _fail(s, i, a, "forward before the rank's previous chunk computed its input")
+                if not first and not local_before and key not in received_act:
                     _fail(s, i, a, "forward before its activation was received from the previous stage")
                 forwarded.add(key)
                 if len(forwarded) - len(freed) > limit:
@@ -58,7 +66,9 @@ def validate(actions: list[list[Action]], schedule: str, microbatches: int,
             elif a.kind in (BACKWARD, BACKWARD_INPUT):
                 if key not in forwarded or key in backwarded:
                     _fail(s, i, a, "backward without a preceding forward, or twice")
-                if not last and key not in received_grad:
+                if local_after and (after[1], k) not in backwarded:
+                    _fail(s, i, a, "backward before the rank's next chunk computed its gradient")
+                if not last and not local_after and key not in received_grad:
                     _fail(s, i, a, "backward before its gradient was received from the next stage")
                 unreduced = [b for b in range(first_batch, k // m) if b not in reduced]
                 if unreduced:
@@ -74,16 +84,16 @@ def validate(actions: list[list[Action]], schedule: str, microbatches: int,
                 weighted.add(key)
                 freed.add(key)
             elif a.kind == RECV_ACT:
-                if first:
+                if first or local_before:
                     _fail(s, i, a, "the first stage has no previous stage to receive from")
                 received_act.add(key)
             elif a.kind == RECV_GRAD:
-                if last:
+                if last or local_after:
                     _fail(s, i, a, "the last stage has no next stage to receive from")
                 received_grad.add(key)
-            elif a.kind == SEND_ACT and (last or key not in forwarded):
+            elif a.kind == SEND_ACT and (last or local_after or key not in forwarded):
                 _fail(s, i, a, "send of an activation that was not computed (or from the last stage)")
-            elif a.kind == SEND_GRAD and (first or key not in backwarded):
+            elif a.kind == SEND_GRAD and (first or local_before or key not in backwarded):
                 _fail(s, i, a, "send of a gradient that was not computed (or from the first stage)")
             elif a.kind == REDUCE_GRADS:
                 batch_ks = range(a.batch * m, (a.batch + 1) * m)
@@ -132,15 +142,15 @@ def validate(actions: list[list[Action]], schedule: str, microbatches: int,
             if b not in reduced or b not in stepped:
                 raise ScheduleError(f"stage {s}: batch {b} is never "
                                     f"{'reduced' if b not in reduced else 'stepped'}")
-    _check_transfer_order(actions)
-    timeline(actions)  # raises on deadlock or an unmatched send
+    _check_transfer_order(actions, shape)
+    timeline(actions, shape=shape)  # raises on deadlock or an unmatched send
 
 
 def _microbatches(actions: list[list[Action]]) -> set[int]:
     return {a.microbatch for stage_list in actions for a in stage_list if a.kind == FORWARD}
 
 
-def _check_transfer_order(actions: list[list[Action]]) -> None:
+def _check_transfer_order(actions: list[list[Action]], shape: str = "loop") -> None:
     """Transfers carry no microbatch number: from one stage to another, the receives must come in
     the order of the sends they match, both kinds together (under interleaving at p = 2 a rank
     pair carries both, and NCCL matches a pair's transfers in posting order, tags aside)."""
@@ -150,10 +160,10 @@ def _check_transfer_order(actions: list[list[Action]]) -> None:
     for s, stage_list in enumerate(actions):
         for a in stage_list:
             if a.kind in (SEND_ACT, SEND_GRAD):
-                dst = send_destination(s, a.kind, stages)
+                dst = send_destination(s, a.kind, stages, a.chunk, shape)
                 sent.setdefault((s, dst), []).append((a.kind, a.microbatch, a.chunk))
             elif a.kind in (RECV_ACT, RECV_GRAD):
-                src, kind, chunk = transfer_peer(s, a.kind, a.chunk, stages)
+                src, kind, chunk = transfer_peer(s, a.kind, a.chunk, stages, shape)
                 received.setdefault((src, s), []).append((kind, a.microbatch, chunk))
     for (src, dst), order in received.items():
         if sent.get((src, dst), []) != order:

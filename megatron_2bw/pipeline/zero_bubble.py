@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Iterator
 
 from megatron_2bw.pipeline.actions import (BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action,
-                                           end_of_flushed_batch, with_transfers)
+                                           flushed_batches)
 
 
 def zb_h1_order(stages: int, microbatches: int, stage: int) -> list[tuple[str, int]]:
@@ -39,9 +39,5 @@ def zb_h1_order(stages: int, microbatches: int, stage: int) -> list[tuple[str, i
 
 def zb_h1_actions(stages: int, microbatches: int, batches: int, stage: int, first_batch: int,
                   chunks: int = 1) -> Iterator[Action]:
-    m = microbatches
-    order = zb_h1_order(stages, m, stage)
-    for b in range(first_batch, first_batch + batches):
-        for kind, j in order:
-            yield from with_transfers(kind, stages, stage, 1, b * m + j, 0, b)
-        yield from end_of_flushed_batch(b)
+    order = [(kind, 0, j) for kind, j in zb_h1_order(stages, microbatches, stage)]
+    yield from flushed_batches(order, stages, stage, 1, microbatches, batches, first_batch)

@@ -80,3 +80,15 @@ def test_every_group_issues_the_same_collectives_in_order(tmp_path, capfd):
     _, _, output = run_and_check([*JOB, *save, "--load", str(tmp_path / "checkpoint"),
                                   "--train-iters", "6"], tmp_path / "second", capfd)
     assert "loaded checkpoint" in output and "validation at iteration 6" in output, output
+
+
+def test_muon_whole_matrix_gathers_keep_the_order(tmp_path, capfd):
+    """--optimizer muon adds, inside every step, the gather of the ZeRO-1 shard's updates over
+    the data-parallel group and one gather per matrix over the tensor-parallel group; with the
+    repartition moving layers (and their momentum buffers) between the stages."""
+    counts, issued, output = run_and_check([*JOB, "--optimizer", "muon", "--train-iters", "4"],
+                                           tmp_path / "muon", capfd)
+    assert re.search(r"repartition at iteration 2: split 3,1 .* -> split (2,2|1,3) .*moved in",
+                     output), output
+    assert re.search(r"iteration\s+4/\s*4 \|", output), output
+    assert {"all_gather", comm.all_gather_into_tensor.__name__} <= issued, issued
