@@ -520,7 +520,7 @@ def stage_costs(model: ModelConfig, hardware: HardwareSpec, costs: ComputeCosts,
             data_ar /= 2  # an all-reduce's ring traffic
         overlap = parallel.overlap_grad_reduce if parallel.overlap_grad_reduce is not None \
             else hardware.device_type == "cuda"  # the runtime's default (training/stage.py)
-        if overlap and d > 1 and not summed:
+        if overlap and d > 1:  # tensor-partial gradients too: summed after the average
             # pipeline/overlap.py: each bucket starts during the batch's last backward once its
             # gradients are in; what outlasts that backward is left, at least the last bucket
             data_ar = max(data_ar / buckets, data_ar - backward)
