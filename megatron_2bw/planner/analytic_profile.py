@@ -4,7 +4,10 @@ matmul or memory-bound, and every launch costs a fixed overhead:
            + kernels * kernel_overhead_s
 with the hardware's stated `efficiency`, except that each of a layer's four linears is a GEMM on
 the roofline: the longer of its FLOPs at the matmul rate and its operands' bytes at the memory
-rate. Assumptions:
+rate. Where the hardware file gives measured rates, a GEMM's matmul rate is the share of peak
+measured for a GEMM of its size (`HardwareSpec.gemm_efficiency`) and the fused attention kernel
+runs at `attention_efficiency`, computing half the scores under GPT's causal mask (it skips the
+blocks above the diagonal). Assumptions:
 - matmul FLOPs per layer forward: 2bsh(q + ad + f1 + f)/t for the four linears
   (`linear_flops_per_token`), where ad is the attention's width, a heads of d channels
   (config.attention_size: h unless --kv-channels sets d), q the QKV projection's output features
@@ -51,20 +54,24 @@ from megatron_2bw.planner.profile import ComputeCosts, attention_flops_per_token
 
 @dataclass(frozen=True)
 class _Work:
-    """Matmul FLOPs, bytes moved by memory-bound kernels, kernels launched, and GEMMs timed on
-    their own roofline: (FLOPs, bytes of their operands) each."""
+    """Matmul FLOPs, bytes moved by memory-bound kernels, kernels launched, GEMMs timed on their
+    own roofline: (FLOPs, bytes of their operands, how many) each, and the fused attention
+    kernel's FLOPs (timed at its own measured rate)."""
     flops: float = 0.0
     bytes: float = 0.0
     kernels: float = 0.0
-    gemms: tuple[tuple[float, float], ...] = ()
+    gemms: tuple[tuple[float, float, float], ...] = ()
+    attention_flops: float = 0.0
 
     def __add__(self, other: "_Work") -> "_Work":
         return _Work(self.flops + other.flops, self.bytes + other.bytes,
-                     self.kernels + other.kernels, self.gemms + other.gemms)
+                     self.kernels + other.kernels, self.gemms + other.gemms,
+                     self.attention_flops + other.attention_flops)
 
     def __mul__(self, factor: float) -> "_Work":
         return _Work(self.flops * factor, self.bytes * factor, self.kernels * factor,
-                     tuple((f * factor, b * factor) for f, b in self.gemms))
+                     tuple((f, b, n * factor) for f, b, n in self.gemms),
+                     self.attention_flops * factor)
 
 
 def gemm(rows: float, inner: float, columns: float, element_bytes: int) -> _Work:
@@ -73,7 +80,7 @@ def gemm(rows: float, inner: float, columns: float, element_bytes: int) -> _Work
     and operand bytes)."""
     return _Work(kernels=1, gemms=((2.0 * rows * inner * columns,
                                     element_bytes * (rows * inner + inner * columns
-                                                     + rows * columns)),))
+                                                     + rows * columns), 1.0),))
 
 
 class AnalyticProfile:
@@ -81,7 +88,11 @@ class AnalyticProfile:
         self.model, self.precision, self.hardware = model, precision, hardware
         self.e = dtype_bytes(precision)
         self.g = grad_buffer_bytes(precision)
-        self.flops_per_s = hardware.flops_for(precision.working_dtype_name) * hardware.efficiency
+        self.peak_flops = hardware.flops_for(precision.working_dtype_name)
+        self.flops_per_s = self.peak_flops * hardware.efficiency
+        self.attention_flops_per_s = self.peak_flops * (
+            hardware.attention_efficiency if hardware.attention_efficiency is not None
+            else hardware.efficiency)
         self.bytes_per_s = hardware.memory_bandwidth * hardware.efficiency
 
     def seconds(self, work: _Work) -> float:
@@ -89,8 +100,10 @@ class AnalyticProfile:
         the roofline: bound by its FLOPs or by its operands' bytes, whichever takes longer, so a
         GEMM of few rows (a small micro batch) or a narrow one (a small hidden size, a large t)
         runs below the peak, as measured GPUs do."""
-        gemms = sum(max(f / self.flops_per_s, b / self.bytes_per_s) for f, b in work.gemms)
+        gemms = sum(n * max(f / (self.peak_flops * self.hardware.gemm_efficiency(f)),
+                            b / self.bytes_per_s) for f, b, n in work.gemms)
         return (work.flops / self.flops_per_s + work.bytes / self.bytes_per_s + gemms
+                + work.attention_flops / self.attention_flops_per_s
                 + work.kernels * self.hardware.kernel_overhead_s)
 
     def layer_gemms(self, t: int, b: int) -> _Work:
@@ -109,9 +122,12 @@ class AnalyticProfile:
         flops = b * m.seq_length * attention_flops_per_token(m) / t
         if fused_attention(m, e, self.hardware.device_type):
             # one kernel: q, k and v read, the output and a log-sum-exp per row written; the
-            # scores stay on chip
+            # scores stay on chip; under GPT's causal mask (is_causal) it skips the blocks above
+            # the diagonal, half the square
             rows = m.num_attention_heads * m.seq_length * b / t
-            return _Work(flops, 4 * e * m.seq_length * b * m.attention_size / t + 4 * rows, 1)
+            causal = 0.5 if m.model_type == "gpt" else 1.0
+            return _Work(0.0, 4 * e * m.seq_length * b * m.attention_size / t + 4 * rows, 1,
+                         attention_flops=causal * flops)
         if not unfused_attention(m, e):
             # write scores, mask, softmax, dropout (+ its mask), read for the product with V: q
             # and k scaling, two batched matmuls and four element-wise kernels

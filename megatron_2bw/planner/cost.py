@@ -31,7 +31,9 @@ core). On CPU ranks each pass also costs the processor time of its pipeline mess
 from one neighbour, a send to the other: `HardwareSpec.p2p_processor_s`, measured by
 detect_hardware).
 Per batch (pipeline/update.py): `reduce` blocks for the data-parallel all-reduce of the stage's
-gradient buffer and the move into the fp32 master gradients; the tied-embedding all-reduce between
+gradient buffer (where the runtime overlaps it with the batch's last backward, pipeline/overlap.py,
+on GPUs by default: only what outlasts that backward, at least the last bucket's; under the
+distributed optimizer a reduce-scatter, half an all-reduce's ring traffic) and the move into the fp32 master gradients; the tied-embedding all-reduce between
 the first and last stage and the grad-norm all-reduce over the model group run in the background
 until `step` (the first stage adds its part of the norm at its step, once the tied sum is there, so
 every other stage's step also waits for the first stage to reach its step), which then runs the
@@ -514,6 +516,14 @@ def stage_costs(model: ModelConfig, hardware: HardwareSpec, costs: ComputeCosts,
         # this rank averaged (update.py, sum_tensor_partial_grads)
         summed = g * stage_tensor_partial_grad_parameters(model, t, layers, first, last) / shards
         partial_ar = net.allreduce_time("tensor", summed, s) if summed else 0.0
+        if shards > 1:  # each bucket reduce-scattered (overlap.start_bucket_reduction): half
+            data_ar /= 2  # an all-reduce's ring traffic
+        overlap = parallel.overlap_grad_reduce if parallel.overlap_grad_reduce is not None \
+            else hardware.device_type == "cuda"  # the runtime's default (training/stage.py)
+        if overlap and d > 1:  # tensor-partial gradients too: summed after the average
+            # pipeline/overlap.py: each bucket starts during the batch's last backward once its
+            # gradients are in; what outlasts that backward is left, at least the last bucket
+            data_ar = max(data_ar / buckets, data_ar - backward)
         # optimizer + unscaling, and the new working version: written from the master weights or,
         # where they are the newest version, a copy of this rank's part of it before the step;
         # none on the last stage, which steps right after releasing the older version's copy and
