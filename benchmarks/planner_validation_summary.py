@@ -57,7 +57,8 @@ def load_rows(path: Path) -> list[validation.Row]:
 
 def _hardware(record: dict) -> HardwareSpec:
     fields = dict(record)
-    for key in ("allreduce_times", "allreduce_processor_times", "allreduce_after_compute"):
+    for key in ("allreduce_times", "allreduce_processor_times", "allreduce_after_compute",
+                "matmul_efficiency"):
         # JSON turned tuples into lists
         if fields.get(key) is not None:
             fields[key] = tuple(tuple(entry) for entry in fields[key])

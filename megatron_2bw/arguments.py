@@ -7,6 +7,7 @@ A bad flag ends the program with one line naming the flag (`ConfigError` -> `exi
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from contextlib import contextmanager
 
@@ -17,8 +18,17 @@ from megatron_2bw.data.tokenizers import TOKENIZER_TYPES
 
 
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # argparse (before Python 3.13) takes "-1e-3" for an option: a value such as
+        # `--lr -1e-3` must reach the checks, which name the flag and the range it needs.
+        self._negative_number_matcher = NEGATIVE_NUMBER
+
     def error(self, message):  # one line, no usage dump
         raise ConfigError(message)
+
+
+NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
 
 
 def _bool_flag(group, flag, section, field, help):
@@ -98,6 +108,9 @@ def build_parser(description: str = "", extra_args_provider=None) -> argparse.Ar
                "normalise each head's queries and keys (before rotary positions)")
     _bool_flag(g, "--apply-layernorm-1p", "model", "apply_layernorm_1p",
                "norm weights hold gain - 1, initialised to 0 (zero-centred gamma)")
+    _bool_flag(g, "--memory-efficient-layer-norm", "model", "memory_efficient_layer_norm",
+               "LayerNorm through NVIDIA apex's fused kernel, which keeps its output instead of "
+               "its input for the backward (needs apex; not with --torch-compile)")
     _bool_flag(g, "--attention-softmax-in-fp32", "model", "attention_softmax_in_fp32",
                "fp16/bf16: the attention softmax (and its mask) in fp32")
     _bool_flag(g, "--apply-query-key-layer-scaling", "model", "apply_query_key_layer_scaling",
@@ -127,7 +140,7 @@ def build_parser(description: str = "", extra_args_provider=None) -> argparse.Ar
     _flag(g, "--pipeline-model-parallel-size", "parallel", "pipeline_parallel", type=int)
     _flag(g, "--context-parallel-size", "parallel", "context_parallel", type=int,
           help="GPT: split every sequence over this many ranks of each data-parallel replica "
-               "(default 1); attention gathers the keys and values of the whole sequence")
+               "(default 1); keys and values travel around the ring of them (ring attention)")
     _flag(g, "--pipeline-schedule", "parallel", "schedule",
           choices=["2bw", "flush", "gpipe", "pipedream", "pipemare", "zb-h1", "interleaved",
                    "zb-v", "dualpipev", "v-half"],
@@ -358,6 +371,9 @@ def build_parser(description: str = "", extra_args_provider=None) -> argparse.Ar
     _bool_flag(g, "--use-checkpoint-opt_param-scheduler", "checkpoint",
                "use_checkpoint_opt_param_scheduler",
                "on resume, the checkpoint's learning-rate and weight-decay schedule wins")
+    _bool_flag(g, "--overwrite-save", "checkpoint", "overwrite_save",
+               "let a run that does not --load the --save directory write over the checkpoints "
+               "it holds (refused by default)")
 
     g = parser.add_argument_group("logging")
     _flag(g, "--tensorboard-dir", "logging", "tensorboard_dir", type=str)

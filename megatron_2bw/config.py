@@ -44,6 +44,9 @@ class ModelConfig:
     kv_channels: int | None = None  # the head size (--kv-channels); None: hidden_size / heads
     qk_layernorm: bool = False  # a norm (--normalization's) over each head's queries and keys
     apply_layernorm_1p: bool = False  # every norm's weight holds gain - 1 (zero-centred gamma)
+    # LayerNorm through apex's fused kernel that keeps its output instead of its input for the
+    # backward (Megatron-LM's flag; needs NVIDIA apex, on CUDA tensors); otherwise torch's kernels
+    memory_efficient_layer_norm: bool = False
     # numerics under fp16/bf16 (not the architecture): scores in the working precision, softmax in
     # fp32; layer scaling also divides the scores by the layer's number until the softmax (and so,
     # as in Megatron-LM, implies the fp32 softmax)
@@ -312,6 +315,7 @@ class CheckpointConfig:
     # a resumed run whose lr/wd schedule differs from the checkpoint's: which one wins (Megatron-LM)
     override_opt_param_scheduler: bool = False
     use_checkpoint_opt_param_scheduler: bool = False
+    overwrite_save: bool = False  # a fresh run may write over the checkpoints --save holds
 
 
 @dataclass

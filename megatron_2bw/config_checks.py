@@ -172,6 +172,21 @@ def _validate_architecture(m, t: int) -> None:
         _require(not m.rope_scaling, "--use-rope-scaling needs --position-embedding-type rope")
 
 
+def _validate_apex_norm(m, torch_compile: bool) -> None:
+    if not m.memory_efficient_layer_norm:
+        return
+    from megatron_2bw.models.transformer import _apex_layer_norm
+    _require(_apex_layer_norm is not None,
+             "--memory-efficient-layer-norm runs NVIDIA apex's fused LayerNorm, but apex "
+             "(apex.normalization) does not import here: drop the flag or install apex")
+    _require(m.normalization == "LayerNorm",
+             f"--memory-efficient-layer-norm applies to --normalization LayerNorm, got "
+             f"{m.normalization} (RMSNorm runs torch's fused rms_norm)")
+    _require(not torch_compile,
+             "--memory-efficient-layer-norm's apex kernel would split each compiled layer's graph: "
+             "drop it or --torch-compile (torch's layer_norm compiles into the graph)")
+
+
 def _validate_context_parallel(config: Config) -> None:
     cp, m = config.parallel.context_parallel, config.model
     if cp == 1:
@@ -340,6 +355,10 @@ def validate(config: Config, require_data: bool = True) -> None:
              f"--swiglu its default is 2/3 of 4 * --hidden-size rounded down to a multiple of 64)")
     _validate_architecture(m, t)
     _validate_context_parallel(config)
+    _require(not m.sequence_parallel or t > 1 or par.auto_parallel,
+             "--sequence-parallel splits the activations over the tensor-parallel group: it needs "
+             "--tensor-model-parallel-size > 1 (got 1)")
+    _validate_apex_norm(m, config.training.torch_compile)
     local_length = m.seq_length // par.context_parallel
     _require(not m.sequence_parallel or local_length % t == 0,
              f"--sequence-parallel splits --seq-length {m.seq_length} (/ --context-parallel-size "
@@ -363,7 +382,9 @@ def validate(config: Config, require_data: bool = True) -> None:
     _validate_virtual_stages(config)
     _validate_v_schedule(config)
     _require(not (config.precision.fp16 and config.precision.bf16), "--fp16 and --bf16 exclude each other")
-    _require(opt.lr >= 0 and opt.min_lr >= 0, "--lr and --min-lr must be >= 0")
+    _require(opt.lr > 0 or (opt.lr == 0 and tr.skip_train),
+             f"--lr must be > 0 (with a rate of 0 training changes nothing), got {opt.lr:g}")
+    _require(opt.min_lr >= 0, f"--min-lr must be >= 0, got {opt.min_lr:g}")
     _validate_delay_compensation(par)
     _validate_schedule_units(tr, opt)
     _validate_batch_schedule(tr)
@@ -480,11 +501,29 @@ def validate_for_world(config: Config, world_size: int) -> int:
                          f"batch as stages (1F1B keeps p in flight): m = global/(micro*d) = {m} < "
                          f"p = {p}; raise {_smallest_batch_flag(tr)} to >= "
                          f"{p * tr.micro_batch_size * d}")
+    if p > 1:  # the smallest batch's m and the final one's
+        _validate_schedule_lists(config.parallel, {m, tr.global_batch_size //
+                                                  (tr.micro_batch_size * d)})
     if config.logging.profile:
         outside = [r for r in config.logging.profile_ranks if not 0 <= r < world_size]
         _require(not outside, f"--profile-ranks {outside} outside the world's ranks 0.."
                               f"{world_size - 1}")
     return d
+
+
+def _validate_schedule_lists(par, microbatches: set[int]) -> None:
+    """The run's action lists keep every schedule rule (schedules.validate) and NCCL's
+    (pipeline/nccl_replay.py): a list that breaks one is refused before the first transfer, in
+    one line naming the stage, the position and the rule."""
+    from megatron_2bw.pipeline import nccl_replay
+    from megatron_2bw.pipeline.schedules import ScheduleError
+    p = par.pipeline_parallel
+    for m in sorted(microbatches):
+        try:
+            nccl_replay.check_schedule(par.pipeline_schedule, p, m, par.model_chunks)
+        except ScheduleError as error:
+            raise ConfigError(f"--pipeline-schedule {par.pipeline_schedule} with p = {p}, m = "
+                              f"{m} breaks a schedule rule: {error}") from None
 
 
 def _smallest_batch_flag(tr) -> str:
@@ -493,3 +532,21 @@ def _smallest_batch_flag(tr) -> str:
     if tr.step_batch_size_schedule:
         return "every batch of --step-batch-size-schedule"
     return "--global-batch-size"
+
+
+def config_warnings(config: Config) -> list[str]:
+    """Legal settings that are probably mistakes: one line each, printed once before training."""
+    from megatron_2bw.optim.lr_schedule import (learning_rate, schedule_iterations,
+                                                training_iterations)
+    opt, tr = config.optimizer, config.training
+    warnings = []
+    warmup, _ = schedule_iterations(opt, tr)
+    run = training_iterations(tr)
+    if not tr.skip_train and warmup > run:
+        flag = ("--lr-warmup-fraction" if opt.lr_warmup_fraction is not None
+                else "--lr-warmup-samples" if tr.train_samples is not None else "--lr-warmup-iters")
+        reached = learning_rate(max(int(run) - 1, 0), opt, tr)
+        warnings.append(f"warning: {flag} makes the warm-up {warmup:g} iterations, longer than "
+                        f"the run's {run:g}: the learning rate ends at {reached:.3g}, never "
+                        f"reaching --lr {opt.lr:g}")
+    return warnings

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megatron_2bw.arguments import ConfigError, parse_config
-from megatron_2bw.config_checks import validate_for_world
+from megatron_2bw.config_checks import config_warnings, validate_for_world
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length",
@@ -25,6 +25,15 @@ TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"
     (["--rampup-batch-size", "16", "16", "5859375"],
      "--rampup-batch-size 16 16 5859375 ramps up to --global-batch-size: give it"),
     (["--rampup-batch-size", "16", "16"], "argument --rampup-batch-size: expected 3 arguments"),
+    (["--lr", "-1e-3"], "--lr must be > 0 (with a rate of 0 training changes nothing), got -0.001"),
+    (["--lr", "0"], "--lr must be > 0 (with a rate of 0 training changes nothing), got 0"),
+    (["--min-lr", "-.5"], "--min-lr must be >= 0, got -0.5"),
+    (["--sequence-parallel"], "--sequence-parallel splits the activations over the "
+                              "tensor-parallel group: it needs --tensor-model-parallel-size > 1"),
+    (["--context-parallel-size", "3"], "--seq-length 16 must be divisible by 6"),
+    (["--memory-efficient-layer-norm"], "--memory-efficient-layer-norm runs NVIDIA apex's fused "
+                                        "LayerNorm, but apex (apex.normalization) does not "
+                                        "import here"),
 ])
 def test_bad_flags_give_one_line(extra, expected):
     result = subprocess.run([sys.executable, "pretrain_gpt.py", *TINY, *extra], cwd=ROOT,
@@ -297,7 +306,7 @@ MEGATRON_LLAMA3_8B_RUN = [
 
 
 def test_megatron_llama3_training_flags_carry_over():
-    config, _ = parse_config([*TINY, *MEGATRON_LLAMA3_8B_RUN])
+    config, _ = parse_config([*TINY, *MEGATRON_LLAMA3_8B_RUN, "--tensor-model-parallel-size", "2"])
     opt, train, log = config.optimizer, config.training, config.logging
     assert (opt.decoupled_lr, opt.decoupled_min_lr) == (5.0e-4, 4.5e-5)
     assert train.manual_gc and train.manual_gc_eval and train.empty_unused_memory_level == 1
@@ -392,3 +401,36 @@ def test_pipedream_with_tied_embeddings_is_refused_for_any_built_config():
     config.model.untie_embeddings_and_output_weights = False
     with pytest.raises(ConfigError, match="pipedream needs --untie-embeddings-and-output-weights"):
         validate_for_world(config, 2)
+
+
+def test_negative_numbers_in_scientific_notation_parse_as_values():
+    """argparse before Python 3.13 reads "-1e-3" as an option ("expected one argument")."""
+    config = parse_config([*TINY, "--lr", "1e-3", "--min-lr", "0", "--lr-warmup-init", "0",
+                           "--adam-eps", "1E-8"])[0]
+    assert config.optimizer.lr == 1e-3
+    with pytest.raises(ConfigError, match="--lr-warmup-init must be >= 0, got -1e-05"):
+        parse_config([*TINY, "--lr-warmup-init", "-1e-5"])
+    assert parse_config([*TINY, "--lr", "0", "--skip-train"])[0].optimizer.lr == 0  # no training
+
+
+@pytest.mark.parametrize("extra,expected", [
+    (["--lr-warmup-iters", "100"], "warning: --lr-warmup-iters makes the warm-up 100 iterations, "
+                                   "longer than the run's 2: the learning rate ends at 2e-05, "
+                                   "never reaching --lr 0.001"),
+    (["--lr-warmup-iters", "2"], None),
+    (["--lr-warmup-iters", "100", "--skip-train"], None),
+    (["--train-samples", "8", "--global-batch-size", "4", "--lr-warmup-samples", "12"],
+     "warning: --lr-warmup-samples makes the warm-up 3 iterations, longer than the run's 2"),
+])
+def test_a_warm_up_longer_than_the_run_is_a_warning(extra, expected):
+    flags = [*TINY, "--lr", "1e-3", *extra]
+    if "--train-samples" in extra:
+        at = flags.index("--train-iters")
+        del flags[at:at + 2]
+    config = parse_config(flags)[0]
+    validate_for_world(config, 1)
+    warnings = config_warnings(config)
+    if expected is None:
+        assert warnings == []
+    else:
+        assert len(warnings) == 1 and warnings[0].startswith(expected), warnings

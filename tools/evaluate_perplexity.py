@@ -32,7 +32,7 @@ from megatron_2bw.checkpoint.reshard import load_full_weights, read_full_state
 from megatron_2bw.checkpoint.tool_config import config_with_base
 from megatron_2bw.cpu_threads import set_single_process_threads
 from megatron_2bw.data.cli import exit_on_user_error
-from megatron_2bw.data.indexed import IndexedDataset
+from megatron_2bw.data.indexed import IndexedDataset, missing_dataset_files
 from megatron_2bw.data.tokenizers import build_tokenizer
 from megatron_2bw.distributed.launch import detect_launch, exit_process, init_distributed
 from megatron_2bw.distributed.layout import ParallelLayout
@@ -71,9 +71,10 @@ def matching_tokenizer(config, model_vocab: int, required: bool):
     return tokenizer
 
 
-def read_tokens(args, tokenizer) -> tuple[np.ndarray, float | None]:
+def read_tokens(args, tokenizer, vocab_size: int) -> tuple[np.ndarray, float | None]:
     """The evaluated token stream and, for raw text, tokens per original word (Megatron's count
-    of space-separated words, for the adjusted perplexity)."""
+    of space-separated words, for the adjusted perplexity). A dataset's ids must be below the
+    model's `vocab_size` (an id beyond would index past the embedding)."""
     if args.input is not None:
         if not os.path.isfile(args.input):
             raise FileNotFoundError(f"--input {args.input}: file not found")
@@ -84,8 +85,20 @@ def read_tokens(args, tokenizer) -> tuple[np.ndarray, float | None]:
     if len(args.data_path) != 1:
         raise ConfigError(f"--data-path takes one dataset prefix here, got {len(args.data_path)} "
                           f"values")
-    dataset = IndexedDataset(args.data_path[0])
-    return np.concatenate([dataset[i] for i in range(len(dataset))]).astype(np.int64), None
+    prefix = args.data_path[0]
+    missing = missing_dataset_files(prefix)
+    if missing:
+        raise ConfigError(f"--data-path {prefix}: {missing}")
+    try:
+        dataset = IndexedDataset(prefix)
+    except ValueError as error:
+        raise ConfigError(f"--data-path {prefix}: {error}") from None
+    tokens = np.concatenate([dataset[i] for i in range(len(dataset))] or [np.zeros(0)])
+    if tokens.size and int(tokens.max()) >= vocab_size:
+        raise ConfigError(f"--data-path {prefix}: contains token id {int(tokens.max())}, but the "
+                          f"checkpoint's model has only {vocab_size} ids: the data was "
+                          f"preprocessed with another tokenizer")
+    return tokens.astype(np.int64), None
 
 
 def read_lambada(path: str, tokenizer, strict: bool) -> list[tuple[list[int], list[int]]]:
@@ -135,7 +148,7 @@ def main(argv=None) -> dict:
         set_single_process_threads()
     state = read_full_state(args.load, args.iteration, with_optimizer=False,
                             show_progress=launch.rank == 0)
-    config = config_with_base(args, state.config, f"checkpoint {args.load}")
+    config = config_with_base(args, state.config, f"checkpoint {args.load}", checkpoint=args.load)
     if config.model.model_type != "gpt":
         raise ConfigError(f"checkpoint {args.load} holds a {config.model.model_type} model; "
                           f"perplexity evaluation needs a GPT")
@@ -149,6 +162,8 @@ def main(argv=None) -> dict:
                                    required=args.task == "lambada" or args.input is not None)
     config.model.vocab_size = state.config.model.vocab_size  # --vocab-size sized the tokenizer
 
+    if args.task != "lambada":  # read and checked before the model is built
+        tokens, tokens_per_word = read_tokens(args, tokenizer, config.model.vocab_size)
     owns_process_group = launch.world_size > 1 and not dist.is_initialized()
     model, layout, device = build_model(config, state, launch)
 
@@ -157,7 +172,6 @@ def main(argv=None) -> dict:
         examples = read_lambada(args.input, tokenizer, args.strict_lambada)
         windows, truncated = P.lambada_windows(examples, seq_length, pad_id)
     else:
-        tokens, tokens_per_word = read_tokens(args, tokenizer)
         windows = (P.full_windows(tokens, seq_length) if args.overlapping_eval is None
                    else P.overlapping_windows(tokens, seq_length, args.overlapping_eval, pad_id))
         if not windows:

@@ -10,10 +10,11 @@ none of them computes is refused, naming the fields.
 Any tensor/pipeline layout exports; the vocabulary padding is removed, and under
 --apply-layernorm-1p the norms' weights are written as the gains transformers expects (weight + 1).
 --iteration N picks an iteration other than the latest; the pretraining flags (e.g. --vocab-file)
-override what the checkpoint recorded.
+override what the checkpoint recorded. --output must be a new or empty directory.
 """
 from __future__ import annotations
 
+import os
 import sys
 
 from megatron_2bw.arguments import ConfigError, build_parser
@@ -30,13 +31,28 @@ def add_arguments(parser) -> None:
                        help="iteration to export (default: the latest)")
 
 
+def check_output(output: str) -> None:
+    """--output must be a new or empty directory: transformers loads whatever files a directory
+    holds, so one left by another export (a tokenizer.json, a sharded model's index) would be
+    loaded with this model."""
+    if os.path.exists(output) and not os.path.isdir(output):
+        raise ConfigError(f"--output {output}: exists and is not a directory; give a new or "
+                          f"empty directory")
+    if os.path.isdir(output) and os.listdir(output):
+        entries = sorted(os.listdir(output))
+        raise ConfigError(f"--output {output}: not empty ({len(entries)} entries, e.g. "
+                          f"{entries[0]}); give a new or empty directory, so that no file of "
+                          f"another model is loaded with this one")
+
+
 def main(argv=None) -> str:
     # --help: the first paragraph, which names the transformers classes
     args = build_parser(__doc__.split("\n\n")[0], add_arguments).parse_args(argv)
     if not args.load or not args.output:
         raise ConfigError("--load CHECKPOINT_DIR and --output DIR are both required")
+    check_output(args.output)
     state = read_full_state(args.load, args.iteration, with_optimizer=False)
-    config = config_with_base(args, state.config, f"checkpoint {args.load}")
+    config = config_with_base(args, state.config, f"checkpoint {args.load}", checkpoint=args.load)
     for note in export_to_hf(state, args.output, config.data):
         print(f" {note}", flush=True)
     print(f" exported {args.load} (iteration {state.iteration}) to {args.output}", flush=True)

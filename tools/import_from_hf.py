@@ -12,6 +12,8 @@ a tanh approximation of GELU, while megatron_2bw uses the exact GELU). The direc
 if any, is copied to SAVE/tokenizer (--tokenizer-type HuggingFaceTokenizer --tokenizer-model
 SAVE/tokenizer); a raw SentencePiece tokenizer.model, as export_to_hf.py writes it, comes in as
 --tokenizer-type SentencePieceTokenizer, or Llama2Tokenizer when the export was of one.
+--virtual-pipeline-model-parallel-size (or --num-layers-per-virtual-pipeline-stage) writes that
+many model chunks per pipeline rank, for --pipeline-schedule interleaved.
 """
 from __future__ import annotations
 
@@ -42,10 +44,13 @@ def main(argv=None) -> str:
         state.config.data = tokenizer
     state.config = config_with_base(args, state.config, f"the model in {args.hf_path}")
     par = state.config.parallel
-    write_full_state(state, args.save, par.tensor_parallel, par.pipeline_parallel, par.layer_split)
+    chunks = par.model_chunks  # the virtual-stage flags: the interleaved schedule's chunks
+    write_full_state(state, args.save, par.tensor_parallel, par.pipeline_parallel, par.layer_split,
+                     chunks=chunks)
     print(f" imported {args.hf_path} ({state.config.model.model_type}, "
           f"{sum(t.numel() for t in state.model.values()) / 1e6:.2f} M parameters) to {args.save} "
           f"as t={par.tensor_parallel} x p={par.pipeline_parallel}"
+          + ("" if chunks == 1 else f" x {chunks} model chunks per rank")
           + ("" if tokenizer is None else f"; tokenizer in {tokenizer.tokenizer_model}"), flush=True)
     return args.save
 

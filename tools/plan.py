@@ -86,6 +86,20 @@ def format_table(plans: list[Plan], top: int) -> str:
     return "\n".join(lines)
 
 
+def summary(plans: list[Plan]) -> str:
+    """The last line: the best configuration, or that none fits and the smallest need."""
+    limit = plans[0].memory_limit_bytes / 2**30
+    if plans[0].fits:
+        best = plans[0]
+        return (f"best: {best.candidate.describe()}, {best.throughput_samples_per_s:.1f} "
+                f"samples/s predicted, peak {max(best.memory_bytes_per_stage) / 2**30:.2f} of "
+                f"{limit:.2f} GiB per device")
+    least = min(plans, key=lambda plan: max(plan.memory_bytes_per_stage))
+    return (f"no configuration fits in {limit:.2f} GiB per device: the smallest "
+            f"({least.candidate.describe()}) needs {max(least.memory_bytes_per_stage) / 2**30:.2f} "
+            f"GiB; plan more devices, a smaller model or --use-distributed-optimizer")
+
+
 def plot(plans: list[Plan], top: int, path: Path, title: str) -> None:
     """Predicted throughput (bars) and every stage's memory (dots) against the usable memory."""
     import matplotlib
@@ -173,6 +187,7 @@ def main(argv=None) -> list[Plan]:
              f"batch {config.training.global_batch_size}, {args.world_size} x {hardware.name}")
     print(title)
     print(format_table(plans, args.top))
+    print(summary(plans))
     if args.json:
         Path(args.json).write_text(json.dumps({
             "hardware": hardware.name, "world_size": args.world_size,

@@ -28,7 +28,7 @@ from megatron_2bw.config import DataConfig
 from megatron_2bw.data.cli import ToolParser, exit_on_user_error
 from megatron_2bw.data.documents import (Source, describe, find_sources, iter_raw_records,
                                          parse_record, partition_sources)
-from megatron_2bw.data.indexed import (IndexedDatasetBuilder, bin_path, idx_path,
+from megatron_2bw.data.indexed import (IndexedDataset, IndexedDatasetBuilder, bin_path, idx_path,
                                        token_dtype)
 from megatron_2bw.data.tokenizers import TOKENIZER_TYPES, build_tokenizer
 
@@ -350,6 +350,19 @@ def process_partitions(groups: list[list[Source]], settings: EncodeSettings, pre
                 _remove_dataset(output_prefix(part, key, settings.sentences))
 
 
+def refuse_empty_outputs(args) -> None:
+    """A dataset without documents would only fail later, in training: remove it and say so."""
+    prefixes = [output_prefix(args.output_prefix, key, args.split_sentences)
+                for key in args.json_keys]
+    empty = [key for key, prefix in zip(args.json_keys, prefixes)
+             if IndexedDataset(prefix).num_documents == 0]
+    if empty:
+        for prefix in prefixes:
+            _remove_dataset(prefix)
+        raise ValueError(f"--input {' '.join(args.input)}: no text under --json-keys {empty[0]} "
+                         f"(empty input, or no record with that key); nothing was written")
+
+
 def main(argv=None) -> Stats:
     args = get_args(argv)
     data = DataConfig(tokenizer_type=args.tokenizer_type, vocab_file=args.vocab_file,
@@ -368,6 +381,7 @@ def main(argv=None) -> Stats:
     else:
         stats = process(sources, settings, args.output_prefix, dtype, args.workers)
     seconds = time.perf_counter() - start
+    refuse_empty_outputs(args)
     outputs = ", ".join(output_prefix(args.output_prefix, key, args.split_sentences) + ".{bin,idx}"
                         for key in args.json_keys)
     print(f"{stats.documents:,} documents, {stats.tokens:,} tokens ({np.dtype(dtype).name}) in "

@@ -42,6 +42,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# The tool draws every forward and backward box; the pattern of a schedule shows at small sizes
+# (it repeats along the batches and scales with p), while a larger drawing takes minutes and is
+# too large to read.
+MAX_BOXES = 20_000
+
+
 def fail(message: str) -> None:
     print(f"visualize_schedule.py: error: {message}", file=sys.stderr)
     sys.exit(2)
@@ -71,6 +77,13 @@ def main(argv=None) -> None:
         fail("--forward-time and --backward-time must be positive")
     if args.chunks < 2:
         fail(f"--virtual-pipeline-model-parallel-size must be at least 2, got {args.chunks}")
+    boxes = 2 * args.pipeline_stages * args.microbatches * args.batches * (
+        args.chunks if "interleaved" in schedule_names(args) else 1)
+    if boxes > MAX_BOXES:
+        fail(f"--pipeline-stages {args.pipeline_stages} x --microbatches {args.microbatches} x "
+             f"--batches {args.batches} make {boxes:,} boxes to draw, more than {MAX_BOXES:,}: a "
+             f"schedule's pattern shows at a few stages and batches, a larger drawing takes "
+             f"minutes and cannot be read")
     shapes = [ScheduleShape(name, args.pipeline_stages, args.microbatches, args.batches,
                             schedules.REGISTRY[name].chunks or args.chunks)
               for name in schedule_names(args)]

@@ -17,6 +17,7 @@ rank has written its files, so a crash during a save leaves the previous checkpo
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 
@@ -87,7 +88,12 @@ def _atomic_write(path: str, write) -> None:
 
 
 def atomic_save(obj, path: str) -> None:
-    _atomic_write(path, lambda tmp: torch.save(obj, tmp))
+    def write(tmp):
+        # through a Python file, so that a full disk surfaces as OSError(ENOSPC) (torch's own
+        # file writer reports only "file write failed")
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+    _atomic_write(path, write)
 
 
 def atomic_write_text(text: str, path: str) -> None:
@@ -126,7 +132,8 @@ def resolve_iteration(root: str, iteration: int | None = None) -> int:
 
 
 def read_metadata(root: str, iteration: int | None = None) -> dict:
-    """{"format", "iteration", "consumed_samples", "layout": {tensor, pipeline, data}, "config"}."""
+    """{"format", "iteration", "consumed_samples", "consumed_valid_samples", "layout": {tensor,
+    pipeline, data}, "config"}."""
     iteration = resolve_iteration(root, iteration)
     with open(os.path.join(iteration_dir(root, iteration), METADATA_FILE)) as f:
         return json.load(f)
@@ -137,8 +144,9 @@ def saved_config(root: str, iteration: int | None = None) -> Config:
 
 
 def write_metadata(root: str, iteration: int, consumed_samples: int, config: Config,
-                   tensor: int, pipeline: int, data: int) -> None:
+                   tensor: int, pipeline: int, data: int, consumed_valid_samples: int = 0) -> None:
     metadata = {"format": FORMAT, "iteration": iteration, "consumed_samples": consumed_samples,
+                "consumed_valid_samples": consumed_valid_samples,
                 "layout": {"tensor": tensor, "pipeline": pipeline, "data": data},
                 "config": config.to_dict()}
     atomic_write_text(json.dumps(metadata, indent=2) + "\n",
@@ -215,6 +223,7 @@ def stage_state(stage, master: list[torch.Tensor], compensation: dict | None = N
         "format": FORMAT,
         "iteration": stage.iteration,
         "consumed_samples": stage.consumed_samples,
+        "consumed_valid_samples": stage.consumed_valid_samples,
         "config": stage.config.to_dict(),
         "layout": {"tensor": stage.layout.tensor, "pipeline": stage.layout.pipeline,
                    "data": stage.layout.data},
@@ -258,20 +267,47 @@ def save_checkpoint(stage) -> str:
         atomic_save(rng_state_dict(), rng_file(root, stage.iteration, c.tp, c.pp, c.dp))
         if layout.rank == 0:
             write_metadata(root, stage.iteration, stage.consumed_samples, stage.config,
-                           layout.tensor, layout.pipeline, layout.data)
+                           layout.tensor, layout.pipeline, layout.data,
+                           stage.consumed_valid_samples)
     except Exception as caught:  # noqa: BLE001 - every rank must learn of it before the marker
         error = caught
     if _any_rank_failed(error is not None, layout, stage.device):
-        if error is not None:
-            raise error
-        raise CheckpointError(f"saving iteration {stage.iteration} to {root} failed on another "
-                              f"rank; {MARKER} still names the previous checkpoint")
+        _raise_save_failure(error, layout, root, stage.iteration)
     if layout.rank == 0:
         write_marker(root, stage.iteration)
         print(f" saved checkpoint at iteration {stage.iteration} to {root}", flush=True)
     if dist.is_initialized() and layout.world_size > 1:
         dist.barrier()
     return rank_dir(root, stage.iteration, c.tp, c.pp)
+
+
+def _disk_full(error: BaseException | None) -> OSError | None:
+    """The ENOSPC behind `error`, however deep torch's serializer wrapped it."""
+    while error is not None:
+        if isinstance(error, OSError) and error.errno == errno.ENOSPC:
+            return error
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def _raise_save_failure(error: Exception | None, layout, root: str, iteration: int) -> None:
+    """Collective, once a save failed on some rank: a full disk stops every rank with one line
+    naming each rank that met it; another error is raised as it was on the rank that met it."""
+    full = _disk_full(error)
+    mine = None if full is None else f"{layout.describe()}: no space left on device " \
+                                     f"({full.filename or root})"
+    messages = [mine]
+    if dist.is_initialized() and layout.world_size > 1:
+        messages = [None] * layout.world_size
+        dist.all_gather_object(messages, mine)
+    if error is not None and full is None:
+        raise error
+    previous = read_marker(root)
+    kept = (f"{MARKER} still names iteration {previous}, which is intact" if previous is not None
+            else f"no {MARKER} was written")
+    failed = [m for m in messages if m is not None] or ["another rank"]
+    raise CheckpointError(f"saving iteration {iteration} to {root} failed on "
+                          f"{'; '.join(failed)}; {kept}")
 
 
 # -- load --------------------------------------------------------------------------------------------
@@ -459,6 +495,7 @@ def load_checkpoint(stage, root: str, iteration: int | None = None) -> dict | No
             stage.updater.pipemare.load_state_dict(state.get("pipemare"))
     stage.iteration = state["iteration"]
     stage.consumed_samples = state["consumed_samples"]
+    stage.consumed_valid_samples = state.get("consumed_valid_samples", 0)
     _barrier(layout)  # "loaded" only once every rank has
     print_once(layout, f" loaded checkpoint {root} at iteration {stage.iteration}")
     return rng

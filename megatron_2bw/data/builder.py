@@ -60,9 +60,12 @@ def parse_split(split: str) -> list[float]:
     return [p / sum(parts) for p in parts]
 
 
-def check_data_flags(data: DataConfig) -> None:
+def check_data_flags(data: DataConfig, seq_length: int | None = None, model_type: str = "gpt",
+                     splits: tuple[str, ...] = SPLIT_NAMES) -> None:
     """The data flags' syntax and files, checked on every rank before any process group or model
-    exists: a mistake ends the job with one line naming the flag (ConfigError)."""
+    exists: a mistake ends the job with one line naming the flag (ConfigError). The files must be
+    a readable dataset with documents; of the `splits` the run reads, train must get documents and
+    a GPT split that gets documents must hold one sample (`seq_length` + 1 tokens)."""
     if data.mock_data:
         return
     if data.data_path is not None:  # --split applies to --data-path only
@@ -70,18 +73,57 @@ def check_data_flags(data: DataConfig) -> None:
             parse_split(data.split)
         except ValueError as error:
             raise ConfigError(str(error)) from None
-    for paths, flag in ((data.data_path, "--data-path"),
-                        *((getattr(data, field), flag) for _, field, flag in SPLIT_PATH_FLAGS)):
+    for paths, flag, split in ((data.data_path, "--data-path", None),
+                               *((getattr(data, field), flag, name)
+                                 for name, field, flag in SPLIT_PATH_FLAGS)):
         if paths is None:
             continue
         try:
             prefixes = parse_blend(paths, flag)[1]
         except ValueError as error:
             raise ConfigError(str(error)) from None
+        fractions = parse_split(data.split) if split is None else None
+        checked = splits if split is None else tuple(n for n in splits if n == split)
+        train_documents = 0
         for prefix in prefixes:
             missing = missing_dataset_files(prefix)
             if missing:
                 raise ConfigError(f"{flag} {prefix}: {missing}")
+            train_documents += _check_dataset_files(flag, prefix, fractions, checked,
+                                                    seq_length if model_type == "gpt" else None)
+        if split is None and "train" in splits and train_documents == 0:
+            raise ConfigError(f"--split {data.split} gives the train split of --data-path no "
+                              f"documents")
+
+
+def _check_dataset_files(flag: str, prefix: str, fractions: list[float] | None,
+                         splits: tuple[str, ...], seq_length: int | None) -> int:
+    """Checks one dataset, whole or split by `fractions` (--split), for the `splits` read;
+    returns the documents of its train split."""
+    try:
+        indexed = IndexedDataset(prefix)
+    except ValueError as error:
+        raise ConfigError(f"{flag} {prefix}: {error}") from None
+    if indexed.num_documents == 0:
+        raise ConfigError(f"{flag} {prefix}: the dataset holds no documents (was "
+                          f"tools/preprocess_data.py given an empty input?)")
+    ranges = (split_document_ranges(indexed.num_documents, fractions) if fractions is not None
+              else [(0, indexed.num_documents)] * 3)
+    for name, (first, last) in zip(SPLIT_NAMES, ranges):
+        if seq_length is None or name not in splits or last <= first:
+            continue
+        lengths = indexed.sequence_lengths[indexed.document_indices[first]:
+                                           indexed.document_indices[last]]
+        # the first seq_length + 1 sequences usually suffice: no pass over a large index
+        tokens = int(lengths[:seq_length + 1].sum(dtype=np.int64))
+        if tokens < seq_length + 1:
+            tokens = int(lengths.sum(dtype=np.int64))
+        if tokens < seq_length + 1:
+            where = f"the {name} split of " if fractions is not None else ""
+            raise ConfigError(f"{flag} {prefix}: {where}the data has {tokens} tokens, fewer than "
+                              f"--seq-length + 1 = {seq_length + 1} (one sample): use more data, "
+                              f"a shorter --seq-length or another --split")
+    return ranges[0][1] - ranges[0][0]
 
 
 def split_document_ranges(num_documents: int, fractions: list[float]) -> list[tuple[int, int]]:

@@ -96,7 +96,11 @@ class SentencePieceTokenizer(Tokenizer):
         import sentencepiece
 
         self.name = name
-        self._model = sentencepiece.SentencePieceProcessor(model_file=model_file)
+        try:
+            self._model = sentencepiece.SentencePieceProcessor(model_file=model_file)
+        except (RuntimeError, OSError) as error:  # the library's "could not parse ModelProto"
+            raise ValueError(f"--tokenizer-model {model_file}: not a SentencePiece model "
+                             f"({str(error).strip()})") from None
         self._bos = [self._model.bos_id()] if prepend_bos else []
         if prepend_bos and self._model.bos_id() < 0:
             raise ValueError(f"--tokenizer-type {name}: {model_file} has no beginning-of-sequence "
@@ -170,6 +174,17 @@ class NullTokenizer(Tokenizer):
 
     def detokenize(self, ids) -> str:
         return " ".join(str(int(i)) for i in ids)
+
+
+def tokenizer_files(kind: str | None) -> list[tuple[str, str]]:
+    """(DataConfig field, flag) of each file or directory --tokenizer-type `kind` reads."""
+    if kind == "GPT2BPETokenizer":
+        return [("vocab_file", "--vocab-file"), ("merge_file", "--merge-file")]
+    if kind in ("BertWordPieceLowerCase", "BertWordPieceCase"):
+        return [("vocab_file", "--vocab-file")]
+    if kind in SENTENCEPIECE_TYPES or kind == "HuggingFaceTokenizer":
+        return [("tokenizer_model", "--tokenizer-model")]
+    return []
 
 
 def _existing_file(flag: str, path: str | None, tokenizer_type: str, expected: str) -> str:

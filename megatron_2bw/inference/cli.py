@@ -106,6 +106,8 @@ def run_server(argv=None, ready=None) -> None:
     """Serve until interrupted; `ready(server)` is called once it listens (tests read its port)."""
     args = build_parser(SERVER_DOC.split("\n")[0], add_server_arguments).parse_args(argv)
     sampling = sampling_config(args)
+    if not 0 <= args.port <= 65535:
+        raise ConfigError(f"--port must be in 0..65535 (0: a free port), got {args.port}")
     for flag, value in [("--max-tokens-to-generate", args.max_tokens_to_generate),
                         ("--max-prompts-per-request", args.max_prompts_per_request)]:
         if value < 1:

@@ -30,6 +30,9 @@ class SamplingConfig:
             raise ValueError(f"{names['top_k']} must be >= 0 (0: no limit), got {self.top_k}")
         if not 0.0 <= self.top_p <= 1.0:
             raise ValueError(f"{names['top_p']} must be in [0, 1] (0: no limit), got {self.top_p}")
+        if not self.greedy and self.top_k > 0 and self.top_p > 0:
+            raise ValueError(f"give {names['top_k']} or {names['top_p']}, not both (as in "
+                             f"Megatron-LM; 0 turns one off), got {self.top_k} and {self.top_p}")
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

@@ -5,8 +5,9 @@
 Each answer is its prompt followed by the generated text (the tokens of both, detokenized), as
 Megatron-LM answers. Optional
 fields: "temperature", "top_k", "top_p", "greedy" (the server's defaults otherwise) and
-"random_seed". A bad request is answered 400 with {"error": "..."} naming the field. Requests are
-served one at a time (one model, one lock).
+"random_seed"; top_k and top_p exclude each other, as in Megatron-LM. A bad request is answered 400
+with {"error": "..."} naming the field (an unknown field too), another method than PUT 405, in
+JSON as every answer. Requests are served one at a time (one model, one lock).
 """
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ from megatron_2bw.inference.loading import TextModel
 from megatron_2bw.inference.sampling import SamplingConfig
 
 JSON_FIELDS = {field: f'"{field}"' for field in ("temperature", "top_k", "top_p")}
+REQUEST_FIELDS = ("prompts", "tokens_to_generate", "temperature", "top_k", "top_p", "greedy",
+                  "random_seed")
 MAX_BODY_BYTES = 1 << 20
 
 
@@ -50,6 +53,10 @@ class TextGenerator:
     def parse(self, body) -> tuple[list[str], int, SamplingConfig, int]:
         if not isinstance(body, dict):
             raise RequestError("the request body must be a JSON object with \"prompts\"")
+        unknown = sorted(set(body) - set(REQUEST_FIELDS))
+        if unknown:  # a misspelt field would otherwise be ignored without a word
+            raise RequestError(f"unknown field \"{unknown[0]}\"; the fields are "
+                               f"{', '.join(REQUEST_FIELDS)}")
         prompts = body.get("prompts")
         if not isinstance(prompts, list) or not prompts or \
                 not all(isinstance(p, str) for p in prompts):
@@ -96,8 +103,22 @@ def make_server(generator: TextGenerator, host: str, port: int) -> ThreadingHTTP
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
+            if status == 405:
+                self.send_header("Allow", "PUT")
             self.end_headers()
-            self.wfile.write(data)
+            if self.command != "HEAD":
+                self.wfile.write(data)
+
+        def send_error(self, code, message=None, explain=None):
+            """http.server's own errors (an unknown method, a malformed request line) in JSON,
+            as every other answer, instead of its HTML page."""
+            self.close_connection = True
+            self._answer(code, {"error": message or self.responses.get(code, ("",))[0]})
+
+        def _wrong_method(self):
+            self._answer(405, {"error": f"method {self.command} is not served; use PUT /api"})
+
+        do_GET = do_POST = do_DELETE = do_PATCH = _wrong_method  # noqa: N815
 
         def do_PUT(self):  # noqa: N802 (http.server's naming)
             if self.path.rstrip("/") != "/api":

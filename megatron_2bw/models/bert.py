@@ -26,7 +26,8 @@ class BertHeads(nn.Module):
         h = config.hidden_size
         self.final_norm = build_norm(config)
         self.lm_transform = ReplicatedLinear(h, h)
-        self.lm_norm = LayerNorm(h, config.layernorm_epsilon, config.apply_layernorm_1p)
+        self.lm_norm = LayerNorm(h, config.layernorm_epsilon, config.apply_layernorm_1p,
+                                 config.memory_efficient_layer_norm)
         self.gelu_approximation = config.gelu_approximation
         self.lm_bias = make_param((padded_vocab_size,), group, 0, "zeros")
         self.binary_head = None

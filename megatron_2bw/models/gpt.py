@@ -41,7 +41,7 @@ class GPTModel(LanguageModelStage):
             split = context_split(inputs.shape[1], self.context_group, inputs.device)
             inputs, labels = split.local(inputs), split.local(labels)
             position_ids = split.queries[None] if position_ids is None else split.local(position_ids)
-            mask = split.attention_mask(documents)
+            mask = split.ring(documents)
         if self.pre_process:
             hidden = self.embedding(inputs, position_ids=position_ids)
         hidden = self.transformer(hidden, mask, position_ids)

@@ -16,14 +16,14 @@ from torch import nn
 
 from megatron_2bw.config import ModelConfig, RecomputeConfig
 from megatron_2bw.distributed.comm import group_size
-from megatron_2bw.models.context_parallel import gather_keys
+from megatron_2bw.models.ring_attention import ring_attention
 from megatron_2bw.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
                                                  VocabParallelEmbedding, make_param,
                                                  replicated_param)
 from megatron_2bw.tensor_parallel.mappings import gather_from_sequence_parallel, sequence_chunk
 from megatron_2bw.tensor_parallel.random import checkpoint, get_rng_tracker
 
-try:  # NVIDIA apex is optional; torch's layer_norm computes the same function
+try:  # NVIDIA apex is optional (--memory-efficient-layer-norm); torch's kernels serve otherwise
     from apex.normalization.fused_layer_norm import fused_layer_norm_affine as _apex_layer_norm
 except Exception:  # noqa: BLE001 - any import failure means "no apex"
     _apex_layer_norm = None
@@ -43,30 +43,48 @@ class _Norm(nn.Module):
 
 
 class LayerNorm(_Norm):
-    def __init__(self, hidden_size: int, eps: float, zero_centered: bool = False):
+    """torch's fused layer_norm (one kernel, which torch.compile keeps inside a layer's graph);
+    with `apex` (--memory-efficient-layer-norm, refused with --torch-compile, whose graphs the
+    extension would split) apex's kernel on CUDA tensors, keeping its output for the backward."""
+
+    def __init__(self, hidden_size: int, eps: float, zero_centered: bool = False,
+                 apex: bool = False):
         super().__init__(hidden_size, eps, zero_centered)
         self.bias = replicated_param((hidden_size,), "zeros")
+        self.apex = apex
 
     def forward(self, x):
-        if _apex_layer_norm is not None and x.is_cuda:
-            return _apex_layer_norm(x, self.gain(), self.bias, self.weight.shape, self.eps)
+        if self.apex and x.is_cuda:
+            return _apex_layer_norm(x, self.gain(), self.bias, self.weight.shape, self.eps, True)
         return F.layer_norm(x, self.weight.shape, self.gain(), self.bias, self.eps)
 
 
 class RMSNorm(_Norm):
-    """x / sqrt(mean(x^2) + eps) * gain, computed in fp32 (Llama's norm: no centring, no bias)."""
+    """x / sqrt(mean(x^2) + eps) * gain (Llama's norm: no centring, no bias), computed in fp32:
+    torch's fused rms_norm kernel where the device has one; on the CPU, where rms_norm is this
+    same decomposition plus a copy of its result into a contiguous tensor, the decomposition."""
 
     def forward(self, x):
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return normed.to(x.dtype) * self.gain()
+        if x.device.type != "cpu":
+            return F.rms_norm(x, self.weight.shape, self.gain().to(x.dtype), self.eps)
+        return rms_norm_in_fp32(x, self.gain(), self.eps)
+
+
+def rms_norm_in_fp32(x: torch.Tensor, gain: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return normed.to(x.dtype) * gain
 
 
 def build_norm(config: ModelConfig, tensor_partial_grad: bool = False,
                size: int | None = None) -> nn.Module:
     """The norm --normalization names, over `size` channels (default the hidden size)."""
-    norm = RMSNorm if config.normalization == "RMSNorm" else LayerNorm
-    module = norm(size or config.hidden_size, config.layernorm_epsilon, config.apply_layernorm_1p)
+    size = size or config.hidden_size
+    if config.normalization == "RMSNorm":
+        module = RMSNorm(size, config.layernorm_epsilon, config.apply_layernorm_1p)
+    else:
+        module = LayerNorm(size, config.layernorm_epsilon, config.apply_layernorm_1p,
+                           config.memory_efficient_layer_norm)
     mark_tensor_partial_grads(module.parameters(), tensor_partial_grad)
     return module
 
@@ -190,8 +208,8 @@ def apply_rotary(x, rotary, interleaved: bool):
 class ParallelAttention(nn.Module):
     """Self-attention with query groups (and their heads) split over the tensor-parallel group.
     `layer_number` (1-based, global) is --apply-query-key-layer-scaling's coefficient. With a
-    `context_group` (context parallelism) the queries are this rank's part of the sequence and the
-    keys and values are gathered from all of it (models/context_parallel.py)."""
+    `context_group` (context parallelism) the queries, keys and values are this rank's part of
+    the sequence, and the keys and values travel around the ring (models/ring_attention.py)."""
 
     def __init__(self, config: ModelConfig, group, causal: bool, recompute_core: bool,
                  layer_number: int = 1, context_group=None):
@@ -236,8 +254,6 @@ class ParallelAttention(nn.Module):
         if rotary is not None:
             q = apply_rotary(q, rotary, self.rotary_interleaved)
             k = apply_rotary(k, rotary, self.rotary_interleaved)
-        if self.context_group is not None:  # once per query group, before the heads share them
-            k, v = gather_keys(k, self.context_group), gather_keys(v, self.context_group)
         if self.heads_per_group > 1 and not shares_groups_in_sdpa(q, mask):
             k, v = (t.repeat_interleave(self.heads_per_group, dim=1) for t in (k, v))
         return q, k, v
@@ -251,6 +267,8 @@ class ParallelAttention(nn.Module):
         # this rank's heads: independent dropout per tp rank. Without dropout nothing draws, and
         # the fork (RNG states read on the host) would split a compiled layer into four graphs
         with get_rng_tracker().fork() if dropout > 0 else nullcontext():
+            if self.context_group is not None:  # `mask`: the ring's RingBlocks
+                return ring_attention(q, k, v, self.context_group, mask, dropout)
             if self.softmax_in_fp32 and q.dtype != torch.float32 and not sdpa_softmax_in_fp32():
                 if grouped:
                     k, v = (t.repeat_interleave(self.heads_per_group, dim=1) for t in (k, v))

@@ -4,7 +4,10 @@ matmul or memory-bound, and every launch costs a fixed overhead:
            + kernels * kernel_overhead_s
 with the hardware's stated `efficiency`, except that each of a layer's four linears is a GEMM on
 the roofline: the longer of its FLOPs at the matmul rate and its operands' bytes at the memory
-rate. Assumptions:
+rate. Where the hardware file gives measured rates, a GEMM's matmul rate is the share of peak
+measured for a GEMM of its size (`HardwareSpec.gemm_efficiency`) and the fused attention kernel
+runs at `attention_efficiency`, computing half the scores under GPT's causal mask (it skips the
+blocks above the diagonal). Assumptions:
 - matmul FLOPs per layer forward: 2bsh(q + ad + f1 + f)/t for the four linears
   (`linear_flops_per_token`), where ad is the attention's width, a heads of d channels
   (config.attention_size: h unless --kv-channels sets d), q the QKV projection's output features
@@ -13,19 +16,19 @@ rate. Assumptions:
   scores and their product with V (`attention_flops_per_token`; causal masking is not credited:
   PyTorch's math path computes the full square; grouped-query attention repeats k and v to every
   head first, so it saves nothing here); backward does twice the forward's matmul FLOPs.
-- memory traffic: each element-wise kernel reads and writes its tensors once (the norms as the
-  model code runs them: RMSNorm in several fp32 kernels, with --qk-layernorm also over this
-  rank's q and k; the row-parallel bias add unless --disable-bias-linear, dropout + residual,
-  GELU or SwiGLU's silu and product, k and v repeated for grouped-query attention, rotary
-  embeddings on q and k, the layout copies around attention, the softmax chain over the b*a*s*s
+- memory traffic: each element-wise kernel reads and writes its tensors once (the norms one fused
+  kernel each, RMSNorm on a CPU several fp32 kernels, with --qk-layernorm also over this rank's q
+  and k; the row-parallel bias add unless --disable-bias-linear, dropout + residual, GELU or
+  SwiGLU's silu and product, k and v repeated for grouped-query attention, rotary embeddings on q
+  and k, the layout copies around attention, the softmax chain over the b*a*s*s
   scores (in fp32, with casts to it and back, under --attention-softmax-in-fp32 with fp16/bf16:
   Megatron-LM's unfused attention; a fused kernel, memory.fused_attention, moves only q, k, v,
   its output and a log-sum-exp per row), the fp32 cross entropy over the vocabulary); the
   backward moves twice the forward's bytes. The norms and the residual path are replicated over
   the tensor-parallel group (not divided by t), except under --sequence-parallel, where each rank
-  runs them (and the embedding's position add and dropout) on its s/t tokens; the copies that
-  gather and scatter the sequence count as part of the collectives (cost.py), as the clone before
-  an all-reduce does without it.
+  runs them (and the embedding's position add and dropout) on its s/t tokens; the layout copies
+  beside the sequence's gathers and reduce-scatters (micro-batches over 1) count as part of the
+  collectives (cost.py).
 - every microbatch's weight gradients are added into the accumulation buffer (read two buffers,
   write one), and the embedding's dense gradient is first written in full: memory-bound traffic
   proportional to the piece's parameters, counted from the model code (memory.stage_parameters).
@@ -51,20 +54,24 @@ from megatron_2bw.planner.profile import ComputeCosts, attention_flops_per_token
 
 @dataclass(frozen=True)
 class _Work:
-    """Matmul FLOPs, bytes moved by memory-bound kernels, kernels launched, and GEMMs timed on
-    their own roofline: (FLOPs, bytes of their operands) each."""
+    """Matmul FLOPs, bytes moved by memory-bound kernels, kernels launched, GEMMs timed on their
+    own roofline: (FLOPs, bytes of their operands, how many) each, and the fused attention
+    kernel's FLOPs (timed at its own measured rate)."""
     flops: float = 0.0
     bytes: float = 0.0
     kernels: float = 0.0
-    gemms: tuple[tuple[float, float], ...] = ()
+    gemms: tuple[tuple[float, float, float], ...] = ()
+    attention_flops: float = 0.0
 
     def __add__(self, other: "_Work") -> "_Work":
         return _Work(self.flops + other.flops, self.bytes + other.bytes,
-                     self.kernels + other.kernels, self.gemms + other.gemms)
+                     self.kernels + other.kernels, self.gemms + other.gemms,
+                     self.attention_flops + other.attention_flops)
 
     def __mul__(self, factor: float) -> "_Work":
         return _Work(self.flops * factor, self.bytes * factor, self.kernels * factor,
-                     tuple((f * factor, b * factor) for f, b in self.gemms))
+                     tuple((f, b, n * factor) for f, b, n in self.gemms),
+                     self.attention_flops * factor)
 
 
 def gemm(rows: float, inner: float, columns: float, element_bytes: int) -> _Work:
@@ -73,7 +80,7 @@ def gemm(rows: float, inner: float, columns: float, element_bytes: int) -> _Work
     and operand bytes)."""
     return _Work(kernels=1, gemms=((2.0 * rows * inner * columns,
                                     element_bytes * (rows * inner + inner * columns
-                                                     + rows * columns)),))
+                                                     + rows * columns), 1.0),))
 
 
 class AnalyticProfile:
@@ -81,7 +88,11 @@ class AnalyticProfile:
         self.model, self.precision, self.hardware = model, precision, hardware
         self.e = dtype_bytes(precision)
         self.g = grad_buffer_bytes(precision)
-        self.flops_per_s = hardware.flops_for(precision.working_dtype_name) * hardware.efficiency
+        self.peak_flops = hardware.flops_for(precision.working_dtype_name)
+        self.flops_per_s = self.peak_flops * hardware.efficiency
+        self.attention_flops_per_s = self.peak_flops * (
+            hardware.attention_efficiency if hardware.attention_efficiency is not None
+            else hardware.efficiency)
         self.bytes_per_s = hardware.memory_bandwidth * hardware.efficiency
 
     def seconds(self, work: _Work) -> float:
@@ -89,8 +100,10 @@ class AnalyticProfile:
         the roofline: bound by its FLOPs or by its operands' bytes, whichever takes longer, so a
         GEMM of few rows (a small micro batch) or a narrow one (a small hidden size, a large t)
         runs below the peak, as measured GPUs do."""
-        gemms = sum(max(f / self.flops_per_s, b / self.bytes_per_s) for f, b in work.gemms)
+        gemms = sum(n * max(f / (self.peak_flops * self.hardware.gemm_efficiency(f)),
+                            b / self.bytes_per_s) for f, b, n in work.gemms)
         return (work.flops / self.flops_per_s + work.bytes / self.bytes_per_s + gemms
+                + work.attention_flops / self.attention_flops_per_s
                 + work.kernels * self.hardware.kernel_overhead_s)
 
     def layer_gemms(self, t: int, b: int) -> _Work:
@@ -109,9 +122,12 @@ class AnalyticProfile:
         flops = b * m.seq_length * attention_flops_per_token(m) / t
         if fused_attention(m, e, self.hardware.device_type):
             # one kernel: q, k and v read, the output and a log-sum-exp per row written; the
-            # scores stay on chip
+            # scores stay on chip; under GPT's causal mask (is_causal) it skips the blocks above
+            # the diagonal, half the square
             rows = m.num_attention_heads * m.seq_length * b / t
-            return _Work(flops, 4 * e * m.seq_length * b * m.attention_size / t + 4 * rows, 1)
+            causal = 0.5 if m.model_type == "gpt" else 1.0
+            return _Work(0.0, 4 * e * m.seq_length * b * m.attention_size / t + 4 * rows, 1,
+                         attention_flops=causal * flops)
         if not unfused_attention(m, e):
             # write scores, mask, softmax, dropout (+ its mask), read for the product with V: q
             # and k scaling, two batched matmuls and four element-wise kernels
@@ -127,12 +143,13 @@ class AnalyticProfile:
                      9 + mask_kernels + dropout)
 
     def norm(self, elements: float) -> _Work:
-        """One norm over `elements`: LayerNorm one kernel (read, write); RMSNorm as the model code
-        runs it in fp32: pow (8 bytes per element), mean (4), eps and rsqrt, multiply (8), the
-        weight (2e), and in half precision the casts to fp32 and back (4 + e each). Under
-        --apply-layernorm-1p one more kernel adds 1 to the (tiny) weight."""
+        """One norm over `elements`: torch's fused layer_norm or rms_norm, one kernel (read,
+        write); but RMSNorm on a CPU as the model code runs it there in fp32: pow (8 bytes per
+        element), mean (4), eps and rsqrt, multiply (8), the weight (2e), and in half precision
+        the casts to fp32 and back (4 + e each). Under --apply-layernorm-1p one more kernel adds
+        1 to the (tiny) weight."""
         e, m = self.e, self.model
-        if m.normalization == "LayerNorm":
+        if m.normalization == "LayerNorm" or self.hardware.device_type != "cpu":
             return _Work(0.0, 2 * e * elements, 1 + m.apply_layernorm_1p)
         casts = 0 if e == 4 else 2
         return _Work(0.0, (20 + 2 * e + casts * (4 + e)) * elements,
@@ -218,12 +235,10 @@ class AnalyticProfile:
             self._accumulation(t, 0, True, False)
 
     def _loss_forward(self, t: int, b: int) -> _Work:
-        """The fp32 vocabulary-parallel cross entropy: cast (e + 4), padded rows masked (8),
-        max (4), shift (8), exp (8), sum (4), divide (8), per logit; about 8 kernels."""
+        """The vocabulary-parallel cross entropy, in fp32 chunks: max (e), cast (e + 4), shift
+        (8), exp (8), sum (4) per logit; about 5 kernels."""
         m = self.model
-        padded = m.padded_vocab_size(t) > m.vocab_size
-        return _Work(0.0, (self.e + 36 + (8 if padded else 0)) * m.seq_length * b
-                     * self._vocab_shard(t), 8)
+        return _Work(0.0, (2 * self.e + 24) * m.seq_length * b * self._vocab_shard(t), 5)
 
     def _head_body(self, t: int, b: int) -> _Work:
         """Final norm and logits (and BERT's LM transform: linear, GELU, LayerNorm)."""
@@ -255,5 +270,5 @@ class AnalyticProfile:
             head_backward_s=s(self.head_backward(t, b)),
             layer_activation_bytes=layer_activation_bytes(self.model, t, b, self.e,
                                                           device_type=self.hardware.device_type),
-            selective_layer_activation_bytes=layer_activation_bytes(self.model, t, b, self.e,
-                                                                    selective=True))
+            selective_layer_activation_bytes=layer_activation_bytes(
+                self.model, t, b, self.e, selective=True, device_type=self.hardware.device_type))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from megatron_2bw.config import Config
+from megatron_2bw.config import Config, ConfigError
 from megatron_2bw.planner.hardware import detect_hardware, load_hardware
 from megatron_2bw.planner.search import (Plan, apply_plan, measured_search, pinned_search_space,
                                          rank_plans_for)
@@ -25,15 +25,24 @@ def plan_job(config: Config, world_size: int, rank: int, typed: set) -> tuple[Co
         if local:
             profile, space = measured_search(config, world_size, hardware, space,
                                              par.planner_profile_cache)
-        plans = rank_plans_for(config, world_size, hardware, profile, space, simulate_top=3)
-        chosen[0] = plans[0]
+        try:
+            plans = rank_plans_for(config, world_size, hardware, profile, space, simulate_top=3)
+            chosen[0] = plans[0] if plans[0].fits else min(
+                plans, key=lambda plan: max(plan.memory_bytes_per_stage))
+        except ValueError as error:  # no layout of this world and these pinned flags
+            chosen[0] = f"--auto-parallel: {error}"
     if dist.is_initialized() and world_size > 1:
         dist.broadcast_object_list(chosen, src=0)
     plan = chosen[0]
-    if not plan.fits:
-        raise ValueError(f"--auto-parallel: no configuration fits in memory on {hardware.name}; "
-                         f"the best needs {max(plan.memory_bytes_per_stage) / 2**30:.2f} GiB per "
-                         f"device (limit {plan.memory_limit_bytes / 2**30:.2f} GiB)")
+    if isinstance(plan, str):  # every rank stops with rank 0's line
+        raise ConfigError(plan)
+    if not plan.fits:  # every rank stops with the same line
+        raise ConfigError(
+            f"--auto-parallel: no configuration fits in memory on {hardware.name}; the smallest "
+            f"({plan.candidate.describe()}) needs {max(plan.memory_bytes_per_stage) / 2**30:.2f} "
+            f"GiB per device, the limit is {plan.memory_limit_bytes / 2**30:.2f} GiB: use more "
+            f"devices, a smaller model or --use-distributed-optimizer (tools/plan.py --top 20 "
+            f"lists each configuration's memory)")
     return apply_plan(config, plan), plan
 
 

@@ -31,7 +31,9 @@ core). On CPU ranks each pass also costs the processor time of its pipeline mess
 from one neighbour, a send to the other: `HardwareSpec.p2p_processor_s`, measured by
 detect_hardware).
 Per batch (pipeline/update.py): `reduce` blocks for the data-parallel all-reduce of the stage's
-gradient buffer and the move into the fp32 master gradients; the tied-embedding all-reduce between
+gradient buffer (where the runtime overlaps it with the batch's last backward, pipeline/overlap.py,
+on GPUs by default: only what outlasts that backward, at least the last bucket's; under the
+distributed optimizer a reduce-scatter, half an all-reduce's ring traffic) and the move into the fp32 master gradients; the tied-embedding all-reduce between
 the first and last stage and the grad-norm all-reduce over the model group run in the background
 until `step` (the first stage adds its part of the norm at its step, once the tied sum is there, so
 every other stage's step also waits for the first stage to reach its step), which then runs the
@@ -47,7 +49,7 @@ from functools import lru_cache
 from megatron_2bw.config import ModelConfig, ParallelConfig, PrecisionConfig
 from megatron_2bw.distributed.layout import ParallelLayout
 from megatron_2bw.pipeline.partition import layer_ranges
-from megatron_2bw.pipeline.schedules import NEVER_DRAINED
+from megatron_2bw.pipeline.schedules import NEVER_DRAINED, live_versions
 from megatron_2bw.planner.hardware import HardwareSpec
 from megatron_2bw.planner.memory import (dtype_bytes, grad_buffer_bytes, layer_matrix_shapes,
                                          stage_hidden_matrix_parameters, stage_parameters,
@@ -450,13 +452,10 @@ def stage_costs(model: ModelConfig, hardware: HardwareSpec, costs: ComputeCosts,
     tied_ar = net.allreduce_time("embedding", tied_bytes) if tied else 0.0
     shards = d if parallel.use_distributed_optimizer else 1
     # as in memory.py: in fp32 the master weights are (this rank's part of) a working copy, under
-    # 2BW the newest version's; the master gradients are separate unless fp32 Flush/GPipe, and
-    # in fp32 2BW, unsharded, they trade storage with the buffer (WeightVersions)
+    # 2BW the newest version's
     fp32 = e == 4 and g == 4
     fp32_versions = fp32 and candidate.schedule in NEVER_DRAINED and \
         candidate.schedule != "pipemare"  # PipeMare's one version is the master weights
-    separate_master_grads = not fp32 or fp32_versions
-    swaps_gradients = fp32_versions and shards == 1
     layer_counts = list(candidate.layer_split) if candidate.layer_split else \
         [len(r) for r in layer_ranges(model.num_layers, p)]
 
@@ -505,14 +504,26 @@ def stage_costs(model: ModelConfig, hardware: HardwareSpec, costs: ComputeCosts,
             + (hardware.allreduce_processor_s(2, tied_bytes) if tied and (first or last) else 0.0) \
             + hardware.allreduce_processor_s(t * p, 4) \
             + (hardware.allreduce_processor_s(d, 4) if shards > 1 else 0.0)
-        # the buffer into the master gradients: a copy and a zeroing pass, or where the two trade
-        # storage the zeroing alone; the grad norm
-        move = (g if swaps_gradients else 2 * g + 4) if separate_master_grads else 0
+        # the buffer into the master gradients unless they are the buffer (one version, fp32
+        # gradients: WeightVersions.shared_grads): a copy and a zeroing pass, or where both are
+        # whole and fp32 and trade storage the zeroing alone; the grad norm
+        shared_grads = live_versions(candidate.schedule, p, s) == 1 and g == 4
+        swaps_gradients = g == 4 and shards == 1
+        move = 0 if shared_grads else g if swaps_gradients else 2 * g + 4
         local = move * P + 12 * P
         # the blocking all-reduce over the tensor-parallel group of the replicated parameters'
-        # gradients each rank computes in part (update.py, sum_tensor_partial_grads)
-        summed = g * stage_tensor_partial_grad_parameters(model, t, layers, first, last)
+        # gradients each rank computes in part, after the data-parallel average: of the part
+        # this rank averaged (update.py, sum_tensor_partial_grads)
+        summed = g * stage_tensor_partial_grad_parameters(model, t, layers, first, last) / shards
         partial_ar = net.allreduce_time("tensor", summed, s) if summed else 0.0
+        if shards > 1:  # each bucket reduce-scattered (overlap.start_bucket_reduction): half
+            data_ar /= 2  # an all-reduce's ring traffic
+        overlap = parallel.overlap_grad_reduce if parallel.overlap_grad_reduce is not None \
+            else hardware.device_type == "cuda"  # the runtime's default (training/stage.py)
+        if overlap and d > 1:  # tensor-partial gradients too: summed after the average
+            # pipeline/overlap.py: each bucket starts during the batch's last backward once its
+            # gradients are in; what outlasts that backward is left, at least the last bucket
+            data_ar = max(data_ar / buckets, data_ar - backward)
         # optimizer + unscaling, and the new working version: written from the master weights or,
         # where they are the newest version, a copy of this rank's part of it before the step;
         # none on the last stage, which steps right after releasing the older version's copy and

@@ -112,6 +112,13 @@ class HardwareSpec:
     p2p_processor_s: float = 0.0
     # "cuda" or "cpu": which attention kernels run (planner.memory.fused_attention)
     device_type: str = "cuda"
+    # measured share of peak_flops a GEMM reaches by its size: ((n, fraction), ...) for square
+    # n x n x n products; a GEMM of other shape counts as the square of its FLOPs. Small GEMMs
+    # (small micro batches, narrow tensor-parallel shards) run further below the peak. Empty:
+    # `efficiency` for every GEMM.
+    matmul_efficiency: tuple[tuple[float, float], ...] = ()
+    # measured share of peak_flops the fused attention kernel reaches; None: `efficiency`
+    attention_efficiency: float | None = None
 
     def __hash__(self) -> int:  # peak_flops is a dict; specs key the planner's caches
         return hash((self.name, self.devices_per_node, self.nodes, self.memory_per_device_bytes,
@@ -119,7 +126,24 @@ class HardwareSpec:
                      tuple(sorted(self.peak_flops.items())), self.memory_bandwidth, self.efficiency,
                      self.compute_slots_per_node, self.allreduce_times, self.scheduler_slice_s,
                      self.allreduce_after_compute, self.p2p_processor_s,
-                     self.allreduce_processor_times, self.device_type))
+                     self.allreduce_processor_times, self.device_type, self.matmul_efficiency,
+                     self.attention_efficiency))
+
+    def gemm_efficiency(self, flops: float) -> float:
+        """Share of peak a GEMM of `flops` FLOPs reaches: `matmul_efficiency` at the side n of
+        the square GEMM of as many FLOPs (2 n^3), linear in log n between the measured sizes and
+        the end point's beyond them; `efficiency` where nothing was measured."""
+        points = sorted(self.matmul_efficiency)
+        if not points:
+            return self.efficiency
+        n = max(flops / 2, 1.0) ** (1 / 3)
+        if n <= points[0][0]:
+            return points[0][1]
+        if n >= points[-1][0]:
+            return points[-1][1]
+        (n0, e0), (n1, e1) = next(pair for pair in zip(points, points[1:]) if n <= pair[1][0])
+        w = (math.log(n) - math.log(n0)) / (math.log(n1) - math.log(n0))
+        return e0 + w * (e1 - e0)
 
     def measured_allreduce_s(self, group_size: int, nbytes: float) -> float | None:
         """Interpolated (linearly in log bytes) measured all-reduce time of a group of that size
@@ -205,7 +229,8 @@ _REQUIRED = {"devices_per_node": "count", "memory_per_device": "bytes",
 _OPTIONAL = {"name": "text", "nodes": "count", "efficiency": "fraction",
              "reserved_memory": "bytes", "kernel_overhead": "seconds", "source": "text",
              "compute_slots_per_node": "count", "scheduler_slice": "seconds",
-             "p2p_processor_time": "seconds", "device": "device"}
+             "p2p_processor_time": "seconds", "device": "device",
+             "matmul_efficiency": "efficiency_table", "attention_efficiency": "fraction"}
 DEVICE_TYPES = ("cuda", "cpu")
 
 
@@ -242,6 +267,14 @@ def _field(raw: dict, key: str, kind: str, where: str):
             raise ValueError(f"{where}: {key} must be one of {', '.join(DEVICE_TYPES)}, got "
                              f"{value!r}")
         return value
+    if kind == "efficiency_table":
+        if not isinstance(value, list) or not value or not all(
+                isinstance(pair, list) and len(pair) == 2 and not isinstance(pair[0], bool)
+                and isinstance(pair[0], (int, float)) and pair[0] > 0 for pair in value):
+            raise ValueError(f"{where}: {key} must be a list of [size, fraction] pairs with "
+                             f"positive sizes, got {value!r}")
+        return tuple((float(n), _field({key: fraction}, key, "fraction", where))
+                     for n, fraction in value)
     if kind == "count":
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{where}: {key} must be a positive integer, got {value!r}")
@@ -314,7 +347,9 @@ def load_hardware(path_or_name: str | os.PathLike) -> HardwareSpec:
         compute_slots_per_node=values.get("compute_slots_per_node"),
         scheduler_slice_s=values.get("scheduler_slice"),
         p2p_processor_s=values.get("p2p_processor_time", 0.0),
-        device_type=values.get("device", "cuda"))
+        device_type=values.get("device", "cuda"),
+        matmul_efficiency=values.get("matmul_efficiency", ()),
+        attention_efficiency=values.get("attention_efficiency"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -579,9 +614,9 @@ def probe_p2p_processor_time(group=None, message_bytes: int = 128 << 10, rounds:
                              repeats: int = 5) -> float:
     """Processor seconds (all of a rank's threads) per pipeline message sent or received, beyond
     the computation around it: ranks in pairs (0-1, 2-3, ...), every rank at once, alternate a
-    compute segment with one send and one receive (the receive posted ahead, as the runtime does
-    under gloo), against the same segments without messages; blocks of both interleaved, the
-    median over blocks and ranks. Collective; CPU ranks of one node (0 otherwise, and for an odd
+    compute segment with one send and one receive (one batch, as the runtime posts an exchange),
+    against the same segments without messages; blocks of both interleaved, the median over
+    blocks and ranks. Collective; CPU ranks of one node (0 otherwise, and for an odd
     rank without a partner)."""
     group = group or dist.group.WORLD
     device = _device_for(group)
@@ -593,21 +628,16 @@ def probe_p2p_processor_time(group=None, message_bytes: int = 128 << 10, rounds:
     peer = dist.get_global_rank(group, partner) if partner is not None else None
     compute = _compute_segment()
     outgoing = torch.zeros(max(message_bytes // 4, 1))
-    pending: list = []
-
-    def post_receive() -> None:
-        pending.append(dist.irecv(torch.empty_like(outgoing), peer, group=group))
+    incoming = torch.empty_like(outgoing)
 
     def exchange_round() -> None:
         compute()
-        send = dist.isend(outgoing, peer, group=group)
-        pending.pop(0).wait()
-        post_receive()
-        send.wait()
+        for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, outgoing, peer, group),
+                                            dist.P2POp(dist.irecv, incoming, peer, group)]):
+            work.wait()
 
     extras = []
     if partner is not None:
-        post_receive()
         for _ in range(3):
             exchange_round()
     for _ in range(repeats):
@@ -619,10 +649,6 @@ def probe_p2p_processor_time(group=None, message_bytes: int = 128 << 10, rounds:
                 body()
             blocks.append((time.process_time() - start) / rounds)
         extras.append((blocks[1] - blocks[0]) / 2)  # two messages per exchange round
-    if partner is not None:  # the receive posted last: the partner's final send
-        send = dist.isend(outgoing, peer, group=group)
-        pending.pop(0).wait()
-        send.wait()
     gathered: list = [None] * size
     dist.all_gather_object(gathered, extras if partner is not None else [], group=group)
     return max(0.0, statistics.median(value for extras in gathered for value in extras))

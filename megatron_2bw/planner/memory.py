@@ -5,12 +5,13 @@ start-up log both call it. P below is the parameter count of this rank's shard o
 stage's parameters / t, vocabulary padded to a multiple of 128*t), counted from the model code
 itself (built on the meta device), so it follows the model exactly.
 
-Weights and gradients (pipeline/weights.py, pipeline/update.py):
-- fp32, one version (flush/gpipe): the master weights are the working weights (4P) and the flat
-  gradient buffer is their .grad (4P).
-- otherwise (fp16/bf16, or fp32 2BW): fp32 master weights 4P, their gradient 4P, a working copy per
-  live version (2P or 4P each; 2 versions for 2BW) and the gradient-accumulation buffer (working
-  precision, or 4P with fp32 gradients: PrecisionConfig.fp32_gradients).
+Weights and gradients (pipeline/weights.py, pipeline/update.py; `held_bytes_per_parameter`, the
+table of docs/precision_memory.md, which a test checks against the live tensors):
+- a working copy per live version (2P or 4P each; 2 versions for 2BW) and the
+  gradient-accumulation buffer (working precision, or 4P with fp32 gradients:
+  PrecisionConfig.fp32_gradients).
+- fp32 master weights 4P, except in fp32, where they are (part of) a working copy.
+- fp32 master gradients 4P, except with one version and an fp32 buffer, where they are the buffer.
 - optimizer state: Adam 8P, SGD with momentum 4P, Muon 4 bytes per hidden-matrix parameter (its
   momentum buffer) and AdamW's 8 for the others, plus 4P for --delay-compensation's delta
   (pipeline/compensation.py; with predict the master weights are separate also in fp32).
@@ -79,6 +80,47 @@ class StageMemory:
         parts = ", ".join(f"{f.name} {getattr(self, f.name) / 2**30:.2f}"
                           for f in dataclasses.fields(self))
         return f"{self.total / 2**30:.2f} GiB ({parts})"
+
+
+@dataclass(frozen=True)
+class HeldBytes:
+    """Bytes per parameter one rank holds of a stage's weights and their state."""
+    working: float  # the working copies, one per live version
+    buffer: float  # the gradient-accumulation buffer
+    master: float  # fp32 master weights held apart from the working copies
+    master_grads: float  # fp32 master gradients held apart from the buffer
+    optimizer: float  # the optimizer's state (and --delay-compensation's)
+
+    @property
+    def total(self) -> float:
+        return self.working + self.buffer + self.master + self.master_grads + self.optimizer
+
+
+def held_bytes_per_parameter(element_bytes: int, grad_bytes: int, versions: int, shards: int,
+                             optimizer: str, compensated: bool = False,
+                             predicted: bool = False) -> HeldBytes:
+    """What WeightVersions and the optimizer hold per parameter: `versions` working copies of
+    `element_bytes`, a buffer of `grad_bytes`, the master state divided by `shards` (the
+    distributed optimizer's d). The master weights are a working copy in fp32 (unless
+    `predicted`: weight prediction fills the versions from elsewhere); the master gradients are
+    the buffer with one version and an fp32 buffer: with more, a backward of the next batch
+    accumulates into the buffer before the step has read them, and they are a tensor of their
+    own unless sharded (then in a free working copy, where they fit)."""
+    if optimizer not in OPTIMIZER_STATE_BYTES:
+        raise ValueError(f"unknown optimizer {optimizer!r}; expected one of "
+                         f"{list(OPTIMIZER_STATE_BYTES)}")
+    fp32 = element_bytes == 4 and grad_bytes == 4
+    separate_master = not fp32 or predicted
+    separate_master_grads = versions > 1 or grad_bytes != 4
+    # sharded, several versions: the shard lives in the working copy that is free from a
+    # batch's reduction to its step, where it fits (WeightVersions.grads_in_free_copy)
+    if shards > 1 and versions > 1 and separate_master and 4 / shards <= element_bytes:
+        separate_master_grads = False
+    return HeldBytes(
+        working=element_bytes * versions, buffer=grad_bytes,
+        master=4 / shards if separate_master else 0.0,
+        master_grads=4 / shards if separate_master_grads else 0.0,
+        optimizer=(OPTIMIZER_STATE_BYTES[optimizer] + (4 if compensated else 0)) / shards)
 
 
 def memory_limit_bytes(hardware: HardwareSpec) -> float:
@@ -188,10 +230,14 @@ def layer_parameters(model: ModelConfig, tensor_parallel: int) -> int:
 # ---------------------------------------------------------------------------------------------
 # Activations (analytic)
 
-def norm_stash_bytes(model: ModelConfig, element_bytes: int) -> int:
-    """Bytes per element one norm keeps for its backward besides its output: LayerNorm its input;
-    RMSNorm (computed in fp32) its input cast to fp32 and the normalised value before the weight."""
-    return element_bytes if model.normalization == "LayerNorm" else 4 + element_bytes
+def norm_stash_bytes(model: ModelConfig, element_bytes: int, device_type: str = "cuda") -> int:
+    """Bytes per element one norm keeps for its backward besides its output: its input (torch's
+    fused layer_norm, and its fused rms_norm off the CPU); on a CPU RMSNorm's decomposition in
+    fp32 (transformer.rms_norm_in_fp32) its input cast to fp32 and the normalised value before
+    the gain."""
+    if model.normalization == "RMSNorm" and device_type == "cpu":
+        return 4 + element_bytes
+    return element_bytes
 
 
 def ffn_wide_tensors(model: ModelConfig) -> int:
@@ -222,7 +268,7 @@ def fused_attention(model: ModelConfig, element_bytes: int, device_type: str) ->
 
 
 def qkv_stash_bytes(model: ModelConfig, tensor_parallel: int, element_bytes: int,
-                    selective: bool = False) -> float:
+                    selective: bool = False, device_type: str = "cuda") -> float:
     """Bytes per token one rank keeps of the attention's q, k and v for its backward.
 
     The core keeps its own copies, ad/t elements each, the width of all a query heads of d
@@ -234,9 +280,9 @@ def qkv_stash_bytes(model: ModelConfig, tensor_parallel: int, element_bytes: int
     output (qkv_size/t) alive instead.
     --qk-layernorm adds its two norms' stashes over q and k (ad/t and query_groups*d/t
     elements): `norm_stash_bytes` per element, except that a norm keeping its input as it is
-    (LayerNorm; RMSNorm in fp32, whose cast to fp32 is the input itself) keeps views of the QKV
-    output (k's, and q's unless copied out of several groups), so the whole output, counted once
-    whoever else keeps it."""
+    (all but the CPU's RMSNorm of fp16/bf16 inputs, which casts them to fp32) keeps views of the
+    QKV output (k's, and q's unless copied out of several groups), so the whole output, counted
+    once whoever else keeps it."""
     m, t, e = model, tensor_parallel, element_bytes
     width = m.attention_size  # of q, and of k and v repeated to every query head
     one_per_head = m.query_groups == m.num_attention_heads
@@ -252,10 +298,11 @@ def qkv_stash_bytes(model: ModelConfig, tensor_parallel: int, element_bytes: int
     norms = 0.0
     if m.qk_layernorm:
         normed = width + m.query_groups * m.head_dim
-        if m.normalization == "RMSNorm" and e != 4:  # the input cast to fp32: new tensors
-            norms = norm_stash_bytes(m, e) * normed
+        stash = norm_stash_bytes(m, e, device_type)
+        if stash > e and e != 4:  # the input cast to fp32: new tensors
+            norms = stash * normed
         else:
-            norms = (norm_stash_bytes(m, e) - e) * normed
+            norms = (stash - e) * normed
             copies += q_copied
             qkv_output_kept = True
     return (e * (copies * width + qkv_output_kept * m.qkv_size) + norms) / t
@@ -312,12 +359,13 @@ def layer_activation_bytes(model: ModelConfig, tensor_parallel: int, micro_batch
     sb = s * micro_batch_size
     rope = m.position_embedding_type == "rope"
     rotary_tables = 8 * s * int(m.head_dim * m.rotary_percent) if rope else 0
-    split = (2 * norm_stash_bytes(m, e) + 2 * MASK_BYTES + 2 * e) / m.sequence_ranks(t)
+    split = (2 * norm_stash_bytes(m, e, device_type) + 2 * MASK_BYTES + 2 * e) / \
+        m.sequence_ranks(t)
     norm_channels = 2 * h + (2 * m.head_dim if m.qk_layernorm else 0)
     gains = e * norm_channels if m.apply_layernorm_1p else 0
     replicated = split * sb * h + rotary_tables + gains
     # the dense projection's input is the attention's context, attention_size wide
-    sharded = qkv_stash_bytes(m, t, e, selective) * sb + \
+    sharded = qkv_stash_bytes(m, t, e, selective, device_type) * sb + \
         e * sb * (m.attention_size + ffn_wide_tensors(m) * f) / t
     core = 0.0 if selective else attention_core_bytes(m, t, micro_batch_size, e, device_type)
     return replicated + sharded + core
@@ -343,23 +391,28 @@ def first_stage_extra_bytes(model: ModelConfig, micro_batch_size: int, element_b
 
 
 def last_stage_extra_bytes(model: ModelConfig, tensor_parallel: int, micro_batch_size: int,
-                           element_bytes: int) -> float:
-    """Final norm's stash and output (the logits' input), the fp32 softmax the vocabulary-parallel
-    cross entropy keeps for its backward, targets; BERT's LM transform adds its own two inputs.
-    All of the whole sequence: under --sequence-parallel the last stage gathers it first."""
+                           element_bytes: int, device_type: str = "cuda") -> float:
+    """Final norm's stash and output (the logits' input), the logits the vocabulary-parallel
+    cross entropy keeps for its backward (in the working precision) with each token's fp32 max
+    and sum, targets; BERT's LM transform adds its own two inputs. All of the whole sequence:
+    under --sequence-parallel the last stage gathers it first."""
     sb = model.seq_length * micro_batch_size
     vocab = model.padded_vocab_size(tensor_parallel) // tensor_parallel
-    hidden = (norm_stash_bytes(model, element_bytes) + element_bytes) * sb * model.hidden_size
+    hidden = (norm_stash_bytes(model, element_bytes, device_type) + element_bytes) * sb * \
+        model.hidden_size
     if model.model_type == "bert":
         hidden += 2 * element_bytes * sb * model.hidden_size
-    return hidden + 4 * sb * vocab + 9 * sb
+    return hidden + element_bytes * sb * vocab + 17 * sb
 
 
 def cross_entropy_workspace_bytes(model: ModelConfig, tensor_parallel: int, micro_batch_size: int,
                                   element_bytes: int) -> float:
-    """The logits in the working precision plus two fp32 temporaries of the loss computation."""
+    """The logits' gradient in the working precision and one fp32 chunk of the loss's
+    computation (tensor_parallel.cross_entropy.CHUNK_ELEMENTS logits at most)."""
+    from megatron_2bw.tensor_parallel.cross_entropy import CHUNK_ELEMENTS
     vocab = model.padded_vocab_size(tensor_parallel) // tensor_parallel
-    return (element_bytes + 8) * model.seq_length * micro_batch_size * vocab
+    logits = model.seq_length * micro_batch_size * vocab
+    return element_bytes * logits + 4 * min(logits, CHUNK_ELEMENTS)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -391,9 +444,6 @@ def estimate_stage_memory(model: ModelConfig, parallel: ParallelConfig, precisio
     None uses the analytic `layer_activation_bytes` of the attention kernels `device_type`
     ("cuda" or "cpu") runs. A per-stage recompute plan
     (RecomputeConfig.num_layers_per_stage) counts this stage's own."""
-    if optimizer not in OPTIMIZER_STATE_BYTES:
-        raise ValueError(f"unknown optimizer {optimizer!r}; expected one of "
-                         f"{list(OPTIMIZER_STATE_BYTES)}")
     t, p = parallel.tensor_parallel, parallel.pipeline_parallel
     if not 0 <= stage < p:
         raise ValueError(f"stage {stage} out of range for {p} pipeline stages")
@@ -409,16 +459,12 @@ def estimate_stage_memory(model: ModelConfig, parallel: ParallelConfig, precisio
     e, g = dtype_bytes(precision), grad_buffer_bytes(precision)
     versions = live_versions(schedule, p, stage)  # working copies: 2BW 2, PipeDream p - s
     shards = data_parallel if parallel.use_distributed_optimizer else 1
-    # weights.py: in fp32 the master weights are (part of) a working copy (2BW's newest), and
-    # the master gradients the accumulation buffer unless a second version accumulates
-    fp32 = e == 4 and g == 4
     compensated = parallel.delay_compensation != "none"
-    separate_master = not fp32 or parallel.delay_compensation == "predict"
-    separate_master_grads = not fp32 or versions > 1
-
-    params = e * P + (4 * P / shards if separate_master else 0)
-    grads = g * P + (4 * P / shards if separate_master_grads else 0)
-    state = OPTIMIZER_STATE_BYTES[optimizer] * P / shards
+    held = held_bytes_per_parameter(e, g, versions, shards, optimizer, compensated=compensated,
+                                    predicted=parallel.delay_compensation == "predict")
+    params = (e + held.master) * P
+    grads = (held.buffer + held.master_grads) * P
+    optimizer_bytes = held.optimizer * P
     muon_step = 0.0
     if optimizer == "muon":
         # a rank's shard holds P / d elements, matrices' (4 bytes) or AdamW's (8 bytes): at most
@@ -426,10 +472,10 @@ def estimate_stage_memory(model: ModelConfig, parallel: ParallelConfig, precisio
         adamw = P - stage_hidden_matrix_parameters(model, t, layers, first, last)
         state = OPTIMIZER_STATE_BYTES["muon"] * P / shards + (
             OPTIMIZER_STATE_BYTES["adam"] - OPTIMIZER_STATE_BYTES["muon"]) * min(adamw, P / shards)
+        optimizer_bytes = state + (4 * P / shards if compensated else 0)
         muon_step = (4 * P if shards > 1 else 0) + \
             MUON_STEP_BYTES * t * largest_hidden_matrix(model, t, layers)
-    optimizer_bytes = state + (4 * P / shards if compensated else 0)
-    stash = e * P * (versions - 1)
+    stash = (held.working - e) * P
     if schedule == "pipemare" and parallel.pipemare_discrepancy_decay > 0 and \
             stage_delay(microbatches, stage, p) >= 1:
         stash += 4 * P  # T2's delta in place of a stash: fp32, whole on every replica
@@ -446,7 +492,7 @@ def estimate_stage_memory(model: ModelConfig, parallel: ParallelConfig, precisio
     if first:
         per_microbatch += first_stage_extra_bytes(model, b, e, t)
     if last:
-        per_microbatch += last_stage_extra_bytes(model, t, b, e)
+        per_microbatch += last_stage_extra_bytes(model, t, b, e, device_type)
     else:
         per_microbatch += layer_input  # the stage output, kept for its backward
     # interleaved: microbatch-chunks in flight, each chunk 1/v of the stage's layers

@@ -18,9 +18,9 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from megatron_2bw.distributed.comm import all_reduce, group_rank, group_size
 from megatron_2bw.tensor_parallel.mappings import (
-    all_gather_sequence, copy_to_tensor_parallel, gather_from_tensor_parallel,
-    reduce_from_tensor_parallel, reduce_scatter_sequence, reduce_scatter_to_sequence_parallel,
-    scatter_to_tensor_parallel)
+    all_gather_sequence, copy_to_tensor_parallel, finish_reduce_scatter_sequence,
+    gather_from_tensor_parallel, reduce_from_tensor_parallel, reduce_scatter_to_sequence_parallel,
+    scatter_to_tensor_parallel, start_reduce_scatter_sequence)
 
 
 @dataclass
@@ -128,33 +128,54 @@ class ColumnParallelLinear(nn.Module):
         self.bias = make_param((out_features,), group, 0, "zeros") if bias else None
 
     def forward(self, x):
-        if self.sequence_parallel:
-            y = _SequenceGatheringLinear.apply(x, self.weight, self.bias, self.group)
+        if group_size(self.group) == 1:
+            y = F.linear(x, self.weight, self.bias)
         else:
-            y = F.linear(copy_to_tensor_parallel(x, self.group), self.weight, self.bias)
+            y = _ColumnParallelLinear.apply(x, self.weight, self.bias, self.group,
+                                            self.sequence_parallel)
         return gather_from_tensor_parallel(y, self.group) if self.gather_output else y
 
 
-class _SequenceGatheringLinear(torch.autograd.Function):
-    """Y = gather(X) A^T + b, where X is this rank's part of the sequence, keeping only that part
-    for the backward, which gathers it again for A's gradient (Megatron-LM's trade: a second
-    all-gather instead of keeping t times the input)."""
+class _ColumnParallelLinear(torch.autograd.Function):
+    """Y = X A^T + b on t > 1 ranks, X whole (its gradient summed over the group: Megatron's f)
+    or, with `sequence_parallel`, this rank's part of the sequence, gathered (its gradient
+    reduce-scattered). The backward starts that collective on the input's gradient and computes
+    A's gradient while it runs (Megatron-LM's LinearWithGradAccumulationAndAsyncCommunication).
+    Under --sequence-parallel only this rank's part of X is kept, gathered again in the backward
+    (Megatron-LM's trade: a second all-gather instead of keeping t times the input)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group):
-        ctx.group, ctx.has_bias = group, bias is not None
+    def forward(ctx, x, weight, bias, group, sequence_parallel):
+        ctx.group, ctx.sequence_parallel, ctx.has_bias = group, sequence_parallel, bias is not None
+        ctx.autocast = _autocast_state(x)
         ctx.save_for_backward(x, weight)
-        return F.linear(all_gather_sequence(x, group), weight, bias)
+        return F.linear(all_gather_sequence(x, group) if sequence_parallel else x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        gathered = all_gather_sequence(x, ctx.group)
-        grad_input = reduce_scatter_sequence(grad.matmul(weight), ctx.group)
-        rows = grad.reshape(-1, grad.shape[-1])
-        grad_weight = rows.t().matmul(gathered.reshape(-1, gathered.shape[-1]))
-        grad_bias = rows.sum(0) if ctx.has_bias else None
-        return grad_input, grad_weight, grad_bias, None
+        with torch.autocast(*ctx.autocast[:2], enabled=ctx.autocast[2]):
+            total = all_gather_sequence(x, ctx.group) if ctx.sequence_parallel else x
+            grad_input = grad.matmul(weight)
+            if ctx.sequence_parallel:
+                part, handle = start_reduce_scatter_sequence(grad_input, ctx.group)
+            else:
+                handle = all_reduce(grad_input, ctx.group, async_op=True)
+            # while the input's gradient is summed: the weight's and the bias's
+            rows = grad.reshape(-1, grad.shape[-1])
+            grad_weight = rows.t().matmul(total.reshape(-1, total.shape[-1]))
+            grad_bias = rows.sum(0) if ctx.has_bias else None
+            if ctx.sequence_parallel:
+                grad_input = finish_reduce_scatter_sequence(part, handle)
+            elif handle is not None:
+                handle.wait()
+        return grad_input, grad_weight, grad_bias, None, None
+
+
+def _autocast_state(x: torch.Tensor) -> tuple[str, torch.dtype, bool]:
+    """The autocast the forward ran under, for the backward to run under it too."""
+    device = x.device.type
+    return device, torch.get_autocast_dtype(device), torch.is_autocast_enabled(device)
 
 
 class RowParallelLinear(nn.Module):

@@ -7,14 +7,19 @@ gather_from: forward all-gather,      backward keep own chunk
 and, under sequence parallelism, the borders along the sequence (dimension 1 of [b, s, h]):
 gather_from_sequence:         forward all-gather, backward reduce-scatter (or keep own part)
 reduce_scatter_to_sequence:   forward reduce-scatter, backward all-gather
+
+The collectives work in place or on one flat tensor (all_gather_into_tensor,
+reduce_scatter_tensor): the all-reduces sum the tensor they are given, which autograd handed
+over or `reduce_from` marks as modified. Along the sequence of [b, s, h] a rank's part is
+contiguous only for b = 1 (Megatron-LM's usual micro-batch under --sequence-parallel), where
+no copy changes the layout; for b > 1 one copy puts the sequence first and back.
 """
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from megatron_2bw.distributed.comm import (ShardShapeGroup, all_reduce, group_rank, group_size,
-                                           reduce_scatter_tensor)
+from megatron_2bw.distributed.comm import (ShardShapeGroup, all_gather_into_tensor, all_reduce,
+                                           group_rank, group_size, reduce_scatter_tensor)
 
 
 def _identity(x: torch.Tensor, group) -> torch.Tensor:
@@ -22,7 +27,7 @@ def _identity(x: torch.Tensor, group) -> torch.Tensor:
 
 
 def _reduced(x: torch.Tensor, group) -> torch.Tensor:
-    x = x.clone()
+    """Sum over the group in place (a gradient autograd handed over, fresh from a matmul)."""
     all_reduce(x, group)
     return x
 
@@ -31,9 +36,12 @@ def _all_gather(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     world = group_size(group)
     if isinstance(group, ShardShapeGroup):  # the profiler times one rank: shapes only
         return torch.cat([x] * world, dim=dim)
-    parts = [torch.empty_like(x) for _ in range(world)]
-    dist.all_gather(parts, x.contiguous(), group=group)
-    return torch.cat(parts, dim=dim)
+    x = x.contiguous()
+    out = x.new_empty((world * x.shape[0], *x.shape[1:]))  # the ranks' blocks along dim 0
+    all_gather_into_tensor(out, x, group=group)
+    out = out.view(world, *x.shape)
+    # rank-major blocks to `dim`: a view wherever the dimensions before `dim` have size 1
+    return out.movedim(0, dim % x.dim()).flatten(dim % x.dim(), dim % x.dim() + 1)
 
 
 def _own_chunk(x: torch.Tensor, group, dim: int) -> torch.Tensor:
@@ -57,16 +65,28 @@ def _own_sequence_part(x, group):
 
 
 def reduce_scatter_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    """This rank's part of the sequence of the sum over the group."""
+    return finish_reduce_scatter_sequence(*start_reduce_scatter_sequence(x, group))
+
+
+def start_reduce_scatter_sequence(x: torch.Tensor, group):
+    """Start reduce_scatter_sequence: (the part with the sequence first, the handle to wait on, or
+    None where the result is there already); finish_reduce_scatter_sequence reads it."""
     world = group_size(group)
     if x.shape[1] % world:
         raise ValueError(f"sequence length {x.shape[1]} does not split over the {world} "
                          f"tensor-parallel ranks of --sequence-parallel")
     if isinstance(group, ShardShapeGroup):
-        return _own_sequence_part(x, group)
-    # reduce_scatter_tensor splits dimension 0: put the sequence first
+        return _own_sequence_part(x, group).transpose(0, 1), None
+    # reduce_scatter_tensor splits dimension 0: the sequence first (a view for b = 1)
     by_position = x.transpose(0, 1).contiguous()
     out = by_position.new_empty((by_position.shape[0] // world, *by_position.shape[1:]))
-    reduce_scatter_tensor(out, by_position, group=group)
+    return out, reduce_scatter_tensor(out, by_position, group=group, async_op=True)
+
+
+def finish_reduce_scatter_sequence(out: torch.Tensor, handle) -> torch.Tensor:
+    if handle is not None:
+        handle.wait()
     return out.transpose(0, 1).contiguous()
 
 
@@ -91,8 +111,23 @@ def copy_to_tensor_parallel(x, group):
     return _border(x, group, _identity, _reduced)
 
 
+class _ReduceFrom(torch.autograd.Function):
+    """Forward: the sum over the group, in place (the tensor is marked as modified, so autograd
+    refuses should anything have saved it); backward: identity."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.mark_dirty(x)
+        all_reduce(x, group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
 def reduce_from_tensor_parallel(x, group):
-    return _border(x, group, _reduced, _identity)
+    return x if group_size(group) == 1 else _ReduceFrom.apply(x, group)
 
 
 def scatter_to_tensor_parallel(x, group):

@@ -67,7 +67,8 @@ class Stage:
     timers: Timers
     microbatches: int
     iteration: int = 0  # batches completed (and stepped)
-    consumed_samples: int = 0
+    consumed_samples: int = 0  # training samples read, as Megatron-LM's consumed_train_samples
+    consumed_valid_samples: int = 0  # validation samples read (the stream continues on resume)
     step_results: list = field(default_factory=list)
     applied_steps: AppliedSteps = field(default_factory=AppliedSteps)
 
@@ -200,7 +201,7 @@ def startup_memory_report(stage: Stage) -> str:
     what the built stage holds (weights, gradients and optimizer state exist from the start)."""
     c, layout = stage.config, stage.layout
     # under context parallelism a rank's activations are those of its part of the sequence (the
-    # gathered keys and values, which are whole, left out)
+    # keys and values passing around the ring, one other rank's at a time, left out)
     model = replace(c.model, seq_length=c.model.seq_length // layout.context)
     estimate = estimate_stage_memory(model, c.parallel, c.precision, c.recompute,
                                      c.optimizer.optimizer, c.training.micro_batch_size,

@@ -25,6 +25,7 @@ def model_flags_from_checkpoint(argv):
 def test_model_flags_come_from_the_checkpoint(tmp_path):
     saved = save_random_checkpoint(tmp_path, "gpt", 1, 1, **LLAMA).config.model
     config = model_flags_from_checkpoint([*RUN, "--load", str(tmp_path), "--use-checkpoint-args",
+                                          "--tensor-model-parallel-size", "2",
                                           "--sequence-parallel"])
     for field in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
                   *LLAMA):
@@ -103,3 +104,21 @@ def test_a_repartitioning_job_resumes_where_its_layers_moved(tmp_path):
                          "--recompute-num-layers-per-stage 0,2"]
     config, _, flags = adopt(*started)
     assert config.parallel.layer_split == [3, 1] and not any("split" in f for f in flags)
+
+
+def test_a_tool_at_t1_loads_a_sequence_parallel_model():
+    """--sequence-parallel is the run's choice, as t is: a tool (evaluation, export, conversion)
+    at t = 1 takes a t = 2 --sequence-parallel checkpoint's model without it (it would refuse
+    --sequence-parallel at t = 1), and keeps it where asked."""
+    from megatron_2bw.arguments import build_parser
+    from megatron_2bw.checkpoint.tool_config import config_with_base
+    base, _ = parse_config(["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads",
+                            "4", "--seq-length", "16", "--micro-batch-size", "2",
+                            "--train-iters", "2", "--mock-data", "--vocab-size", "64",
+                            "--tensor-model-parallel-size", "2", "--sequence-parallel"])
+    assert base.model.sequence_parallel
+    plain = config_with_base(build_parser("tool").parse_args([]), base, "the checkpoint")
+    assert not plain.model.sequence_parallel and plain.parallel.tensor_parallel == 1
+    asked = config_with_base(build_parser("tool").parse_args(
+        ["--tensor-model-parallel-size", "2", "--sequence-parallel"]), base, "the checkpoint")
+    assert asked.model.sequence_parallel

@@ -138,9 +138,10 @@ def _llama_like_config(kind: str, **fields):
 def _tiny_hf(kind: str, **overrides):
     torch.manual_seed(0)
     if kind == "gpt":
-        config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=32, n_layer=2,
-                                         n_head=4, bos_token_id=100, eos_token_id=100,
-                                         **{"activation_function": "gelu", **overrides})
+        config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=32, n_head=4,
+                                         bos_token_id=100, eos_token_id=100,
+                                         **{"activation_function": "gelu", "n_layer": 2,
+                                            **overrides})
         model = transformers.GPT2LMHeadModel(config)
     elif kind in ("llama", "qwen2", "qwen3"):  # 8 heads in 2 key/value groups
         config = _llama_like_config(
@@ -375,3 +376,30 @@ def test_a_sentencepiece_run_comes_back_from_export_with_its_own_tokenizer(
     assert ids == build_tokenizer(data).tokenize(text)
     bos = sentencepiece.SentencePieceProcessor(model_file=str(tmp_path / "spm.model")).bos_id()
     assert (ids[0] == bos) == (kind == "Llama2Tokenizer")
+    # transformers' own loader reads the same ids from the export (its tokenizer.json)
+    auto = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf", local_files_only=True)
+    for text in ("the queen spoke of war", "  The King, 1601!\nünknown"):
+        assert auto.encode(text) == build_tokenizer(data).tokenize(text)
+    (tmp_path / "any_file").touch()  # the mode of the other files written (not safetensors' 0600)
+    assert (tmp_path / "hf" / "model.safetensors").stat().st_mode & 0o777 == \
+        (tmp_path / "any_file").stat().st_mode & 0o777
+
+
+@pytest.mark.parametrize("flag", [["--num-layers-per-virtual-pipeline-stage", "1"],
+                                  ["--virtual-pipeline-model-parallel-size", "2"]])
+def test_import_honours_the_virtual_stage_flags(flag, tmp_path):
+    """A 4-layer GPT-2 at p=2 with one layer per virtual stage: 2 chunks per rank, written as
+    the interleaved schedule reads them, and exported back to the same tensors."""
+    _tiny_hf("gpt", n_layer=4).save_pretrained(tmp_path / "source")
+    load_tool("import_from_hf").main(["--hf-path", str(tmp_path / "source"), "--save",
+                                      str(tmp_path / "ckpt"), "--pipeline-model-parallel-size",
+                                      "2", *flag])
+    state = read_full_state(str(tmp_path / "ckpt"))
+    assert state.config.parallel.virtual_pipeline_parallel == 2
+    assert state.config.parallel.pipeline_schedule == "interleaved"
+    _export(tmp_path / "ckpt", tmp_path / "exported")
+    source = load_file(tmp_path / "source" / "model.safetensors")
+    exported = load_file(tmp_path / "exported" / "model.safetensors")
+    assert source.keys() == exported.keys()
+    for name, tensor in source.items():
+        assert torch.equal(tensor, exported[name]), name

@@ -39,16 +39,32 @@ def _stage(flags):
     return build_stage(config, ParallelLayout(1, 1, 1), torch.device("cpu"), None)
 
 
-def test_a_save_killed_half_way_leaves_the_previous_checkpoint_loadable(tmp_path, monkeypatch):
-    flags = pretrain_flags(1, 1, 10, "--save", str(tmp_path), "--load", str(tmp_path))
+def _saved_at_iteration_3(root):
+    """A stage saved at iteration 3 into `root`, now at iteration 4; its flags and saved weights."""
+    flags = pretrain_flags(1, 1, 10, "--save", str(root), "--load", str(root))
     stage = _stage(flags)
     stage.iteration, stage.consumed_samples = 3, 6
     save_checkpoint(stage)
     saved = [m.detach().clone() for m in stage.versions.master]
+    stage.iteration = 4
+    return flags, stage, saved
+
+
+def _assert_iteration_3_is_latest_and_intact(root, flags, saved):
+    assert read_marker(str(root)) == 3
+    assert not [f for _, _, files in os.walk(root) for f in files if ".tmp" in f]
+    fresh = _stage(flags)
+    maybe_load_checkpoint(fresh)
+    assert (fresh.iteration, fresh.consumed_samples) == (3, 6)
+    for m, expected in zip(fresh.versions.master, saved):
+        assert torch.equal(m, expected)
+
+
+def test_a_save_killed_half_way_leaves_the_previous_checkpoint_loadable(tmp_path, monkeypatch):
+    flags, stage, saved = _saved_at_iteration_3(tmp_path)
     with torch.no_grad():
         for m in stage.versions.master:
             m.add_(1.0)
-    stage.iteration = 4
     real_save, calls = torch.save, []
 
     def dying_save(obj, path, *args, **kwargs):  # the first file is written, the second is not
@@ -61,13 +77,7 @@ def test_a_save_killed_half_way_leaves_the_previous_checkpoint_loadable(tmp_path
     with pytest.raises(OSError, match="disk full"):
         save_checkpoint(stage)
     monkeypatch.setattr(torch, "save", real_save)
-    assert read_marker(str(tmp_path)) == 3
-    assert not [f for _, _, files in os.walk(tmp_path) for f in files if ".tmp" in f]
-    fresh = _stage(flags)
-    maybe_load_checkpoint(fresh)
-    assert (fresh.iteration, fresh.consumed_samples) == (3, 6)
-    for m, expected in zip(fresh.versions.master, saved):
-        assert torch.equal(m, expected)
+    _assert_iteration_3_is_latest_and_intact(tmp_path, flags, saved)
 
 
 def test_loading_another_layout_names_both_layouts_and_the_conversion_tool(tmp_path):
@@ -188,3 +198,44 @@ def test_a_damaged_file_of_one_rank_stops_every_rank_and_none_reports_loaded(tmp
     assert messages[0].startswith("loading the checkpoint failed on rank 1 (tp=0/1, dp=0/1, "
                                   f"pp=1/2): {path}: cannot be read"), messages[0]
     assert "loaded checkpoint" not in capfd.readouterr().out
+
+
+def test_a_full_disk_during_a_save_says_so_and_keeps_the_previous_checkpoint(tmp_path,
+                                                                             monkeypatch):
+    """ENOSPC met half-way into the model file (inside torch's serializer, which wraps it in a
+    RuntimeError): one line saying "no space left on device", the marker and files of the
+    previous checkpoint untouched and loadable, no temporary file left behind."""
+    import errno
+
+    from megatron_2bw.checkpoint import save_load
+    flags, stage, saved = _saved_at_iteration_3(tmp_path)
+
+    class FullDisk:  # the module's files, on a disk that fills after 1000 bytes
+        def __init__(self, path, mode="r"):
+            self.file, self.written = open(path, mode), 0
+
+        def write(self, data):
+            self.written += len(data)
+            if self.written > 1000:
+                raise OSError(errno.ENOSPC, "No space left on device", self.file.name)
+            return self.file.write(data)
+
+        def __getattr__(self, name):
+            return getattr(self.file, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.file.close()
+
+    monkeypatch.setattr(save_load, "open", FullDisk, raising=False)
+    with pytest.raises(CheckpointError) as error:
+        save_checkpoint(stage)
+    monkeypatch.undo()
+    message = str(error.value)
+    assert message.startswith(f"saving iteration 4 to {tmp_path} failed on rank 0 "), message
+    assert "no space left on device (" in message and "model_optim_rng.pt.tmp" in message
+    assert message.endswith(f"{MARKER} still names iteration 3, which is intact")
+    assert "\n" not in message
+    _assert_iteration_3_is_latest_and_intact(tmp_path, flags, saved)

@@ -149,6 +149,9 @@ def test_cli_errors_are_one_line_with_exit_code_2(tmp_path, corpus_jsonl):
          "--workers must be >= 1"),
         (["--tokenizer-type", "NullTokenizer", "--vocab-size", "10", "--lang", "german"],
          "--lang german: the sentence rule here splits at . ! ? before a capital letter"),
+        (["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", str(corpus_jsonl)],
+         f"--tokenizer-model {corpus_jsonl}: not a SentencePiece model (INTERNAL: could not "
+         f"parse ModelProto from {corpus_jsonl})"),
     ]:
         result = subprocess.run([sys.executable, script, "--input", str(corpus_jsonl),
                                  "--output-prefix", str(tmp_path / "o"), *flags],
@@ -157,6 +160,19 @@ def test_cli_errors_are_one_line_with_exit_code_2(tmp_path, corpus_jsonl):
         assert result.stderr.startswith("preprocess_data.py: error: ") and message in result.stderr
         assert len(result.stderr.strip().splitlines()) == 1
     assert _files(tmp_path) == ["corpus.jsonl"]
+
+
+@pytest.mark.parametrize("text", ["", '{"text": ""}\n{"text": ""}\n'], ids=["empty", "no text"])
+@pytest.mark.parametrize("flags", [["--workers", "1"], ["--workers", "2", "--partitions", "2"]])
+def test_an_input_without_text_is_refused_and_writes_nothing(tmp_path, spm_model, text, flags):
+    """A dataset of 0 documents would fail only in training, after the model is built."""
+    for name in ("a.jsonl", "b.jsonl"):
+        (tmp_path / name).write_text(text)
+    with pytest.raises(ValueError, match=r"^--input .*a\.jsonl .*b\.jsonl: no text under "
+                                         r"--json-keys text \(empty input, or no record with "
+                                         r"that key\); nothing was written$"):
+        _run([tmp_path / "a.jsonl", tmp_path / "b.jsonl"], tmp_path / "out", spm_model, *flags)
+    assert _files(tmp_path) == ["a.jsonl", "b.jsonl"]
 
 
 def test_megatron_scripts_flags_are_accepted(tmp_path, corpus_jsonl):

@@ -1,6 +1,7 @@
 """Perplexity and LAMBADA evaluation: the windows of each protocol, and tools/evaluate_perplexity.py
 against the checkpoint's transformers export scored independently (per target, with its context)."""
 import json
+import os
 
 import numpy as np
 import pytest
@@ -8,7 +9,7 @@ import torch
 import transformers
 from tokenizers import ByteLevelBPETokenizer
 
-from megatron_2bw.config import DataConfig
+from megatron_2bw.config import ConfigError, DataConfig
 from megatron_2bw.evaluation.perplexity import full_windows, lambada_windows, overlapping_windows
 from tests.checkpoint.helpers import VOCAB, save_random_checkpoint
 from tests.data.helpers import load_tool, write_dataset
@@ -150,3 +151,22 @@ def test_raw_text_with_the_run_tokenizer_matches_the_exported_tokenizer(tmp_path
     assert tokenizer.eos_token == "<|endoftext|>" and hf.config.eos_token_id == 0
     assert report["loss"] == pytest.approx(reference_loss(hf.eval(), stream, 8), rel=1e-5)
     assert report["token_ratio"] == pytest.approx((len(stream) - 1) / (len(text.strip().split(" ")) - 1))
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("beyond", "--data-path {p}: contains token id 106, but the checkpoint's model has only 101 "
+               "ids: the data was preprocessed with another tokenizer"),
+    ("truncated", "--data-path {p}: {p}.bin has 8 bytes but {p}.idx describes 12 bytes"),
+])
+def test_data_the_model_cannot_read_is_one_line_before_the_model_is_built(evaluated, damage,
+                                                                           message, tmp_path,
+                                                                           monkeypatch):
+    root = evaluated[0]
+    prefix = write_dataset(tmp_path / "bad_text_document", [[[1, 2, VOCAB + 5]]])
+    if damage == "truncated":
+        os.truncate(f"{prefix}.bin", 8)
+    tool = load_tool("evaluate_perplexity")
+    monkeypatch.setattr(tool, "build_model", None)  # reaching it would be a TypeError
+    with pytest.raises(ConfigError) as error:
+        tool.main(["--load", str(root / "ckpt"), "--data-path", prefix])
+    assert str(error.value).startswith(message.format(p=prefix)), error.value

@@ -113,3 +113,24 @@ def test_whole_model_built_on_the_device_matches_the_cpu(config, device):
     assert losses[1] == pytest.approx(losses[0], rel=1e-5)
     for got, want in zip(grads[1], grads[0]):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("causal", [True, False])
+def test_ring_attention_blocks_on_the_device_match_the_cpu(dtype, causal, device):
+    """One ring-attention block, forward (output, log-sum-exp) and backward given them, on CUDA
+    (the flash kernel in bf16, the written-out block in fp32) against the CPU's flash kernel."""
+    from megatron_2bw.models.ring_attention import _block_backward, _block_forward, _flash_kernel
+    generator = torch.Generator().manual_seed(0)
+    q, k, v, grad = (torch.randn(B, 4, 16, 64, generator=generator).to(dtype) for _ in range(4))
+    results = []
+    for where in (torch.device("cpu"), device):
+        args = [t.to(where) for t in (q, k, v)]
+        out, lse, _ = _block_forward(*args, causal, None, 0.0, 0.125)
+        grads = _block_backward(grad.to(where), *args, out.to(dtype), lse, causal, None, None,
+                                0.0, 0.125)
+        results.append([t.float().cpu() for t in (out, lse, *grads)])
+    assert _flash_kernel(q.to(device), None, 0.0) == ("cuda" if dtype == torch.bfloat16 else None)
+    tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    for got, want in zip(results[1], results[0]):
+        torch.testing.assert_close(got, want, atol=tolerance, rtol=tolerance)

@@ -1,6 +1,7 @@
 """Sampling rules against hand-computed distributions, and generation from a sharded checkpoint
 against the unsharded weights' own argmax loop."""
 import argparse
+import re
 
 import pytest
 import torch
@@ -41,9 +42,11 @@ def test_sampling_frequencies_follow_the_tempered_filtered_distribution():
 @pytest.mark.parametrize("bad, message", [
     (SamplingConfig(temperature=0.0), "--temperature must be > 0"),
     (SamplingConfig(top_k=-1), "--top-k must be >= 0"),
-    (SamplingConfig(top_p=1.5), "--top-p must be in [0, 1]")])
+    (SamplingConfig(top_p=1.5), "--top-p must be in [0, 1]"),
+    (SamplingConfig(top_k=5, top_p=0.9), "give --top-k or --top-p, not both (as in Megatron-LM; "
+                                         "0 turns one off), got 5 and 0.9")])
 def test_bad_sampling_settings_name_their_flag(bad, message):
-    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+    with pytest.raises(ValueError, match=re.escape(message)):
         bad.validate()
 
 

@@ -1,12 +1,14 @@
-"""Context parallelism's pieces: which positions a rank holds (balanced causal work), the mask of
-its queries over the gathered keys, and that a rank really computes only its part of the
-sequence. Its results against one process: tests/pipeline/test_pipeline_equivalence.py."""
+"""Context parallelism's pieces: which positions a rank holds (balanced causal work), the document
+mask of its queries over each rank's keys, and that a rank really computes only its part of the
+sequence. Its results against one process: tests/pipeline/test_pipeline_equivalence.py (and
+the ring alone: tests/models/test_ring_attention.py)."""
 import pytest
 import torch
 
 from megatron_2bw.arguments import ConfigError, parse_config
 from megatron_2bw.config_checks import validate_for_world
-from megatron_2bw.models.context_parallel import ContextSplit, local_positions
+from megatron_2bw.models.context_parallel import local_positions
+from megatron_2bw.models.ring_attention import RingBlocks
 from tests.distributed_helpers import run_ranks
 from tests.pipeline.harness import gpt_feed, stage_on_rank, tiny_config
 
@@ -21,24 +23,19 @@ def test_each_rank_holds_two_chunks_with_equal_causal_work():
     assert work == [work[0]] * 3
 
 
-class FakeGroup:  # ContextSplit only asks for the group's size and this rank's place in it
-    def __init__(self, rank: int, size: int):
-        self.rank, self.size = rank, size
-
-
 @pytest.mark.parametrize("rank", [0, 1])
-def test_the_mask_is_the_causal_mask_of_this_ranks_queries_over_all_keys(rank, monkeypatch):
-    from megatron_2bw.models import context_parallel
-    monkeypatch.setattr(context_parallel, "group_size", lambda group: group.size)
-    monkeypatch.setattr(context_parallel, "group_rank", lambda group: group.rank)
-    split = ContextSplit(8, FakeGroup(rank, 2), "cpu")
-    causal = torch.ones(8, 8, dtype=torch.bool).tril()
-    expected = causal[split.queries][:, split.keys]
-    assert torch.equal(split.attention_mask(None)[0, 0], expected)
+def test_a_blocks_mask_is_the_document_causal_mask_of_its_queries_and_keys(rank):
     documents = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 2]])
+    causal = torch.ones(8, 8, dtype=torch.bool).tril()
     same = documents[0][:, None] == documents[0][None, :]
-    assert torch.equal(split.attention_mask(documents)[0, 0], (causal & same)[split.queries][:,
-                                                                                     split.keys])
+    blocks = RingBlocks(8, 2, rank, documents)
+    assert blocks.mask(0, slice(0, 4), slice(0, 4), "cpu") is not None
+    for source in (0, 1):
+        rows, cols, _ = blocks.block(source)
+        queries, keys = local_positions(8, 2, rank)[rows], local_positions(8, 2, source)[cols]
+        assert torch.equal(blocks.mask(source, rows, cols, "cpu")[0, 0],
+                           (causal & same)[queries][:, keys])
+    assert RingBlocks(8, 2, rank).mask(0, slice(0, 4), slice(0, 4), "cpu") is None
 
 
 def _embedded_length(rank: int, world: int) -> int:

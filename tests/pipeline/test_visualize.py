@@ -82,6 +82,11 @@ def test_cli_writes_png_and_text(tmp_path, capsys):
     (["--batches", "0", "--text"], "--batches must be a positive integer"),
     (["--output", "/no/such/dir/x.png"], "does not exist"),
     ([], "nothing to do"),
+    (["--pipeline-stages", "1000", "--microbatches", "1000", "--text"],
+     "--pipeline-stages 1000 x --microbatches 1000 x --batches 3 make 6,000,000 boxes to draw, "
+     "more than 20,000: a schedule's pattern shows at a few stages and batches"),
+    (["--compare", "2bw,interleaved", "--pipeline-stages", "40", "--microbatches", "40",
+      "--batches", "4", "--text"], "make 25,600 boxes to draw"),  # two chunks per stage
 ])
 def test_cli_bad_input_is_one_line_error(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:

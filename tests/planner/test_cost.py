@@ -1,4 +1,5 @@
 import dataclasses
+import math
 
 import pytest
 
@@ -115,7 +116,8 @@ def test_an_untied_output_layer_has_no_embedding_all_reduce():
 
 def test_the_data_parallel_reduction_runs_on_after_reduce():
     """pipeline/update.py leaves the all-reduce of the gradient buffer (the distributed
-    optimizer's reduce-scatter) running after reduce; reduce itself is the local work."""
+    optimizer's reduce-scatter, half its ring traffic) running after reduce; reduce itself is
+    the local work."""
     def last_stage(distributed_optimizer):
         candidate = Candidate(1, 2, 2, 1, None, "2bw", layer_split=(1, 3))
         return stage_costs(MODEL, toy_hardware(devices_per_node=8, nodes=1), COSTS, candidate,
@@ -128,8 +130,39 @@ def test_the_data_parallel_reduction_runs_on_after_reduce():
     local = {False: (4 + 12) * P / 1e12, True: (2 * 4 + 4 + 12) * P / 1e12}
     for sharded in (False, True):
         stage = last_stage(sharded)
-        assert stage.reduce_background_s == pytest.approx(average)
+        assert stage.reduce_background_s == pytest.approx(average / 2 if sharded else average)
         assert stage.reduce_s == pytest.approx(local[sharded])
+
+
+def test_the_overlapped_data_parallel_reduction_leaves_what_outlasts_the_last_backward():
+    """On GPUs the runtime starts each bucket's reduction during the batch's last backward
+    (pipeline/overlap.py): what is left after it is the reduction less that backward, at least
+    the last bucket's; with --no-overlap-grad-reduce, or on CPU ranks by default, all of it."""
+    candidate = Candidate(1, 2, 2, 1, None, "flush", layer_split=(1, 3))
+    slow = dataclasses.replace(COSTS, layer_backward_s=1.0)  # 3 layers: 3 s of backward
+
+    def last_stage(device, overlap=None, buckets=40_000_000):
+        hardware = dataclasses.replace(toy_hardware(devices_per_node=8, nodes=1),
+                                       device_type=device)
+        return stage_costs(MODEL, hardware, slow, candidate, PrecisionConfig(), "adam",
+                           ParallelConfig(overlap_grad_reduce=overlap,
+                                          ddp_bucket_size=buckets))[1]
+    buckets = math.ceil(stage_parameters(MODEL, 1, 3, False, True) / 1000)
+    whole = last_stage("cpu", buckets=1000).reduce_background_s
+    assert last_stage("cuda", False, 1000).reduce_background_s == pytest.approx(whole)
+    backward = last_stage("cuda").backward_s
+    assert whole - backward > whole / buckets
+    assert last_stage("cuda", buckets=1000).reduce_background_s == pytest.approx(whole - backward)
+    assert last_stage("cpu", True, 1000).reduce_background_s == pytest.approx(whole - backward)
+    # one bucket waits for the whole backward: nothing overlaps
+    assert last_stage("cuda").reduce_background_s == pytest.approx(
+        last_stage("cpu").reduce_background_s)
+    # a backward longer than the reduction leaves the last bucket's
+    long = dataclasses.replace(slow, layer_backward_s=1e5)
+    hardware = toy_hardware(devices_per_node=8, nodes=1)
+    stage = stage_costs(MODEL, hardware, long, candidate, PrecisionConfig(), "adam",
+                        ParallelConfig(ddp_bucket_size=1000))[1]
+    assert stage.reduce_background_s == pytest.approx(whole / buckets)
 
 
 def test_fp32_2bw_writes_a_new_version_by_copy_except_on_the_last_stage():

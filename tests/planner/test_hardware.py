@@ -79,6 +79,16 @@ def test_units_and_a_full_file(tmp_path):
     # the attention kernels the planner counts: CUDA's fused ones unless the file says cpu
     assert spec.device_type == "cuda"
     assert load_hardware(write(tmp_path, GOOD + "device: cpu\n", "d.yaml")).device_type == "cpu"
+    # measured rates: GEMM shares by square size, the fused attention kernel's share
+    rated = load_hardware(write(tmp_path, GOOD + "matmul_efficiency: [[1024, 20%], [4096, 0.8]]\n"
+                                "attention_efficiency: 60%\n", "rated.yaml"))
+    assert rated.matmul_efficiency == ((1024.0, 0.2), (4096.0, 0.8))
+    assert rated.attention_efficiency == pytest.approx(0.6) and spec.attention_efficiency is None
+    assert spec.matmul_efficiency == () and hash(rated) != hash(spec)
+    for name in ("dgx-h100", "grand-teton-h100"):  # the shipped H100 files carry measured rates
+        h100 = load_hardware(name)
+        assert 0.7 < h100.gemm_efficiency(2 * 8192 ** 3) < 0.85 < 1.0
+        assert h100.gemm_efficiency(2 * 1024 ** 3) < 0.2 and 0.5 < h100.attention_efficiency < 0.7
 
 
 @pytest.mark.parametrize("edit, message", [
@@ -91,6 +101,8 @@ def test_units_and_a_full_file(tmp_path):
     (lambda t: t.replace("efficiency: 50%", "efficiency: 1.5"), r"efficiency must be in \(0, 1\]"),
     (lambda t: t + "compute_slots_per_node: 0\n", "compute_slots_per_node must be a positive"),
     (lambda t: t + "device: tpu\n", "device must be one of cuda, cpu, got 'tpu'"),
+    (lambda t: t + "matmul_efficiency: [[1024]]\n", "matmul_efficiency must be a list of"),
+    (lambda t: t + "matmul_efficiency: [[1024, 1.2]]\n", r"matmul_efficiency must be in \(0, 1\]"),
     (lambda t: "- a list\n", "expected a mapping"),
     (lambda t: "devices_per_node: [\n", "not valid YAML"),
 ])
@@ -151,18 +163,18 @@ def _p2p_processor(rank, world_size):
     more (the real transfers still run), so a message costs SEND_S / 2 beyond the computation
     (one send and one receive per round)."""
     clock = VirtualClock()
-    real_isend = dist.isend
+    real_batch = dist.batch_isend_irecv
 
-    def costly_isend(*args, **kwargs):
-        clock.advance(SEND_S)
-        return real_isend(*args, **kwargs)
+    def costly_batch(ops):
+        clock.advance(SEND_S * sum(op.op is dist.isend for op in ops))
+        return real_batch(ops)
     with installed(clock, hardware):
         hardware._compute_segment = lambda: (lambda: clock.advance(COMPUTE_S))
-        hardware.dist.isend = costly_isend
+        hardware.dist.batch_isend_irecv = costly_batch
         try:
             return probe_p2p_processor_time(rounds=4, repeats=3)
         finally:
-            hardware.dist.isend = real_isend
+            hardware.dist.batch_isend_irecv = real_batch
 
 
 @pytest.mark.parametrize("world", [2, 3])  # with 3, the last rank has no partner and computes

@@ -7,15 +7,20 @@ from megatron_2bw.config import ModelConfig, ParallelConfig, PrecisionConfig, Re
 from megatron_2bw.distributed.comm import ShardShapeGroup
 from megatron_2bw.models import MODELS
 from megatron_2bw.planner import memory as planner_memory
-from megatron_2bw.planner.memory import (layer_parameters, qkv_stash_bytes,
-                                         stage_parameter_tensors, stage_parameters,
+from megatron_2bw.planner.memory import (layer_parameters, stage_parameter_tensors,
+                                         stage_parameters,
                                          stage_tensor_partial_grad_parameters)
 
 
-# The counts below are those of the CPU's attention kernels, which the CPU tests can measure:
-# PyTorch's math attention (it keeps the scores) wherever the model has attention dropout.
+# The counts below are those of the CPU's kernels, which the CPU tests can measure: PyTorch's
+# math attention (it keeps the scores) wherever the model has attention dropout, and RMSNorm's
+# decomposition in fp32.
 def layer_activation_bytes(*args, **kwargs) -> float:
     return planner_memory.layer_activation_bytes(*args, device_type="cpu", **kwargs)
+
+
+def qkv_stash_bytes(*args, **kwargs) -> float:
+    return planner_memory.qkv_stash_bytes(*args, device_type="cpu", **kwargs)
 
 
 def attention_core_bytes(*args, **kwargs) -> float:
@@ -288,6 +293,20 @@ def test_qk_layernorm_stashes():
         assert qkv_stash_bytes(wide_llama, t, 2) == (2 * 3 * 2 * H + (4 + 2) * 3 * H) / t
 
 
+def test_rms_norm_keeps_its_input_off_the_cpu():
+    """torch's fused rms_norm (off the CPU) keeps its input, as layer_norm does: Llama's layer
+    stashes what GPT-2's layout's does for its norms, with or without --qk-layernorm; on a CPU
+    the fp32 decomposition keeps 4 bytes more per element."""
+    for qk in (False, True):
+        rms = dataclasses.replace(MODEL, normalization="RMSNorm", qk_layernorm=qk)
+        layer_norm = dataclasses.replace(MODEL, qk_layernorm=qk)
+        for e in (2, 4):
+            assert planner_memory.layer_activation_bytes(rms, 1, 1, e, device_type="cuda") == \
+                planner_memory.layer_activation_bytes(layer_norm, 1, 1, e, device_type="cuda")
+    assert layer_activation_bytes(dataclasses.replace(MODEL, normalization="RMSNorm"), 1, 1, 2) \
+        - layer_activation_bytes(MODEL, 1, 1, 2) == 2 * 4 * S * H
+
+
 def test_layernorm_1p_norms_keep_the_gains_they_compute():
     """weight + 1, e per channel: the layer's two norms over h, --qk-layernorm's two over the head
     size; replicated (whatever t)."""
@@ -350,9 +369,11 @@ P0 = EMBEDDING + 2 * LAYER  # stage 0 of 2
     (PrecisionConfig(), "gpipe", 4, 4, 0),
     (PrecisionConfig(), "2bw", 4, 8, 4),  # master = newest; master grad + accumulation; 2nd copy
     (PrecisionConfig(fp16=True), "2bw", 6, 6, 2),
-    (PrecisionConfig(bf16=True), "flush", 6, 8, 0),  # bf16: fp32 gradients by default
+    # bf16: fp32 gradients by default; under Flush the master gradients are that buffer
+    (PrecisionConfig(bf16=True), "flush", 6, 4, 0),
+    (PrecisionConfig(bf16=True), "2bw", 6, 8, 2),  # a backward of b+1 runs before step(b)
     (PrecisionConfig(bf16=True, grad_reduce_in_bf16=True), "flush", 6, 6, 0),
-    (PrecisionConfig(fp16=True, accumulate_allreduce_grads_in_fp32=True), "flush", 6, 8, 0),
+    (PrecisionConfig(fp16=True, accumulate_allreduce_grads_in_fp32=True), "flush", 6, 4, 0),
 ])
 def test_weights_gradients_and_versions(precision, schedule, params, grads, stash):
     m = memory(precision, schedule)
@@ -362,7 +383,10 @@ def test_weights_gradients_and_versions(precision, schedule, params, grads, stas
 
 def test_optimizer_and_distributed_optimizer():
     assert memory(optimizer="sgd").optimizer == 4 * P0
+    # fp16 2BW: the master-gradient shard lives in the free working copy
     m = memory(data_parallel=4, distributed=True)
+    assert (m.params, m.grads, m.optimizer) == (2 * P0 + P0, 2 * P0, 2 * P0)
+    m = memory(schedule="flush", data_parallel=4, distributed=True)  # fp16 gradients: a shard
     assert (m.params, m.grads, m.optimizer) == (2 * P0 + P0, 2 * P0 + P0, 2 * P0)
     assert memory(data_parallel=4).optimizer == 8 * P0  # d alone shards nothing
     # fp32 2BW: the master weights are this rank's part of the newest version; their gradients
@@ -377,7 +401,8 @@ def test_activations_follow_the_schedules_in_flight_counts():
     assert memory(schedule="2bw").activations == 2 * stage0  # p - r = 2 in flight
     assert memory(schedule="flush").activations == 2 * stage0
     assert memory(schedule="gpipe").activations == 4 * stage0  # all m microbatches
-    last = 2 * 1000 + 2 * 2 * sbh + 4 * sb * V + 9 * sb  # norm in/out, fp32 softmax, targets
+    # norm in/out, the logits (bf16) with each token's fp32 max and sum, targets
+    last = 2 * 1000 + 2 * 2 * sbh + 2 * sb * V + 17 * sb
     assert memory(stage=1).activations == last
     full = memory(recompute=RecomputeConfig("full", "uniform", 1))
     assert full.activations == 2 * (2 * 2 * sbh + (8 * sb + sbh) + 2 * sbh)  # layer inputs only
@@ -390,7 +415,8 @@ def test_workspace_is_the_largest_transient():
     llama = estimate_stage_memory(LLAMA, ParallelConfig(pipeline_parallel=2), PrecisionConfig(
         bf16=True), RecomputeConfig(), "adam", 1, 4, 1, 0, 1000.0)
     assert llama.workspace == 2 * S * (4 * LLAMA_F + 2 * H)  # SwiGLU: twice the ffn-wide ones
-    assert memory(stage=1).workspace == (2 + 8) * S * V  # the fp32 cross entropy
+    # the cross entropy: the logits' bf16 gradient and one fp32 chunk (all of these logits)
+    assert memory(stage=1).workspace == (2 + 4) * S * V
     full = memory(recompute=RecomputeConfig("full", "uniform", 2))
     assert full.workspace == 2 * S * (2 * F + 2 * H) + 2 * 1000  # a recomputed 2-layer chunk
     m = memory()

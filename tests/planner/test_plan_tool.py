@@ -135,3 +135,17 @@ def test_local_hardware_measures_this_machine(tmp_path):
     rows = json.loads((tmp_path / "plan.json").read_text())["configs"]
     assert rows[0]["fits"] and rows[0]["tensor_parallel"] == 1  # one device per node here
     assert "2 ranks are planned on 2 such machines" in result.stderr
+
+
+def test_the_table_ends_with_a_summary_line_also_when_nothing_fits(capsys):
+    plan.main(TINY + ["--world-size", "8", "--hardware", "dgx-a100"])
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("best: t=") and " samples/s predicted, peak " in last
+    assert last.endswith(" of 74.10 GiB per device")
+    plan.main(["--num-layers", "48", "--hidden-size", "8192", "--num-attention-heads", "64",
+               "--seq-length", "2048", "--vocab-size", "128", "--global-batch-size", "8",
+               "--world-size", "1", "--hardware", "dgx-a100"])
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("no configuration fits in 74.10 GiB per device: the smallest (t=1 p=1 "
+                           "d=1 "), last
+    assert last.endswith(" GiB; plan more devices, a smaller model or --use-distributed-optimizer")

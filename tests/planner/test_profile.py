@@ -694,10 +694,10 @@ def test_analytic_efficiency_rises_with_micro_batch_and_hidden_size_on_an_h100()
     # a narrow, few-row GEMM is bound by its operands' bytes, a wide one by its FLOPs
     profile = AnalyticProfile(ModelConfig(num_layers=1, hidden_size=4096, num_attention_heads=32,
                                           seq_length=1, vocab_size=8), bf16, hardware)
-    [(flops, moved)] = gemm(1, 4096, 4096, 2).gemms
+    [(flops, moved, _)] = gemm(1, 4096, 4096, 2).gemms
     assert profile.seconds(gemm(1, 4096, 4096, 2)) == pytest.approx(
         moved / (hardware.memory_bandwidth * hardware.efficiency) + hardware.kernel_overhead_s)
-    [(flops, moved)] = gemm(8192, 4096, 4096, 2).gemms
+    [(flops, moved, _)] = gemm(8192, 4096, 4096, 2).gemms
     assert profile.seconds(gemm(8192, 4096, 4096, 2)) == pytest.approx(
         flops / attainable + hardware.kernel_overhead_s)
 
@@ -713,9 +713,36 @@ def test_analytic_fused_attention_moves_no_scores_on_cuda():
         sb, width = model.seq_length * b, model.attention_size
         assert (core.bytes, core.kernels) == (4 * e * sb * width / t
                                               + 4 * model.num_attention_heads * sb / t, 1)
-        assert core.flops == sb * attention_flops_per_token(model) / t
+        # GPT's causal kernel computes the scores on and below the diagonal: half the square
+        assert core.flops == 0.0
+        assert core.attention_flops == sb * attention_flops_per_token(model) / t / 2
         costs = AnalyticProfile(model, PrecisionConfig(), cuda).costs(t, b)
         assert costs.layer_activation_bytes == planner_memory.layer_activation_bytes(
             model, t, b, e, device_type="cuda")
         math = AnalyticProfile(model, PrecisionConfig(), HARDWARE).attention_core(t, b)
-        assert math.bytes > core.bytes and math.flops == core.flops
+        assert math.bytes > core.bytes and math.flops == 2 * core.attention_flops
+
+
+def test_fused_attention_runs_at_its_measured_rate_and_gemms_at_theirs():
+    """With measured rates in the hardware file: the fused attention kernel's FLOPs at
+    attention_efficiency of peak, BERT's (not causal) the whole square; each GEMM at the share
+    measured for its size, interpolated in log n between the measured square sizes."""
+    cuda = dataclasses.replace(HARDWARE, device_type="cuda", attention_efficiency=0.25,
+                               matmul_efficiency=((1024, 0.2), (4096, 0.8)))
+    b, t = 2, 1
+    bert = dataclasses.replace(MODEL, model_type="bert")
+    for model, share in ((MODEL, 0.5), (bert, 1.0)):
+        profile = AnalyticProfile(model, PrecisionConfig(), cuda)
+        core = profile.attention_core(t, b)
+        flops = model.seq_length * b * attention_flops_per_token(model) / t * share
+        assert core.attention_flops == flops
+        assert profile.seconds(core) == pytest.approx(
+            flops / (0.25 * 1e12) + core.bytes / (1e11 * 0.5))
+    assert cuda.gemm_efficiency(2 * 512 ** 3) == 0.2 and cuda.gemm_efficiency(2 * 8192 ** 3) == 0.8
+    assert cuda.gemm_efficiency(2 * 2048 ** 3) == pytest.approx(0.5)  # halfway in log n
+    assert HARDWARE.gemm_efficiency(2 * 2048 ** 3) == HARDWARE.efficiency  # nothing measured
+    profile = AnalyticProfile(MODEL, PrecisionConfig(), cuda)
+    square = gemm(2048, 2048, 2048, 4)
+    [(flops, _, _)] = square.gemms
+    assert profile.seconds(square) == pytest.approx(flops / (0.5 * 1e12))
+    assert profile.seconds(square * 3) == pytest.approx(3 * flops / (0.5 * 1e12))

@@ -1,17 +1,20 @@
 """Vocabulary-parallel cross entropy equals F.cross_entropy (loss and logits gradient), also when
-t does not divide the vocabulary (the padded rows are excluded from the softmax)."""
+t does not divide the vocabulary (the padded rows are excluded from the softmax), and computes it
+in chunks of tokens without an fp32 copy of the whole logits."""
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megatron_2bw.tensor_parallel import cross_entropy
 from megatron_2bw.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from tests.distributed_helpers import run_ranks
 
 
-def _check(rank, world, vocab):
+def _check(rank, world, vocab, padded=None):
+    cross_entropy.CHUNK_ELEMENTS = 5 * 16  # 5 tokens a chunk: 24 tokens in 5 chunks
     group = dist.new_group(list(range(world))) if world > 1 else None
-    padded = -(-vocab // world) * world
+    padded = padded or -(-vocab // world) * world
     generator = torch.Generator().manual_seed(5)
     logits = torch.randn(4, 6, vocab, generator=generator) * 3
     target = torch.randint(0, vocab, (4, 6), generator=generator)
@@ -30,9 +33,11 @@ def _check(rank, world, vocab):
     return True
 
 
-@pytest.mark.parametrize("world,vocab", [(1, 37), (2, 37), (4, 50), (4, 64)])
-def test_vocab_parallel_cross_entropy(world, vocab):
-    assert all(run_ranks(world, _check, vocab))
+@pytest.mark.parametrize("world,vocab,padded", [(1, 37, None), (2, 37, None), (4, 50, None),
+                                                (4, 64, None), (2, 20, 64)])
+def test_vocab_parallel_cross_entropy(world, vocab, padded):
+    """(2, 20, 64): rank 1's rows are all padding."""
+    assert all(run_ranks(world, _check, vocab, padded))
 
 
 class _LogitsSizedAllocations(torch.utils._python_dispatch.TorchDispatchMode):
@@ -55,20 +60,26 @@ class _LogitsSizedAllocations(torch.utils._python_dispatch.TorchDispatchMode):
 
 
 @pytest.mark.parametrize("dtype, padded", [(torch.bfloat16, True), (torch.float32, False)])
-def test_one_fp32_logits_sized_buffer_in_forward_and_none_in_backward(dtype, padded):
-    """The loss of bf16 logits costs one fp32 copy of them (which becomes the gradient), not a
-    second one for the shifted logits or the padding mask."""
+def test_no_fp32_logits_sized_buffer_and_the_loss_to_1e6(dtype, padded, monkeypatch):
+    """The loss of the logits costs no fp32 copy of them in the forward or the backward (chunks
+    of 5 tokens of 24 here; the gradient of fp32 logits is fp32), and equals F.cross_entropy of
+    the fp32 logits to 1e-6."""
+    monkeypatch.setattr(cross_entropy, "CHUNK_ELEMENTS", 5 * 64)
     vocab = 60 if padded else 64
-    logits = torch.randn(4, 6, 64).to(dtype).requires_grad_()
+    logits = (3 * torch.randn(4, 6, 64)).to(dtype).requires_grad_()
     target = torch.randint(0, vocab, (4, 6))
     counter = _LogitsSizedAllocations(logits.numel())
     with counter:
         loss = vocab_parallel_cross_entropy(logits, target, None, vocab)
-    assert counter.count == 1
-    counter.count = 0
+    assert counter.count == 0
     with counter:
         loss.sum().backward()
-    assert counter.count == 0
-    reference = F.cross_entropy(logits.detach().float()[..., :vocab].reshape(-1, vocab),
-                                target.view(-1), reduction="none").view(4, 6)
-    torch.testing.assert_close(loss, reference, atol=1e-5, rtol=1e-5)
+    assert counter.count == (dtype == torch.float32)  # the gradient itself, in fp32 logits
+    reference_logits = logits.detach().float()[..., :vocab].requires_grad_()
+    reference = F.cross_entropy(reference_logits.reshape(-1, vocab), target.view(-1),
+                                reduction="none").view(4, 6)
+    reference.sum().backward()
+    torch.testing.assert_close(loss, reference, atol=1e-6, rtol=1e-6)
+    assert logits.grad.dtype == dtype
+    torch.testing.assert_close(logits.grad[..., :vocab], reference_logits.grad.to(dtype))
+    assert not logits.grad[..., vocab:].any()

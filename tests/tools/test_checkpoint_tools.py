@@ -42,6 +42,12 @@ def relu_gpt2(directory):
      "checkpoint directory {tmp}/missing does not exist"),
     ("export_to_hf", ["--load", "{ckpt}", "--output", "{tmp}/hf", "--hidden-size", "64"],
      "--hidden-size 64 contradicts checkpoint {ckpt}, whose model has hidden_size = 32"),
+    ("export_to_hf", ["--load", "{ckpt}", "--output", "{ckpt}/latest_checkpointed_iteration.txt"],
+     "--output {ckpt}/latest_checkpointed_iteration.txt: exists and is not a directory; give a "
+     "new or empty directory"),
+    ("export_to_hf", ["--load", "{ckpt}", "--output", "{ckpt}"],
+     "--output {ckpt}: not empty (2 entries, e.g. iter_0000007); give a new or empty directory, "
+     "so that no file of another model is loaded with this one"),
     ("import_from_hf", ["--hf-path", "{tmp}/relu", "--save", "{tmp}/imported"],
      "config.json has activation_function = 'relu'"),
     ("evaluate_perplexity", ["--load", "{ckpt}"],
