@@ -16,7 +16,8 @@ from __future__ import annotations
 from typing import Iterator
 
 from megatron_2bw.pipeline.actions import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD,
-                                           Action, aligned_flushed_batches)
+                                           Action)
+from megatron_2bw.pipeline.v_batches import v_schedule_actions
 
 
 def dualpipe_v_order(stages: int, microbatches: int, stage: int) -> list[tuple[str, int, int]]:
@@ -69,7 +70,5 @@ def dualpipe_v_order(stages: int, microbatches: int, stage: int) -> list[tuple[s
 
 def dualpipe_v_actions(stages: int, microbatches: int, batches: int, stage: int,
                        first_batch: int = 0, chunks: int = 2) -> Iterator[Action]:
-    def order(s: int) -> list[tuple[str, int, int]]:
-        return dualpipe_v_order(stages, microbatches, s)
-    yield from aligned_flushed_batches(order, stages, stage, 2, microbatches, batches, first_batch,
-                                       shape="v")
+    yield from v_schedule_actions(dualpipe_v_order, stages, microbatches, batches, stage,
+                                  first_batch)

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from megatron_2bw.pipeline import schedules as S
+from megatron_2bw.pipeline import actions as S
 from megatron_2bw.pipeline.actions import send_destination, transfer_peer
 
 BATCHED, SINGLE = "batch_isend_irecv", "a single isend/irecv"
@@ -86,6 +86,12 @@ def transfer_batches(stage_list: list[S.Action], stage: int, stages: int,
 def replay(actions: list[list[S.Action]], form: Callable[[list[S.Action]], str] = batched,
            shape: str = "loop") -> ReplayResult:
     """`shape`: where the chunks sit (placement.py), which decides each transfer's peer."""
+    return _run(actions, form, shape)[0]
+
+
+def _run(actions: list[list[S.Action]], form: Callable[[list[S.Action]], str] = batched,
+         shape: str = "loop"):
+    """The replay's result and where it ended: (result, batches, match, done, position)."""
     stages = len(actions)
     batches = [transfer_batches(row, s, stages, form, shape) for s, row in enumerate(actions)]
     result = ReplayResult(transfers=sum(len(b) for row in batches for b in row))
@@ -129,7 +135,40 @@ def replay(actions: list[list[S.Action]], form: Callable[[list[S.Action]], str] 
     if stuck:
         result.deadlock = "; ".join(_waits(batches[s][position[s]], match, done, position, batches)
                                     for s in stuck)
-    return result
+    return result, batches, match, done, position
+
+
+def grouped_for_nccl(actions: list[list[S.Action]], shape: str = "loop") -> list[list[S.Action]]:
+    """Every stage's list with receives moved into earlier exchanges until the lists run under
+    NCCL's rules: while two stages each hold a send the other receives only in a later exchange,
+    the receive (and the receives from the same peer before it, which keeps the pair's posting
+    order) joins the receiving stage's running exchange. A receive posted early only holds its
+    buffer longer; the data it brings is used where it was before. (Interleaved's lists carry
+    Megatron-LM's grouping instead; the V schedules, whose pairs carry transfers both ways in
+    orders of their own, use this.)"""
+    rows = [list(row) for row in actions]
+    for _ in range(sum(map(len, rows)) + 1):
+        result, batches, match, done, position = _run(rows, shape=shape)
+        if result.deadlock is None:
+            return rows
+        # of the receives a stuck send waits for, move the one with the fewest exchanges to skip
+        where = {t: i for row in batches for i, batch in enumerate(row) for t in batch}
+        receive = min((match[t] for s, row in enumerate(batches) if position[s] < len(row)
+                       for t in row[position[s]] if t.is_send and t not in done
+                       and match.get(t) is not None),
+                      key=lambda r: (where[r] - position[r.stage], r.stage, r.position))
+        q, source = receive.stage, receive.peer
+        running = batches[q][position[q]]
+        end = max(t.position for t in running) + 1  # after the running exchange's last transfer
+        moved = [i for i in range(end, receive.position + 1)
+                 if rows[q][i].kind in (S.RECV_ACT, S.RECV_GRAD)
+                 and transfer_peer(q, rows[q][i].kind, rows[q][i].chunk, len(rows), shape)[0]
+                 == source]
+        row = rows[q]
+        rows[q] = row[:end] + [row[i] for i in moved] + \
+            [a for i, a in enumerate(row[end:], end) if i not in set(moved)]
+    raise S.ScheduleError(f"no grouping of the transfers runs under NCCL's rules: "
+                          f"{result.deadlock}")
 
 
 def _waits(batch: list[Transfer], match: dict, done: set, position: list[int],
@@ -175,10 +214,10 @@ def check_schedule(schedule: str, stages: int, microbatches: int, chunks: int = 
     """Every rule for one run's shape, without processes: the lists of `batches` batches (the
     warm-up, the steady state and the drain of any segment) by schedules.validate, and they and
     the evaluation's forward-only lists under NCCL's rules. Raises ScheduleError."""
+    from megatron_2bw.pipeline import schedules as S  # the registry's generators import this module
     actions = S.build_schedule(schedule, stages, microbatches, batches, 0, chunks)
     S.validate(actions, schedule, microbatches)
     shape = S.REGISTRY[schedule].shape
     check(actions, shape=shape)
-    if shape == "loop":  # the evaluation's order (the executor runs loop placements only)
-        check([list(S.forward_only_actions(stages, microbatches, s, chunks))
-               for s in range(stages)])
+    check([list(S.forward_only_actions(stages, microbatches, s, chunks, shape))  # evaluation
+           for s in range(stages)], shape=shape)

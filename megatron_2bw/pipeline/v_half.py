@@ -17,9 +17,9 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Iterator
 
-from megatron_2bw.pipeline.actions import (BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action,
-                                           aligned_flushed_batches)
+from megatron_2bw.pipeline.actions import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action
 from megatron_2bw.pipeline.placement import Placement
+from megatron_2bw.pipeline.v_batches import v_schedule_actions
 
 F, B, W = FORWARD, BACKWARD_INPUT, BACKWARD_WEIGHT
 
@@ -89,9 +89,6 @@ def v_half_order(stages: int, microbatches: int, stage: int) -> list[tuple[str, 
     return list(v_half_orders(stages, microbatches)[stage])
 
 
-def v_half_actions(stages: int, microbatches: int, batches: int, stage: int,
-                   first_batch: int = 0, chunks: int = 2) -> Iterator[Action]:
-    def order(s: int) -> list[tuple[str, int, int]]:
-        return v_half_order(stages, microbatches, s)
-    yield from aligned_flushed_batches(order, stages, stage, 2, microbatches, batches, first_batch,
-                                       shape="v")
+def v_half_actions(stages: int, microbatches: int, batches: int, stage: int, first_batch: int = 0,
+                   chunks: int = 2) -> Iterator[Action]:
+    yield from v_schedule_actions(v_half_order, stages, microbatches, batches, stage, first_batch)

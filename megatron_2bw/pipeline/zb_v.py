@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from megatron_2bw.pipeline.actions import (BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action,
-                                           aligned_flushed_batches)
+from megatron_2bw.pipeline.actions import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action
+from megatron_2bw.pipeline.v_batches import v_schedule_actions
 
 F, B, W = FORWARD, BACKWARD_INPUT, BACKWARD_WEIGHT
 
@@ -58,7 +58,4 @@ def zb_v_order(stages: int, microbatches: int, stage: int) -> list[tuple[str, in
 
 def zb_v_actions(stages: int, microbatches: int, batches: int, stage: int, first_batch: int = 0,
                  chunks: int = 2) -> Iterator[Action]:
-    def order(s: int) -> list[tuple[str, int, int]]:
-        return zb_v_order(stages, microbatches, s)
-    yield from aligned_flushed_batches(order, stages, stage, 2, microbatches, batches, first_batch,
-                                       shape="v")
+    yield from v_schedule_actions(zb_v_order, stages, microbatches, batches, stage, first_batch)

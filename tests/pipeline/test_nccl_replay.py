@@ -27,25 +27,16 @@ def _shapes(schedule: str):
                 yield p, m, chunks
 
 
-# The V placements (zb-v, dualpipev) are generated but not yet run by the executor; posted with
-# the executor's grouping (the transfers between two computes in one batch) two ranks each hold
-# a send the other receives only in a later exchange. They need their own grouping, as
-# interleaved has Megatron-LM's, before the executor runs them.
-V_DEADLOCK = pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "deadlock under NCCL's rules with the executor's grouping of adjacent transfers"))
-
-
-@pytest.mark.parametrize("schedule", [pytest.param(name, marks=V_DEADLOCK)
-                                      if S.REGISTRY[name].shape == "v" else name
-                                      for name in S.SCHEDULES])
+@pytest.mark.parametrize("schedule", S.SCHEDULES)
 def test_every_generator_is_deadlock_free_with_no_mismatched_transfer(schedule):
-    shapes = list(_shapes(schedule))
     shape = S.REGISTRY[schedule].shape
+    # a V's lists are regrouped by a replay per exchange moved: at p = 8 one m keeps it quick
+    shapes = [(p, m, chunks) for p, m, chunks in _shapes(schedule)
+              if shape == "loop" or p < 8 or m == 2 * p]
     assert len(shapes) >= 8
     for p, m, chunks in shapes:
-        lists = [S.build_schedule(schedule, p, m, 2, 0, chunks)]
-        if shape == "loop":  # evaluation (the executor runs loop placements)
-            lists.append([list(S.forward_only_actions(p, m, s, chunks)) for s in range(p)])
+        lists = [S.build_schedule(schedule, p, m, 2, 0, chunks),  # and evaluation's
+                 [list(S.forward_only_actions(p, m, s, chunks, shape)) for s in range(p)]]
         for actions in lists:
             result = R.replay(actions, shape=shape)
             assert result.deadlock is None, (schedule, p, m, chunks, result.deadlock)

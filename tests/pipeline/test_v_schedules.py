@@ -3,6 +3,7 @@ by the validator (data flow, versions, transfer order, replay), their memory aga
 tables, and the receive order NCCL needs on a V's rank pairs."""
 import pytest
 
+from megatron_2bw.pipeline import nccl_replay as R
 from megatron_2bw.pipeline import schedules as S
 from megatron_2bw.pipeline.actions import flushed_batches, receives_in_send_order
 from megatron_2bw.pipeline.placement import Placement
@@ -127,14 +128,15 @@ def _idle_per_rank(schedule, p, m):
 def test_replayed_bubbles_against_the_papers_formulas():
     """p = 4, m = 8, idle time per rank in units of one chunk's forward. The replay reproduces
     1F1B's (p-1)(F+B) and ZB-H1's (p-1)(F+B-W) (stage times) exactly. ZB-V's table says bubble
-    rate 0 at equal F, B and W: the replay leaves only the start skew, (p-1) chunk forwards on
-    every rank. DualPipeV's README bound (p-1)(F&B+B-3W) (B the full backward, F&B = F+B with no
+    rate 0 at equal F, B and W: its order leaves the start skew, (p-1) chunk forwards on every
+    rank, and the lists the runtime posts (receives moved into earlier exchanges, which NCCL's
+    blocking sends need) 2 units more. DualPipeV's README bound (p-1)(F&B+B-3W) (B the full backward, F&B = F+B with no
     overlap) is 2(p-1); the replay is below it. V-Half's table: bubble rate about p/(2m) of the
     longest rank's time; the replay is below it too."""
     p, m = 4, 8
     assert _idle_per_rank("flush", p, m)[1] == [(p - 1) * (2 + 4)] * p
     assert _idle_per_rank("zb-h1", p, m)[1] == [(p - 1) * (2 + 2 - 2)] * p
-    assert _idle_per_rank("zb-v", p, m)[1] == [p - 1] * p
+    assert _idle_per_rank("zb-v", p, m)[1] == [p - 1 + 2] * p
     assert max(_idle_per_rank("dualpipev", p, m)[1]) <= (p - 1) * ((1 + 2) + 2 - 3 * 1)
     makespan, idle = _idle_per_rank("v-half", p, m)
     assert max(idle) / makespan <= p / (2 * m)
@@ -173,3 +175,21 @@ def test_the_memory_estimate_places_a_vs_layers_and_ends():
             middle.activations * in_flight / S.max_in_flight("flush", 4, 8, 1))
         assert memory(schedule, 3).params == middle.params  # no output layer on the last rank
         assert memory(schedule, 0).params > memory("flush", 0).params  # embedding and head
+
+
+def test_a_vs_receives_move_into_earlier_exchanges_as_nccl_needs():
+    """ZB-V at p = 2, m = 4 with each pass's transfers next to it: both ranks hold a send the other
+    receives only in a later exchange, a deadlock under NCCL's rules; grouped_for_nccl moves
+    receives (none added, none lost, computes untouched) until the replay runs through."""
+    p, m = 2, 4
+    raw = receives_in_send_order(
+        [list(flushed_batches(zb_v_order(p, m, s), p, s, 2, m, 1, 0, "v")) for s in range(p)],
+        "v")
+    assert R.replay(raw, shape="v").deadlock is not None
+    grouped = R.grouped_for_nccl(raw, "v")
+    R.check(grouped, shape="v")
+    S.validate(grouped, "zb-v", m)
+    for before, after in zip(raw, grouped):
+        assert sorted(map(str, before)) == sorted(map(str, after))
+        computes = [a for a in before if a.kind not in S.COMM_KINDS]
+        assert [a for a in after if a.kind not in S.COMM_KINDS] == computes
