@@ -84,17 +84,6 @@ def flushed_batches(order: list[tuple[str, int, int]], stages: int, stage: int, 
         yield from end_of_flushed_batch(b)
 
 
-def aligned_flushed_batches(order_of_stage, stages: int, stage: int, chunks: int,
-                            microbatches: int, batches: int, first_batch: int,
-                            shape: str = "loop") -> Iterator[Action]:
-    """flushed_batches with every receive in its sender's order (receives_in_send_order): for
-    schedules whose ranks exchange several kinds of transfer in orders of their own (the V's)."""
-    for b in range(first_batch, first_batch + batches):
-        rows = [list(flushed_batches(order_of_stage(s), stages, s, chunks, microbatches, 1, b,
-                                     shape)) for s in range(stages)]
-        yield from receives_in_send_order(rows, shape)[stage]
-
-
 def receives_in_send_order(actions: list[list[Action]], shape: str = "loop") -> list[list[Action]]:
     """Every stage's list with each receive moved up, where needed, behind the receives of what
     its peer sent earlier: NCCL matches a pair's transfers in posting order whatever their tags,
