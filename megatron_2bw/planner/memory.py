@@ -12,7 +12,7 @@ Weights and gradients (pipeline/weights.py, pipeline/update.py):
   live version (2P or 4P each; 2 versions for 2BW) and the gradient-accumulation buffer (working
   precision, or 4P with fp32 gradients: PrecisionConfig.fp32_gradients).
 - optimizer state: Adam 8P, SGD with momentum 4P, plus 4P for --delay-compensation's delta
-  (pipeline/compensation.py; with predict the master weights are separate also in fp32).
+  (8P for ef: pipeline/compensation.py; with predict the master weights are separate also in fp32).
   use_distributed_optimizer divides the master weights, master gradients and optimizer state by d.
 
 Activations: the bytes one layer stashes per microbatch (`activation_bytes_per_layer`, measured by
@@ -40,6 +40,7 @@ import torch
 
 from megatron_2bw.config import ModelConfig, ParallelConfig, PrecisionConfig, RecomputeConfig
 from megatron_2bw.distributed.comm import ShardShapeGroup
+from megatron_2bw.pipeline.compensation import STATE_BUFFERS
 from megatron_2bw.pipeline.partition import layer_ranges, stage_recompute
 from megatron_2bw.pipeline.pipemare import stage_delay
 from megatron_2bw.pipeline.schedules import live_versions, max_in_flight
@@ -367,13 +368,13 @@ def estimate_stage_memory(model: ModelConfig, parallel: ParallelConfig, precisio
     # weights.py: in fp32 the master weights are (part of) a working copy (2BW's newest), and
     # the master gradients the accumulation buffer unless a second version accumulates
     fp32 = e == 4 and g == 4
-    compensated = parallel.delay_compensation != "none"
+    compensation_buffers = STATE_BUFFERS[parallel.delay_compensation]
     separate_master = not fp32 or parallel.delay_compensation == "predict"
     separate_master_grads = not fp32 or versions > 1
 
     params = e * P + (4 * P / shards if separate_master else 0)
     grads = g * P + (4 * P / shards if separate_master_grads else 0)
-    optimizer_bytes = (OPTIMIZER_STATE_BYTES[optimizer] + (4 if compensated else 0)) * P / shards
+    optimizer_bytes = (OPTIMIZER_STATE_BYTES[optimizer] + 4 * compensation_buffers) * P / shards
     stash = e * P * (versions - 1)
     if schedule == "pipemare" and parallel.pipemare_discrepancy_decay > 0 and \
             stage_delay(microbatches, stage, p) >= 1:
