@@ -11,7 +11,7 @@ import sys
 from contextlib import contextmanager
 
 from megatron_2bw.batch_schedule import parse_step_schedule
-from megatron_2bw.config import Config, ConfigError  # noqa: F401 - ConfigError is re-exported
+from megatron_2bw.config import MUON_SCALE_MODES, Config, ConfigError  # noqa: F401 - ConfigError is re-exported
 from megatron_2bw.config_checks import validate
 from megatron_2bw.data.tokenizers import TOKENIZER_TYPES
 
@@ -221,7 +221,9 @@ def build_parser(description: str = "", extra_args_provider=None) -> argparse.Ar
                    help="with --checkpoint-activations: layers per recomputed chunk (default 1)")
 
     g = parser.add_argument_group("optimizer")
-    _flag(g, "--optimizer", "optimizer", "optimizer", choices=["adam", "sgd"])
+    _flag(g, "--optimizer", "optimizer", "optimizer", choices=["adam", "sgd", "muon"],
+          help="muon: Muon for the hidden weight matrices, AdamW (the --adam-* flags) for the "
+               "rest (docs/optimizers.md)")
     _flag(g, "--lr", "optimizer", "lr", type=float)
     _flag(g, "--min-lr", "optimizer", "min_lr", type=float)
     _flag(g, "--lr-warmup-iters", "optimizer", "lr_warmup_iters", type=int)
@@ -239,6 +241,20 @@ def build_parser(description: str = "", extra_args_provider=None) -> argparse.Ar
     _flag(g, "--adam-beta2", "optimizer", "adam_beta2", type=float)
     _flag(g, "--adam-eps", "optimizer", "adam_eps", type=float)
     _flag(g, "--sgd-momentum", "optimizer", "sgd_momentum", type=float)
+    _flag(g, "--muon-momentum", "optimizer", "muon_momentum", type=float,
+          help="Muon's momentum, in [0, 1) (default 0.95)")
+    g.add_argument("--muon-use-nesterov", action=argparse.BooleanOptionalAction, default=None,
+                   help="Nesterov momentum in Muon's update (default on, as torch.optim.Muon)")
+    _FIELDS.append(("--muon-use-nesterov", "optimizer", "muon_use_nesterov"))
+    _flag(g, "--muon-num-ns-steps", "optimizer", "muon_num_ns_steps", type=int,
+          help="Newton-Schulz iterations that orthogonalise Muon's update, 1 to 99 (default 5)")
+    _flag(g, "--muon-scale-mode", "optimizer", "muon_scale_mode",
+          choices=list(MUON_SCALE_MODES),
+          help="Muon's learning-rate factor of an out x in matrix: sqrt(max(1, out/in)) "
+               "(default; torch's 'original'), sqrt(max(out, in)), sqrt(out/in)")
+    _flag(g, "--muon-extra-scale-factor", "optimizer", "muon_extra_scale_factor", type=float,
+          help="times --muon-scale-mode's factor, > 0 (default 1; spectral with 0.2 matches "
+               "AdamW's update RMS, torch's 'match_rms_adamw')")
     _flag(g, "--clip-grad", "optimizer", "clip_grad", type=float, help="0 disables clipping")
     _flag(g, "--lr-warmup-init", "optimizer", "lr_warmup_init", type=float,
           help="the learning rate the warm-up starts from (default 0)")

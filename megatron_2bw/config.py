@@ -201,9 +201,12 @@ class RecomputeConfig:
     num_layers_per_stage: list[int] | None = None
 
 
+MUON_SCALE_MODES = ("shape_scaling", "spectral", "unit_rms_norm")  # optim/muon.update_scale
+
+
 @dataclass
 class OptimizerConfig:
-    optimizer: str = "adam"  # "adam" (AdamW) | "sgd"
+    optimizer: str = "adam"  # "adam" (AdamW) | "sgd" | "muon" (optim/muon.py; AdamW for the rest)
     lr: float = 1e-4
     min_lr: float = 0.0
     lr_warmup_iters: int = 0
@@ -217,6 +220,12 @@ class OptimizerConfig:
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
     sgd_momentum: float = 0.9
+    # Muon (Megatron-Core's flag names; torch.optim.Muon's defaults)
+    muon_momentum: float = 0.95
+    muon_use_nesterov: bool = True
+    muon_num_ns_steps: int = 5
+    muon_scale_mode: str = "shape_scaling"  # shape_scaling | spectral | unit_rms_norm
+    muon_extra_scale_factor: float = 1.0
     clip_grad: float = 1.0
     lr_warmup_init: float = 0.0  # the warm-up rises from this rate (Megatron-LM's flag)
     # the input embeddings' and output layer's own peak and final rate (None: --lr, --min-lr)

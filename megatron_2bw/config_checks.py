@@ -4,7 +4,7 @@ microbatches per batch)."""
 from __future__ import annotations
 
 from megatron_2bw.batch_schedule import batch_schedule
-from megatron_2bw.config import Config, ConfigError
+from megatron_2bw.config import MUON_SCALE_MODES, Config, ConfigError, OptimizerConfig
 
 
 def _validate_schedule_units(tr, opt) -> None:
@@ -72,6 +72,32 @@ def _validate_megatron_schedules(opt) -> None:
                              f"--start-weight-decay and --end-weight-decay")
         _require(opt.start_weight_decay >= 0 and opt.end_weight_decay >= 0,
                  "--start-weight-decay and --end-weight-decay must be >= 0")
+
+
+MUON_FLAGS = {"muon_momentum": "--muon-momentum", "muon_use_nesterov": "--muon-use-nesterov",
+              "muon_num_ns_steps": "--muon-num-ns-steps", "muon_scale_mode": "--muon-scale-mode",
+              "muon_extra_scale_factor": "--muon-extra-scale-factor"}
+
+
+def _validate_muon(opt) -> None:
+    """Muon's settings need --optimizer muon and a value in range (the Adam flags stay valid:
+    they set the AdamW of the other parameters)."""
+    if opt.optimizer != "muon":
+        default = OptimizerConfig()
+        for field, flag in MUON_FLAGS.items():
+            _require(getattr(opt, field) == getattr(default, field),
+                     f"{flag} applies to --optimizer muon only (this run uses --optimizer "
+                     f"{opt.optimizer})")
+        return
+    _require(0.0 <= opt.muon_momentum < 1.0,
+             f"--muon-momentum must be in [0, 1), got {opt.muon_momentum}")
+    _require(isinstance(opt.muon_num_ns_steps, int) and 1 <= opt.muon_num_ns_steps < 100,
+             f"--muon-num-ns-steps must be an integer from 1 to 99, got {opt.muon_num_ns_steps}")
+    _require(opt.muon_scale_mode in MUON_SCALE_MODES,
+             f"--muon-scale-mode must be one of {', '.join(MUON_SCALE_MODES)}, got "
+             f"{opt.muon_scale_mode!r}")
+    _require(opt.muon_extra_scale_factor > 0,
+             f"--muon-extra-scale-factor must be > 0, got {opt.muon_extra_scale_factor}")
 
 
 def _validate_run_loop(tr, log) -> None:
@@ -315,6 +341,7 @@ def validate(config: Config, require_data: bool = True) -> None:
     _validate_schedule_units(tr, opt)
     _validate_batch_schedule(tr)
     _validate_megatron_schedules(opt)
+    _validate_muon(opt)
     _validate_run_loop(tr, config.logging)
     _validate_pipedream(config)
     _validate_pipemare(config)

@@ -1,12 +1,13 @@
 """The torch optimizer over fp32 master weights: Megatron's parameter groups and apex's fused Adam
 when available on GPU, else torch's fused AdamW/SGD (one kernel per tensor list and no temporary of
 the parameters' size; the foreach path would hold sqrt(v), 4 bytes per parameter, during every
-step).
+step); with --optimizer muon, Muon for the hidden matrices and that AdamW for the rest
+(optim/muon.py).
 
 Each group carries what the schedules (optim/lr_schedule.py `apply_schedule`) need, under
 Megatron-LM's names: `wd_mult` (1: weight decay, 0: none, for biases and norms, i.e. 1-D
 parameters) and `is_decoupled_lr` (the input embeddings and the output layer under --decoupled-lr,
-which then have groups of their own). These roles come from this run's parameters and flags:
+which then have groups of their own), and `use_muon` (Muon's group). These roles come from this run's parameters and flags:
 loading an optimizer state leaves them as they are (a checkpoint's groups may come from another
 configuration)."""
 from __future__ import annotations
@@ -14,15 +15,17 @@ from __future__ import annotations
 import torch
 
 from megatron_2bw.config import OptimizerConfig
+from megatron_2bw.optim.muon import Muon
 
 try:
     from apex.optimizers import FusedAdam as _ApexFusedAdam
 except Exception:  # noqa: BLE001 - any import failure means "no apex"
     _ApexFusedAdam = None
 
-GROUP_ROLES = ("wd_mult", "is_decoupled_lr")
+GROUP_ROLES = ("wd_mult", "is_decoupled_lr", "use_muon")
 WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
 OUTPUT_LAYER_WEIGHTS = ("output_embedding", "output_layer")  # the last stage's tied copy; untied
+OUTPUT_HEADS = ("binary_head.weight", "classifier.weight")  # BERT's; the GLUE classifier's
 
 
 def is_embedding_or_output(name: str) -> bool:
@@ -34,23 +37,43 @@ def is_embedding_or_output(name: str) -> bool:
         or name in OUTPUT_LAYER_WEIGHTS
 
 
+def is_hidden_matrix(name: str, param: torch.Tensor) -> bool:
+    """What Muon updates: a 2-D weight of a hidden layer (not an embedding, the output layer or a
+    classification head, whose rows are per-token or per-class vectors rather than a linear map
+    between hidden representations)."""
+    return param.dim() == 2 and "embedding" not in name and not is_embedding_or_output(name) \
+        and not name.endswith(OUTPUT_HEADS)
+
+
 def param_groups(params: list[torch.Tensor], opt: OptimizerConfig,
                  names: list[str] | None = None) -> list[dict]:
-    """Megatron's groups: decayed or not, times (with --decoupled-lr) main or decoupled schedule.
-    `names` (the parameters' module names) pick the decoupled ones; --decoupled-lr needs them."""
-    if opt.decoupled_lr is not None and names is None:
-        raise ValueError("--decoupled-lr: the optimizer needs the parameters' names to find the "
-                         "embedding and output-layer weights")
+    """Megatron's groups: decayed or not, times (with --decoupled-lr) main or decoupled schedule;
+    with --optimizer muon the hidden matrices form a decayed main group of their own (`use_muon`).
+    `names` (the parameters' module names) pick the decoupled ones and Muon's matrices."""
+    muon = opt.optimizer == "muon"
+    for needed, flag in ((opt.decoupled_lr is not None, "--decoupled-lr"),
+                         (muon, "--optimizer muon")):
+        if needed and names is None:
+            raise ValueError(f"{flag}: the optimizer needs the parameters' names to find the "
+                             f"embedding and output-layer weights")
     decoupled = ([is_embedding_or_output(name) for name in names] if opt.decoupled_lr is not None
                  else [False] * len(params))
+    matrix = ([is_hidden_matrix(name, p) for name, p in zip(names, params, strict=True)] if muon
+              else [False] * len(params))
     groups = []
+    if any(matrix):
+        groups.append({"params": [p for p, is_matrix in zip(params, matrix) if is_matrix],
+                       "weight_decay": opt.weight_decay, "wd_mult": 1.0, "is_decoupled_lr": False,
+                       "use_muon": True})
     for is_decoupled_lr in (False, True):
         for wd_mult in (1.0, 0.0):
-            members = [p for p, d in zip(params, decoupled, strict=True)
-                       if d == is_decoupled_lr and (p.dim() > 1) == bool(wd_mult)]
+            members = [p for p, d, is_matrix in zip(params, decoupled, matrix, strict=True)
+                       if d == is_decoupled_lr and (p.dim() > 1) == bool(wd_mult)
+                       and not is_matrix]
             if members:
                 groups.append({"params": members, "weight_decay": opt.weight_decay * wd_mult,
-                               "wd_mult": wd_mult, "is_decoupled_lr": is_decoupled_lr})
+                               "wd_mult": wd_mult, "is_decoupled_lr": is_decoupled_lr,
+                               "use_muon": False})
     return groups
 
 
@@ -65,10 +88,14 @@ def _keep_group_roles(optimizer: torch.optim.Optimizer, state_dict: dict) -> dic
 def build_torch_optimizer(params: list[torch.Tensor], opt: OptimizerConfig,
                           names: list[str] | None = None) -> torch.optim.Optimizer:
     groups = param_groups(params, opt, names)
+    adam = dict(lr=opt.lr, betas=(opt.adam_beta1, opt.adam_beta2), eps=opt.adam_eps)
     if opt.optimizer == "sgd":
         optimizer = torch.optim.SGD(groups, lr=opt.lr, momentum=opt.sgd_momentum, fused=True)
+    elif opt.optimizer == "muon":
+        optimizer = Muon(groups, momentum=opt.muon_momentum, nesterov=opt.muon_use_nesterov,
+                         ns_steps=opt.muon_num_ns_steps, scale_mode=opt.muon_scale_mode,
+                         extra_scale_factor=opt.muon_extra_scale_factor, fused=True, **adam)
     else:
-        adam = dict(lr=opt.lr, betas=(opt.adam_beta1, opt.adam_beta2), eps=opt.adam_eps)
         if _ApexFusedAdam is not None and bool(params) and params[0].is_cuda:
             optimizer = _ApexFusedAdam(groups, adam_w_mode=True, **adam)
         else:

@@ -46,6 +46,7 @@ import torch.distributed as dist
 from megatron_2bw.config import OptimizerConfig
 from megatron_2bw.distributed.comm import all_reduce, group_rank, group_size
 from megatron_2bw.optim.distributed import DistributedOptimizer
+from megatron_2bw.optim.muon import Muon, WholeMatrices
 from megatron_2bw.optim.optimizer import initialize_state
 from megatron_2bw.pipeline.overlap import (BackwardBucketReducer, bucket_bounds,
                                            start_bucket_reduction)
@@ -116,6 +117,9 @@ class GradientUpdater:
         self.tied_copy = any(s.tied_copy for s in versions.specs)
         if isinstance(optimizer, DistributedOptimizer):
             optimizer.shard(versions)
+        inner = optimizer.optimizer if isinstance(optimizer, DistributedOptimizer) else optimizer
+        if isinstance(inner, Muon):  # orthogonalise whole matrices, not this rank's parts
+            inner.whole_matrices = WholeMatrices(versions, tensor_group)
         initialize_state(optimizer)
         self.pending: dict[int, _Pending] = {}
         self.version_scales = {0: loss_scaler.scale}  # version -> scale of the batches using it

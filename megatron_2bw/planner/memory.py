@@ -11,7 +11,8 @@ Weights and gradients (pipeline/weights.py, pipeline/update.py):
 - otherwise (fp16/bf16, or fp32 2BW): fp32 master weights 4P, their gradient 4P, a working copy per
   live version (2P or 4P each; 2 versions for 2BW) and the gradient-accumulation buffer (working
   precision, or 4P with fp32 gradients: PrecisionConfig.fp32_gradients).
-- optimizer state: Adam 8P, SGD with momentum 4P, plus 4P for --delay-compensation's delta
+- optimizer state: Adam 8P, SGD with momentum 4P, Muon 4 bytes per hidden-matrix parameter (its
+  momentum buffer) and AdamW's 8 for the others, plus 4P for --delay-compensation's delta
   (8P for ef: pipeline/compensation.py; with predict the master weights are separate also in fp32).
   use_distributed_optimizer divides the master weights, master gradients and optimizer state by d.
 
@@ -27,8 +28,11 @@ tensor_parallel/layers.py runs them; Megatron-LM instead saves the local part an
 in backward), and the last stage's head runs on the gathered sequence.
 
 Workspace: the larger transient on top of that: one layer's backward (with full recomputation: one
-recomputed chunk's activations) or the fp32 cross entropy on the last stage. The optimizer step
-needs none (optim/optimizer.py uses fused Adam/SGD kernels).
+recomputed chunk's activations) or the fp32 cross entropy on the last stage. Adam's and SGD's
+step needs none (optim/optimizer.py uses fused kernels); Muon's holds its whole-matrix updates
+(optim/muon.py): with the distributed optimizer the gathered fp32 flat of the shard's weights (4P),
+and for the largest matrix, whole over the tensor-parallel group, its fp32 update and gathered
+pieces and the bf16 Newton-Schulz iterates (MUON_STEP_BYTES per element).
 """
 from __future__ import annotations
 
@@ -46,7 +50,10 @@ from megatron_2bw.pipeline.pipemare import stage_delay
 from megatron_2bw.pipeline.schedules import live_versions, max_in_flight
 from megatron_2bw.planner.hardware import HardwareSpec
 
-OPTIMIZER_STATE_BYTES = {"adam": 8, "sgd": 4}  # per fp32 parameter: Adam's m and v, SGD momentum
+# per fp32 parameter: Adam's m and v, SGD momentum; Muon: per hidden-matrix parameter (AdamW's
+# for the others)
+OPTIMIZER_STATE_BYTES = {"adam": 8, "sgd": 4, "muon": 4}
+MUON_STEP_BYTES = 16  # fp32 update and gathered pieces, two bf16 iterates
 MASK_BYTES = 1  # dropout masks are bool tensors
 # PyTorch's caching allocator rounds blocks up and cannot always reuse freed ones (a pipeline stage
 # frees its microbatches' activations in another order than it allocated them): plan to fill at
@@ -96,16 +103,19 @@ def _model_key(model: ModelConfig) -> tuple:
 
 @lru_cache(maxsize=256)
 def _shard_tensors(model_key: tuple, tensor_parallel: int, layers: int, pre_process: bool,
-                   post_process: bool) -> tuple[tuple[int, bool], ...]:
-    """(elements, gradient summed over the tensor group: `ParamSpec.tensor_partial_grad`) of each
-    parameter tensor of one rank's shard of the stage, built with that shard's shapes."""
+                   post_process: bool) -> tuple[tuple[int, bool, bool], ...]:
+    """(elements, gradient summed over the tensor group: `ParamSpec.tensor_partial_grad`, a hidden
+    matrix that Muon updates) of each parameter tensor of one rank's shard of the stage, built
+    with that shard's shapes."""
     from megatron_2bw.models import MODELS  # the models import torch layers: keep import lazy
+    from megatron_2bw.optim.optimizer import is_hidden_matrix
     model = ModelConfig(**dict(model_key))
     group = ShardShapeGroup(tensor_parallel) if tensor_parallel > 1 else None
     with torch.device("meta"):
         module = MODELS[model.model_type](model, group, model.padded_vocab_size(tensor_parallel),
                                           range(layers), pre_process, post_process)
-    return tuple((p.numel(), p.spec.tensor_partial_grad) for p in module.parameters())
+    return tuple((p.numel(), p.spec.tensor_partial_grad, is_hidden_matrix(name, p))
+                 for name, p in module.named_parameters())
 
 
 def _count(model: ModelConfig, tensor_parallel: int, layers: int, first: bool, last: bool,
@@ -122,7 +132,7 @@ def stage_parameters(model: ModelConfig, tensor_parallel: int, layers: int, firs
                      last: bool) -> int:
     """Parameters of one rank's shard of a stage with `layers` transformer layers."""
     return _count(model, tensor_parallel, layers, first, last,
-                  lambda tensors: sum(n for n, _ in tensors))
+                  lambda tensors: sum(n for n, _, _ in tensors))
 
 
 def stage_parameter_tensors(model: ModelConfig, tensor_parallel: int, layers: int, first: bool,
@@ -137,7 +147,20 @@ def stage_tensor_partial_grad_parameters(model: ModelConfig, tensor_parallel: in
     batch (tensor_parallel/layers.sum_tensor_partial_grads): under --sequence-parallel the norms,
     row-parallel biases, position and token-type tables; --qk-layernorm's norms; 0 at t = 1."""
     return _count(model, tensor_parallel, layers, first, last,
-                  lambda tensors: sum(n for n, summed in tensors if summed))
+                  lambda tensors: sum(n for n, summed, _ in tensors if summed))
+
+
+def stage_hidden_matrix_parameters(model: ModelConfig, tensor_parallel: int, layers: int,
+                                   first: bool, last: bool) -> int:
+    """Parameters of that shard in the hidden matrices Muon updates (optim/optimizer.py)."""
+    return _count(model, tensor_parallel, layers, first, last,
+                  lambda tensors: sum(n for n, _, matrix in tensors if matrix))
+
+
+def largest_hidden_matrix(model: ModelConfig, tensor_parallel: int, layers: int) -> int:
+    """Elements of the shard's largest hidden matrix (0 without layers)."""
+    tensors = _shard_tensors(_model_key(model), tensor_parallel, min(layers, 1), False, False)
+    return max((n for n, _, matrix in tensors if matrix), default=0)
 
 
 def layer_parameters(model: ModelConfig, tensor_parallel: int) -> int:
@@ -374,7 +397,15 @@ def estimate_stage_memory(model: ModelConfig, parallel: ParallelConfig, precisio
 
     params = e * P + (4 * P / shards if separate_master else 0)
     grads = g * P + (4 * P / shards if separate_master_grads else 0)
-    optimizer_bytes = (OPTIMIZER_STATE_BYTES[optimizer] + 4 * compensation_buffers) * P / shards
+    state = OPTIMIZER_STATE_BYTES[optimizer] * P
+    muon_step = 0.0
+    if optimizer == "muon":
+        matrices = stage_hidden_matrix_parameters(model, t, layers, first, last)
+        state = OPTIMIZER_STATE_BYTES["muon"] * matrices + OPTIMIZER_STATE_BYTES["adam"] * (
+            P - matrices)
+        muon_step = (4 * P if shards > 1 else 0) + \
+            MUON_STEP_BYTES * t * largest_hidden_matrix(model, t, layers)
+    optimizer_bytes = (state + 4 * compensation_buffers * P) / shards
     stash = e * P * (versions - 1)
     if schedule == "pipemare" and parallel.pipemare_discrepancy_decay > 0 and \
             stage_delay(microbatches, stage, p) >= 1:
@@ -403,5 +434,5 @@ def estimate_stage_memory(model: ModelConfig, parallel: ParallelConfig, precisio
     workspace = max(
         layer_backward_workspace_bytes(model, t, b, e)
         + recomputed_at_once * activation_bytes_per_layer,
-        cross_entropy_workspace_bytes(model, t, b, e) if last else 0.0)
+        cross_entropy_workspace_bytes(model, t, b, e) if last else 0.0, muon_step)
     return StageMemory(params, grads, optimizer_bytes, stash, activations, workspace)
