@@ -34,7 +34,7 @@ def compensated_reference(config, batches: int, feed, microbatches: int, mode: s
     stage_of = [_stage_of_parameter(n, layer_stages) for n in names]
     tau = [delay(s) for s in stage_of]
     master = [p.detach().clone().requires_grad_() for p in model.parameters()]
-    optimizer = build_torch_optimizer(master, config.optimizer)
+    optimizer = build_torch_optimizer(master, config.optimizer, names)
     snapshots = [[w.detach().clone() for w in master]]  # W(0), W(1), ...
     last_step = [torch.zeros_like(w) for w in master]  # ef's u_{b-1}
 
