@@ -584,7 +584,8 @@ def render_markdown(result: dict) -> str:
     t = summary["targets"]
     if t:
         lines += ["", f"2BW's best ({t['2bw_best']['rule']}, {t['2bw_best']['optimizer']}): "
-                  f"loss {t['2bw_best']['loss']:.4f}, perplexity {t['2bw_best']['perplexity']:.1f}; "
+                  f"loss {t['2bw_best']['loss']:.4f}, "
+                  f"perplexity {t['2bw_best']['perplexity']:.1f}; "
                   f"Flush's best ({t['flush_best']['optimizer']}): loss "
                   f"{t['flush_best']['loss']:.4f}, perplexity {t['flush_best']['perplexity']:.1f}; "
                   f"gap {pct(t['loss_gap'])} in loss, {pct(t['perplexity_gap'])} in perplexity: "

@@ -1,8 +1,8 @@
 """Time to quality on real processes: Flush and 2BW under torchrun (p = 2, m = 2) on the quickstart
 corpus, validation loss against measured training time.
 
-    python benchmarks/time_to_quality.py          # docs/time_to_quality.json + docs/images/time_to_quality.png
-    python benchmarks/time_to_quality.py --smoke --json /tmp/t.json --plot /tmp/t.png   # the path only
+    python benchmarks/time_to_quality.py    # docs/time_to_quality.json, docs/images/time_to_quality.png
+    python benchmarks/time_to_quality.py --smoke --json /tmp/t.json --plot /tmp/t.png   # path only
 
 Each recipe is a real job: `torchrun --standalone --nproc-per-node 2 pretrain_gpt.py` with the
 quickstart's model (4 layers, hidden 128, 4 heads, sequence 128), global batch 32 in m = 2

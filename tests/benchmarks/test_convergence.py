@@ -1,7 +1,8 @@
 """benchmarks/convergence.py: its simulated 2BW rules (none, predict, dc, ef, nesterov), PipeDream's
-and PipeMare's equal the
-references that the multi-process runs are checked against (tests/pipeline/compensation_reference.py,
-tests/pipeline/reference.py), and its quick mode writes the result, the table and the picture."""
+and PipeMare's equal the references that the multi-process runs are checked against
+(tests/pipeline/compensation_reference.py, reference.py, pipemare_reference.py), its PipeMare
+forward versions are the runtime's rule, every rule's best grid point is chosen by the mean over
+seeds, and its quick mode writes the result, the table and the picture."""
 import dataclasses
 import json
 
@@ -183,7 +184,8 @@ def test_the_simulated_pipemare_rule_equals_the_runtime_reference_at_four_microb
     """At m = 4 the simulation reads each microbatch's own forward version: it equals
     tests/pipeline/pipemare_reference.py at m = 4 (the reference the multi-process runtime is
     checked against)."""
-    config = tiny_config(optimizer="adam", lr=0.01, clip=0.5, untie_embeddings_and_output_weights=True)
+    config = tiny_config(optimizer="adam", lr=0.01, clip=0.5,
+                         untie_embeddings_and_output_weights=True)
     config.optimizer.weight_decay = 0.0
     feed = gpt_feed(config, ParallelLayout(1, 1, 1))
     rule = next(r for r in convergence.RULES if r.name == "pipemare")
@@ -199,7 +201,8 @@ def test_a_saved_study_keeps_the_runs_of_unchanged_rules_only():
     flush, two = convergence.Rule("flush", "flush"), convergence.Rule("2bw", "2bw", "uniform")
     setup = {"iterations": 600, "rules": [flush.__dict__, two.__dict__]}
     old_flush = {k: v for k, v in flush.__dict__.items() if k != "coefficient"}  # saved before
-    saved = {"setup": {"iterations": 600, "rules": [old_flush, {**two.__dict__, "coefficient": 1.0}]},
+    saved = {"setup": {"iterations": 600,
+                       "rules": [old_flush, {**two.__dict__, "coefficient": 1.0}]},
              "runs": [_run("flush", 1e-3, 0.1, 1234, [9, 7, 6]),
                       _run("2bw", 1e-3, 0.1, 1234, [9, 7, 6])],
              "stage_costs": {"forward_s": [1.0]}, "summary": {}}

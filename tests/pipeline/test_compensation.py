@@ -1,6 +1,7 @@
-"""--delay-compensation predict|dc|ef|nesterov under 2BW against tests/pipeline/compensation_reference.py (fp32,
-dropout 0, clipping on): p = 2, p = 4, t = 2 x p = 2 and p = 2 x d = 2 with the distributed optimizer,
-SGD and Adam, to 1e-5; each a different trajectory from uncompensated 2BW. bf16 trains like fp32;
+"""--delay-compensation predict|dc|ef|nesterov under 2BW against
+tests/pipeline/compensation_reference.py (fp32, dropout 0, clipping on): p = 2, p = 4,
+t = 2 x p = 2 and p = 2 x d = 2 with the distributed optimizer, SGD, Adam and (ef, nesterov)
+Muon, to 1e-5; each a different trajectory from uncompensated 2BW. bf16 trains like fp32;
 an fp16 overflow skips the step with compensation on; a resumed run equals a straight one bit for
 bit (the saved versions and delta)."""
 import functools
