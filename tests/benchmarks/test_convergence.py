@@ -9,15 +9,31 @@ import json
 import numpy as np
 import pytest
 
-from megatron_2bw.data.indexed import IndexedDatasetBuilder
 from megatron_2bw.distributed.layout import ParallelLayout
-from tests.benchmarks import load_benchmark
+from tests.benchmarks import load_benchmark, write_token_corpus
 from tests.pipeline.compensation_reference import compensated_reference
 from tests.pipeline.harness import gpt_feed, max_difference, tiny_config
 from tests.pipeline.pipemare_reference import pipemare_reference
 from tests.pipeline.reference import per_stage_delay_reference
 
 convergence = load_benchmark("convergence")
+
+
+def untied_config(**overrides):
+    """Adam, clipping, no weight decay (the references put every parameter in one group), an
+    untied output layer (every parameter on one stage); and its one-process feed."""
+    config = tiny_config(optimizer="adam", lr=0.01, clip=0.5,
+                         untie_embeddings_and_output_weights=True, **overrides)
+    config.optimizer.weight_decay = 0.0
+    return config, gpt_feed(config, ParallelLayout(1, 1, 1))
+
+
+def simulate(rule, config, feed, batches: int, microbatches: int) -> dict:
+    """The simulation's master weights by name after `batches` updates of `microbatches`."""
+    sim = convergence.Simulation(rule, 0.01, convergence.Study(), config.model, config.optimizer)
+    for b in range(batches):
+        sim.step(b, [feed(b * microbatches + j)["tokens"] for j in range(microbatches)])
+    return {n: m.detach() for (n, _), m in zip(sim.model.named_parameters(), sim.master)}
 
 
 # dc's lambda large enough to move the weights; ef and nesterov at their defaults
@@ -31,11 +47,7 @@ def test_the_simulated_2bw_rules_equal_the_reference(mode):
     feed = gpt_feed(config, ParallelLayout(1, 1, 1))
     rule = convergence.Rule("2bw", "2bw", delay="uniform", compensation=mode,
                             coefficient=5000.0 if mode == "dc" else None)
-    sim = convergence.Simulation(rule, 0.01, convergence.Study(), config.model, config.optimizer)
-    for b in range(5):
-        sim.step(b, [feed(b * 4 + j)["tokens"] for j in range(4)])
-    names = [n for n, _ in sim.model.named_parameters()]
-    simulated = {n: m.detach() for n, m in zip(names, sim.master)}
+    simulated = simulate(rule, config, feed, 5, 4)
     expected = compensated_reference(config, 5, feed, 4, mode, coefficient=COEFFICIENT[mode])
     assert max_difference(simulated, expected, config.model.vocab_size) < 1e-5
     if mode != "none":
@@ -44,15 +56,9 @@ def test_the_simulated_2bw_rules_equal_the_reference(mode):
 
 
 def test_the_simulated_pipedream_rule_equals_the_per_stage_delay_reference():
-    config = tiny_config(optimizer="adam", lr=0.01, clip=0.5,
-                         untie_embeddings_and_output_weights=True)
-    config.optimizer.weight_decay = 0.0
-    feed = gpt_feed(config, ParallelLayout(1, 1, 1))
+    config, feed = untied_config()
     rule = next(r for r in convergence.RULES if r.name == "pipedream")
-    sim = convergence.Simulation(rule, 0.01, convergence.Study(), config.model, config.optimizer)
-    for b in range(6):
-        sim.step(b, [feed(b * 4 + j)["tokens"] for j in range(4)])
-    simulated = {n: m.detach() for (n, _), m in zip(sim.model.named_parameters(), sim.master)}
+    simulated = simulate(rule, config, feed, 6, 4)
     expected = per_stage_delay_reference(config, 6, feed, 4, "pipedream", 4, clip="stage")
     assert max_difference(simulated, expected, config.model.vocab_size) < 1e-5
     assert max_difference(simulated, per_stage_delay_reference(config, 6, feed, 4, "2bw", 4),
@@ -63,13 +69,7 @@ def test_quick_mode_writes_the_result_and_the_picture(tmp_path, capsys):
     """Every rule runs through the whole path (simulation, timing replay, summary, plot) on a
     small generated corpus standing in for the prepared Shakespeare data: every rule at every
     point of the 2 x 2 grid (rate x warm-up) on both seeds."""
-    rng = np.random.RandomState(0)
-    for split, documents in (("train", 4), ("valid", 2)):
-        builder = IndexedDatasetBuilder(str(tmp_path / f"{split}_text_document"), np.uint16)
-        for _ in range(documents):
-            tokens = rng.randint(0, 256, size=2000)
-            builder.add_document(tokens, [len(tokens)])
-        builder.finalize()
+    write_token_corpus(tmp_path)
     out = tmp_path / "convergence.json"
     convergence.main(["--quick", "--data-dir", str(tmp_path), "--json", str(out),
                       "--plot", str(tmp_path / "convergence.png")])
@@ -145,16 +145,10 @@ def test_the_simulated_pipemare_rule_equals_the_runtime_reference_at_one_microba
     """At m = 1 (the paper's setting) the simulated PipeMare, with T1 and T2, equals
     tests/pipeline/pipemare_reference.py, which the multi-process runtime is checked against."""
     decay = 0.9 if t2 else 0.0
-    config = tiny_config(optimizer="adam", lr=0.01, clip=0.5, global_batch=2,
-                         untie_embeddings_and_output_weights=True)
-    config.optimizer.weight_decay = 0.0
-    feed = gpt_feed(config, ParallelLayout(1, 1, 1))
+    config, feed = untied_config(global_batch=2)
     rule = next(r for r in convergence.RULES if r.name == "pipemare")
     rule = dataclasses.replace(rule, lr_warmup_iters=3 if t1 else 0, discrepancy_decay=decay)
-    sim = convergence.Simulation(rule, 0.01, convergence.Study(), config.model, config.optimizer)
-    for b in range(6):
-        sim.step(b, [feed(b)["tokens"]])
-    simulated = {n: m.detach() for (n, _), m in zip(sim.model.named_parameters(), sim.master)}
+    simulated = simulate(rule, config, feed, 6, 1)
     expected = pipemare_reference(config, 6, feed, 1, 4, lr_warmup_iters=3 if t1 else 0,
                                   discrepancy_decay=decay)
     assert max_difference(simulated, expected, config.model.vocab_size) < 1e-5
@@ -184,15 +178,9 @@ def test_the_simulated_pipemare_rule_equals_the_runtime_reference_at_four_microb
     """At m = 4 the simulation reads each microbatch's own forward version: it equals
     tests/pipeline/pipemare_reference.py at m = 4 (the reference the multi-process runtime is
     checked against)."""
-    config = tiny_config(optimizer="adam", lr=0.01, clip=0.5,
-                         untie_embeddings_and_output_weights=True)
-    config.optimizer.weight_decay = 0.0
-    feed = gpt_feed(config, ParallelLayout(1, 1, 1))
+    config, feed = untied_config()
     rule = next(r for r in convergence.RULES if r.name == "pipemare")
-    sim = convergence.Simulation(rule, 0.01, convergence.Study(), config.model, config.optimizer)
-    for b in range(5):
-        sim.step(b, [feed(b * 4 + j)["tokens"] for j in range(4)])
-    simulated = {n: m.detach() for (n, _), m in zip(sim.model.named_parameters(), sim.master)}
+    simulated = simulate(rule, config, feed, 5, 4)
     expected = pipemare_reference(config, 5, feed, 4, 4)
     assert max_difference(simulated, expected, config.model.vocab_size) < 1e-5
 

@@ -3,11 +3,9 @@ and reads their logs; the training-time arithmetic, the recipes taken from the s
 input are checked on their own."""
 import json
 
-import numpy as np
 import pytest
 
-from megatron_2bw.data.indexed import IndexedDatasetBuilder
-from tests.benchmarks import load_benchmark
+from tests.benchmarks import load_benchmark, write_token_corpus
 
 ttq = load_benchmark("time_to_quality")
 
@@ -59,13 +57,7 @@ def test_training_time_sums_the_log_intervals_and_interpolates_the_target():
 
 
 def test_smoke_mode_runs_both_recipes_as_real_jobs(tmp_path):
-    rng = np.random.RandomState(0)
-    for split, documents in (("train", 4), ("valid", 2)):
-        builder = IndexedDatasetBuilder(str(tmp_path / f"{split}_text_document"), np.uint16)
-        for _ in range(documents):
-            tokens = rng.randint(0, 256, size=2000)
-            builder.add_document(tokens, [len(tokens)])
-        builder.finalize()
+    write_token_corpus(tmp_path)
     out = tmp_path / "ttq.json"
     result = ttq.main(["--smoke", "--data-dir", str(tmp_path), "--study",
                        study_json(tmp_path / "study.json"), "--workdir", str(tmp_path / "runs"),

@@ -137,29 +137,23 @@ def test_resumed_compensated_training_is_bit_identical(tmp_path, mode, extra):
     assert_resume_is_bit_identical(CompensatedResume(tmp_path, mode, *extra))
 
 
+def refused(mode: str, schedule: str, applies: str = "2bw") -> tuple[list[str], str]:
+    """A p = 2 run of `schedule` with --delay-compensation `mode`, and the line it must print."""
+    return (["--pipeline-model-parallel-size", "2", "--pipeline-schedule", schedule,
+             "--untie-embeddings-and-output-weights", "--delay-compensation", mode],
+            f"--delay-compensation {mode} applies to --pipeline-schedule {applies} only, not to "
+            f"--pipeline-schedule {schedule}")
+
+
 @pytest.mark.parametrize("extra,expected", [
-    (["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "flush",
-      "--delay-compensation", "predict"],
-     "--delay-compensation predict applies to --pipeline-schedule 2bw or pipedream only, not to "
-     "--pipeline-schedule flush"),
+    refused("predict", "flush", "2bw or pipedream"), refused("dc", "pipedream"),
+    refused("ef", "flush"), refused("nesterov", "pipemare"),
     (["--delay-compensation", "dc"],  # p = 1: the schedule is flush
      "--delay-compensation dc applies to --pipeline-schedule 2bw only, not to "
      "--pipeline-schedule flush"),
-    (["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "pipedream",
-      "--untie-embeddings-and-output-weights", "--delay-compensation", "dc"],
-     "--delay-compensation dc applies to --pipeline-schedule 2bw only, not to "
-     "--pipeline-schedule pipedream"),
     (["--pipeline-model-parallel-size", "2", "--delay-compensation", "predict",
       "--delay-compensation-lambda", "0.1"],
      "--delay-compensation-lambda applies to --delay-compensation dc, ef or nesterov only"),
-    (["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "flush",
-      "--delay-compensation", "ef"],
-     "--delay-compensation ef applies to --pipeline-schedule 2bw only, not to "
-     "--pipeline-schedule flush"),
-    (["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "pipemare",
-      "--untie-embeddings-and-output-weights", "--delay-compensation", "nesterov"],
-     "--delay-compensation nesterov applies to --pipeline-schedule 2bw only, not to "
-     "--pipeline-schedule pipemare"),
     (["--pipeline-model-parallel-size", "2", "--delay-compensation", "nesterov",
       "--delay-compensation-lambda", "1"],
      "--delay-compensation-lambda (nesterov's gamma) must be < 1, got 1.0"),
