@@ -9,21 +9,28 @@ For each model: the largest micro batch that fits (doubling until out of memory)
 model TFLOP/s per GPU and MFU, eager and with --torch-compile; the peer likewise; our peak memory
 against the planner's estimate (planner.memory.estimate_stage_memory); and one layer's forward and
 backward time and activation memory for micro batch 1, 2, 4, 8, 16 against the planner's analytic
-profile of the hardware file (--planner-hardware).
+profile of the hardware file (--planner-hardware). Without transformers installed the peer is
+skipped with one line.
 
-Model FLOPs per token (Megatron-LM's count, training.model_flops_per_sample: no recomputation
-counted, the causal mask not discounted), for L layers of width h, sequence s, vocabulary V:
-    6 N + 12 L s h,   N = 12 L h^2 + V h
+Model FLOPs per token, in two conventions (no recomputation counted in either), for L layers of
+width h, sequence s, vocabulary V:
+    full attention:  6 N + 12 L s h,   N = 12 L h^2 + V h
+    causal:          6 N +  6 L s h
 6N: forward (2) and backward (4) FLOPs of every matmul weight (N counts the layers' four linears,
 24 L h^2 / 2, and the output head V h; biases, norms and the embedding lookup are negligible);
-12 L s h: the attention scores q k^T and their product with v, 4 s h per layer forward, x3.
-MFU = tokens/s x FLOPs per token / peak, the peak being the device's dense bf16 tensor FLOP/s
-(PEAK_BF16_TFLOPS by the device's name, or --peak-tflops).
+12 L s h: the attention scores q k^T and their product with v, 4 s h per layer forward, x3. The
+full count is PaLM's (Chowdhery et al. 2022, appendix B), the one torchtitan and Megatron-LM
+report (training.model_flops_per_sample): it does not discount the causal mask. The causal count
+keeps half of the s^2 attention work, what a causal kernel computes (at s = 2048 and GPT 1.3B
+about 7% fewer FLOPs). MFU = tokens/s x FLOPs per token / peak, in each convention, the peak
+being the device's dense bf16 tensor FLOP/s (PEAK_BF16_TFLOPS by the device's name, or
+--peak-tflops).
 """
 from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import json
 import statistics
 import sys
@@ -41,6 +48,7 @@ from megatron_2bw.distributed.layout import ParallelLayout  # noqa: E402
 from megatron_2bw.planner.hardware import load_hardware  # noqa: E402
 from megatron_2bw.planner.memory import estimate_stage_memory  # noqa: E402
 from megatron_2bw.planner.analytic_profile import AnalyticProfile  # noqa: E402
+from megatron_2bw.planner.profile import attention_flops_per_token  # noqa: E402
 from megatron_2bw.training.progress import model_flops_per_sample  # noqa: E402
 from megatron_2bw.training.segments import run_segment  # noqa: E402
 from megatron_2bw.training.stage import build_stage  # noqa: E402
@@ -80,8 +88,21 @@ def gpt_config(shape: tuple[int, int, int], seq: int, vocab: int, micro: int, mi
                                           train_iters=10 ** 6, torch_compile=compiled))
 
 
-def flops_per_token(config: Config) -> float:
-    return model_flops_per_sample(config) / config.model.seq_length
+FLOP_CONVENTIONS = {
+    "full": "6 N + 12 L s h per token, N = 12 L h^2 + V h (PaLM's model FLOPs, as torchtitan and "
+            "Megatron-LM report them: the causal mask not discounted)",
+    "causal": "6 N + 6 L s h per token (half the s^2 attention work: what a causal kernel "
+              "computes)"}
+
+
+def flops_per_token(config: Config, convention: str = "full") -> float:
+    """Model FLOPs per token in `convention` (FLOP_CONVENTIONS): forward and backward, no
+    recomputation."""
+    full = model_flops_per_sample(config) / config.model.seq_length
+    if convention == "full":
+        return full
+    m = config.model  # the attention's forward and backward share, halved
+    return full - 3 * m.num_layers * attention_flops_per_token(m) / 2
 
 
 def is_out_of_memory(error: BaseException) -> bool:
@@ -209,8 +230,10 @@ def throughput(result: dict, config: Config, peak: float | None) -> dict:
     tokens = train.global_batch_size * config.model.seq_length
     tokens_per_s = tokens / result["seconds_per_iteration"]
     tflops = tokens_per_s * flops_per_token(config) / 1e12
+    causal = tokens_per_s * flops_per_token(config, "causal") / 1e12
     return {"tokens_per_s": tokens_per_s, "tflops_per_gpu": tflops,
-            "mfu": tflops / peak if peak else None}
+            "mfu": tflops / peak if peak else None, "tflops_per_gpu_causal": causal,
+            "mfu_causal": causal / peak if peak else None}
 
 
 # -- one layer against the planner ---------------------------------------------------------------
@@ -280,7 +303,11 @@ def describe(name: str, run: str, result: dict | None, peak: float | None) -> st
         return f"{name} {run}: no micro batch fits"
     if "error" in result:
         return f"{name} {run}: FAILED: {result['error']}"
-    mfu = f", MFU {result['mfu']:.1%}" if result.get("mfu") is not None else ", MFU n/a (no peak)"
+    mfu = (f", MFU {result['mfu']:.1%} (6N + 12Lsh, full attention; causal 6N + 6Lsh: "
+           f"{result['tflops_per_gpu_causal']:.1f} TFLOP/s, MFU {result['mfu_causal']:.1%})"
+           if result.get("mfu") is not None else
+           f" (6N + 12Lsh, full attention; causal 6N + 6Lsh: "
+           f"{result['tflops_per_gpu_causal']:.1f} TFLOP/s), MFU n/a (no peak)")
     memory = ""
     if result.get("peak_bytes") is not None:
         memory = f", peak memory {result['peak_bytes'] / GiB:.1f} GiB"
@@ -346,11 +373,15 @@ def main(argv=None) -> dict:
     report = {"device": device_name, "peak_bf16_tflops": peak, "torch": torch.__version__,
               "sequence_length": seq, "microbatches_per_step": args.microbatches,
               "planner_hardware": hardware.name,
-              "flops_per_token": "6 N + 12 L s h, N = 12 L h^2 + V h", "models": {}}
+              "flop_conventions": FLOP_CONVENTIONS, "models": {}}
     lines = [f"device: {device_name}, dense bf16 peak "
              f"{f'{peak:.1f} TFLOP/s' if peak else 'unknown (pass --peak-tflops)'}"]
     print(lines[0], flush=True)
     report["failed_runs"] = []
+    if not args.no_peer and importlib.util.find_spec("transformers") is None:
+        lines.append("transformers GPT-2 peer: skipped (transformers is not installed)")
+        print(lines[-1], flush=True)
+        args.no_peer = True
 
     def save() -> None:  # after every run: a benchmark cut short keeps what it measured
         report["summary"] = lines
@@ -361,7 +392,8 @@ def main(argv=None) -> dict:
     for name, shape in models.items():
         def make(micro, compiled=False, shape=shape):
             return gpt_config(shape, seq, vocab, micro, args.microbatches, compiled)
-        entry = report["models"][name] = {}
+        entry = report["models"][name] = {"flops_per_token": {
+            convention: flops_per_token(make(1), convention) for convention in FLOP_CONVENTIONS}}
         # the peer first, so that each of our runs states its ratio to it when it ends; the
         # compiled run last, the longest (compilation) and the one a cut-off may best lose
         runs = [] if args.no_peer else [(peer_run, run_peer, lambda b: make(b))]

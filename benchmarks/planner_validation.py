@@ -82,14 +82,12 @@ def _detect(rank: int, world: int) -> HardwareSpec:
     return detect_hardware()
 
 
-def _train(rank: int, world: int, config: Config, warmup: int, measured: int,
-           post_ahead: bool | None = None) -> list[float]:
+def _train(rank: int, world: int, config: Config, warmup: int, measured: int) -> list[float]:
     """Seconds of each measured batch on this rank (their mean is its time per iteration): the
     intervals between the ends of its batches (its gradient reduction, right after a batch's last
     backward in every schedule) after `warmup` batches, all batches in one undrained segment (as
     pretrain runs between evaluations). Not the optimizer steps: 2BW defers a batch's step into
-    the next batch, and its last two steps both fall into the final drain. `post_ahead` overrides
-    whether pipeline receives are posted ahead (benchmarks/p2p_receive_ahead.py)."""
+    the next batch, and its last two steps both fall into the final drain."""
     par = config.parallel
     layout = ParallelLayout(world, par.tensor_parallel, par.pipeline_parallel, rank)
     layout.build_groups(par.timeout_minutes)
@@ -97,8 +95,6 @@ def _train(rank: int, world: int, config: Config, warmup: int, measured: int,
     batch_ends: list[float] = []  # StepResult.ended_at: when the rank began reducing the batch
     stage = build_stage(config, layout, device, None,
                         on_step=lambda result: batch_ends.append(result.ended_at))
-    if post_ahead is not None and stage.executor.p2p is not None:
-        stage.executor.p2p.post_ahead = post_ahead
     model = config.model
     generator = torch.Generator().manual_seed(1000 + layout.coords.dp)
     tokens = torch.randint(0, model.vocab_size, (8, config.training.micro_batch_size,

@@ -358,6 +358,9 @@ def build_parser(description: str = "", extra_args_provider=None) -> argparse.Ar
     _bool_flag(g, "--use-checkpoint-opt_param-scheduler", "checkpoint",
                "use_checkpoint_opt_param_scheduler",
                "on resume, the checkpoint's learning-rate and weight-decay schedule wins")
+    _bool_flag(g, "--overwrite-save", "checkpoint", "overwrite_save",
+               "let a run that does not --load the --save directory write over the checkpoints "
+               "it holds (refused by default)")
 
     g = parser.add_argument_group("logging")
     _flag(g, "--tensorboard-dir", "logging", "tensorboard_dir", type=str)

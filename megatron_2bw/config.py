@@ -306,6 +306,7 @@ class CheckpointConfig:
     # a resumed run whose lr/wd schedule differs from the checkpoint's: which one wins (Megatron-LM)
     override_opt_param_scheduler: bool = False
     use_checkpoint_opt_param_scheduler: bool = False
+    overwrite_save: bool = False  # a fresh run may write over the checkpoints --save holds
 
 
 @dataclass

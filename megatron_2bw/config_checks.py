@@ -447,11 +447,29 @@ def validate_for_world(config: Config, world_size: int) -> int:
                          f"batch as stages (1F1B keeps p in flight): m = global/(micro*d) = {m} < "
                          f"p = {p}; raise {_smallest_batch_flag(tr)} to >= "
                          f"{p * tr.micro_batch_size * d}")
+    if p > 1:  # the smallest batch's m and the final one's
+        _validate_schedule_lists(config.parallel, {m, tr.global_batch_size //
+                                                  (tr.micro_batch_size * d)})
     if config.logging.profile:
         outside = [r for r in config.logging.profile_ranks if not 0 <= r < world_size]
         _require(not outside, f"--profile-ranks {outside} outside the world's ranks 0.."
                               f"{world_size - 1}")
     return d
+
+
+def _validate_schedule_lists(par, microbatches: set[int]) -> None:
+    """The run's action lists keep every schedule rule (schedules.validate) and NCCL's
+    (pipeline/nccl_replay.py): a list that breaks one is refused before the first transfer, in
+    one line naming the stage, the position and the rule."""
+    from megatron_2bw.pipeline import nccl_replay
+    from megatron_2bw.pipeline.schedules import ScheduleError
+    p = par.pipeline_parallel
+    for m in sorted(microbatches):
+        try:
+            nccl_replay.check_schedule(par.pipeline_schedule, p, m, par.model_chunks)
+        except ScheduleError as error:
+            raise ConfigError(f"--pipeline-schedule {par.pipeline_schedule} with p = {p}, m = "
+                              f"{m} breaks a schedule rule: {error}") from None
 
 
 def _smallest_batch_flag(tr) -> str:

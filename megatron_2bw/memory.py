@@ -46,9 +46,14 @@ def static_breakdown(versions, optimizer, compensation=(), stash=()) -> dict[str
     copies beyond the first: 2BW's second, PipeDream's p - s - 1 more; and `stash`, PipeMare's
     T2 delta, which stands in for them)."""
     copies = versions.working_copies()
+    in_copies = {c.flat.untyped_storage().data_ptr() for c in copies}
+    # master gradients held in a free working copy (WeightVersions.grads_in_free_copy) are
+    # counted with the copies
+    grads = [g for g in versions.master_grad_regions
+             if g.untyped_storage().data_ptr() not in in_copies]
     return {
         "params": storage_bytes(versions.master_regions + [copies[0].flat]),
-        "grads": storage_bytes(versions.master_grad_regions + [versions.main_grad_buffer]),
+        "grads": storage_bytes(grads + [versions.main_grad_buffer]),
         "optimizer": storage_bytes(optimizer_state_tensors(optimizer) + list(compensation)),
         "versions_stash": storage_bytes([c.flat for c in copies[1:]] + list(stash)),
     }

@@ -11,6 +11,10 @@ sys.path.insert(0, REPO_ROOT)
 os.environ["PYTHONPATH"] = os.pathsep.join(
     [REPO_ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
 torch.set_num_threads(1)
+# Every rank the tests start (forked or launched) keeps NCCL's point-to-point rules on gloo:
+# one form per transfer pair, posting-order matching, sends that wait for their receive
+# (megatron_2bw/distributed/strict_p2p.py)
+os.environ.setdefault("MEGATRON_2BW_STRICT_P2P", "1")
 
 
 @pytest.fixture

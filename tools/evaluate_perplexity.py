@@ -135,7 +135,7 @@ def main(argv=None) -> dict:
         set_single_process_threads()
     state = read_full_state(args.load, args.iteration, with_optimizer=False,
                             show_progress=launch.rank == 0)
-    config = config_with_base(args, state.config, f"checkpoint {args.load}")
+    config = config_with_base(args, state.config, f"checkpoint {args.load}", checkpoint=args.load)
     if config.model.model_type != "gpt":
         raise ConfigError(f"checkpoint {args.load} holds a {config.model.model_type} model; "
                           f"perplexity evaluation needs a GPT")

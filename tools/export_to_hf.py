@@ -36,7 +36,7 @@ def main(argv=None) -> str:
     if not args.load or not args.output:
         raise ConfigError("--load CHECKPOINT_DIR and --output DIR are both required")
     state = read_full_state(args.load, args.iteration, with_optimizer=False)
-    config = config_with_base(args, state.config, f"checkpoint {args.load}")
+    config = config_with_base(args, state.config, f"checkpoint {args.load}", checkpoint=args.load)
     for note in export_to_hf(state, args.output, config.data):
         print(f" {note}", flush=True)
     print(f" exported {args.load} (iteration {state.iteration}) to {args.output}", flush=True)

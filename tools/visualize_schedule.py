@@ -72,7 +72,7 @@ def main(argv=None) -> None:
     if args.chunks < 2:
         fail(f"--virtual-pipeline-model-parallel-size must be at least 2, got {args.chunks}")
     shapes = [ScheduleShape(name, args.pipeline_stages, args.microbatches, args.batches,
-                            args.chunks if name == "interleaved" else 1)
+                            schedules.REGISTRY[name].chunks or args.chunks)
               for name in schedule_names(args)]
     try:
         lists = [schedules.build_schedule(s.schedule, s.stages, s.microbatches, s.batches, 0,
@@ -82,7 +82,7 @@ def main(argv=None) -> None:
     if args.text:
         for shape, actions in zip(shapes, lists):
             print(shape.title())
-            print(schedules.render(actions))
+            print(schedules.render(actions, shape=schedules.REGISTRY[shape.schedule].shape))
     if args.output:
         output = Path(args.output)
         if not output.parent.is_dir():

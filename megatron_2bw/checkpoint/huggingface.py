@@ -478,11 +478,16 @@ def export_tokenizer(data: DataConfig, output: str) -> str | None:
         return f"the HuggingFaceTokenizer of {data.tokenizer_model}"
     if kind in SENTENCEPIECE_TYPES:
         shutil.copyfile(data.tokenizer_model, os.path.join(output, "tokenizer.model"))
+        back = f"import_from_hf.py reads it back as {_raw_sentencepiece_type(kind)}"
+        if sentencepiece_for_auto_tokenizer(data.tokenizer_model, kind == "Llama2Tokenizer",
+                                            output):
+            return (f"{data.tokenizer_model} copied as tokenizer.model and converted to "
+                    f"tokenizer.json (AutoTokenizer loads it, encoding as SentencePiece does); "
+                    f"{back}")
         bos = ", putting <s> before each text" if kind == "Llama2Tokenizer" else ""
         return (f"{data.tokenizer_model} copied as tokenizer.model, a raw SentencePiece model: "
-                f"load it with sentencepiece.SentencePieceProcessor{bos} (AutoTokenizer would "
-                f"guess another class from config.json); import_from_hf.py reads it back as "
-                f"{_raw_sentencepiece_type(kind)}")
+                f"this transformers cannot convert it to encode alike, so load it with "
+                f"sentencepiece.SentencePieceProcessor{bos}; {back}")
     if kind == "GPT2BPETokenizer":
         from tokenizers import ByteLevelBPETokenizer
 
@@ -505,6 +510,46 @@ def export_tokenizer(data: DataConfig, output: str) -> str | None:
             tokenizer_file=path, **{k: v for k, v in special.items() if v in vocabulary}
         ).save_pretrained(output)
     return f"the {kind} tokenizer as tokenizer.json"
+
+
+# encoded by the converted tokenizer and by SentencePiece, which must agree: words, case, spaces,
+# digits, punctuation, a line break and letters a small vocabulary may lack
+CONVERSION_PROBE = "The king spoke:  of love, 1601 and war!\nThou art ümlaut?"
+
+
+def sentencepiece_for_auto_tokenizer(model_file: str, prepend_bos: bool, output: str) -> bool:
+    """Write tokenizer.json and tokenizer_config.json for transformers.AutoTokenizer, converted
+    from the SentencePiece model by transformers itself; False (nothing written) where this
+    transformers cannot convert it or the conversion encodes CONVERSION_PROBE otherwise."""
+    import sentencepiece
+    import transformers
+
+    processor = sentencepiece.SentencePieceProcessor(model_file=model_file)
+    special = {f"{role}_token": processor.id_to_piece(index)
+               for role, index in (("unk", processor.unk_id()), ("bos", processor.bos_id()),
+                                   ("eos", processor.eos_id()), ("pad", processor.pad_id()))
+               if index >= 0}
+    expected = ([processor.bos_id()] if prepend_bos else []) + processor.encode(CONVERSION_PROBE)
+    with tempfile.TemporaryDirectory() as scratch:
+        shutil.copyfile(model_file, os.path.join(scratch, "tokenizer.model"))
+        with open(os.path.join(scratch, "tokenizer_config.json"), "w") as f:
+            json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": prepend_bos,
+                       "add_eos_token": False, **special}, f)
+        try:
+            converted = transformers.AutoTokenizer.from_pretrained(scratch, local_files_only=True)
+        except Exception:  # noqa: BLE001 - a transformers without this conversion
+            return False
+        if converted.encode(CONVERSION_PROBE) != expected:
+            return False
+        converted.save_pretrained(output)
+    # the class every transformers knows (newer ones record their tokenizers backend's name)
+    path = os.path.join(output, "tokenizer_config.json")
+    with open(path) as f:
+        settings = json.load(f)
+    settings["tokenizer_class"] = "PreTrainedTokenizerFast"
+    with open(path, "w") as f:
+        json.dump(settings, f, indent=2)
+    return True
 
 
 def has_tokenizer_files(directory: str) -> bool:
@@ -533,8 +578,10 @@ def export_to_hf(state: FullState, output: str, data: DataConfig | None = None) 
     hf_architecture(model)  # refuse before writing anything
     os.makedirs(output, exist_ok=True)
     weights = to_hf_weights(model, state.model)
-    save_file({k: v.float().contiguous() for k, v in weights.items()},
-              os.path.join(output, "model.safetensors"), metadata={"format": "pt"})
+    path = os.path.join(output, "model.safetensors")
+    save_file({k: v.float().contiguous() for k, v in weights.items()}, path,
+              metadata={"format": "pt"})
+    os.chmod(path, 0o666 & ~_umask())  # safetensors creates it 0600, unlike the other files
     data = data or state.config.data
     to_hf_config(model, special_token_ids(Config(model=model, data=data))).save_pretrained(output)
     notes = []
@@ -548,6 +595,12 @@ def export_to_hf(state: FullState, output: str, data: DataConfig | None = None) 
                    "tokenizer_type": data.tokenizer_type, "config": state.config.to_dict()},
                   f, indent=2)
     return notes
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _tied(model, first: str, second: str) -> bool:
@@ -594,9 +647,10 @@ def import_from_hf(path: str) -> FullState:
     return FullState(Config(model=model_config), weights)
 
 
-# A SentencePiece model with none of transformers' own tokenizer files (what export_tokenizer
-# writes for a SentencePiece run): transformers would pick a tokenizer class from config.json's
-# model_type and split text differently, so it is imported as the SentencePiece model it is.
+# A SentencePiece model with none of transformers' own tokenizer files, or one export wrote beside
+# its conversion: it is imported as the SentencePiece model it is (with no tokenizer files,
+# transformers would pick a tokenizer class from config.json's model_type and split text
+# differently).
 RAW_SENTENCEPIECE_FILES = ("tokenizer.model", "spiece.model")
 TRANSFORMERS_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
@@ -624,8 +678,10 @@ def import_tokenizer(path: str, directory: str) -> DataConfig | None:
     if not has_tokenizer_files(path):
         return None
     raw = [name for name in RAW_SENTENCEPIECE_FILES if os.path.isfile(os.path.join(path, name))]
-    if raw and not any(os.path.isfile(os.path.join(path, name))
-                       for name in TRANSFORMERS_TOKENIZER_FILES):
+    # the SentencePiece model itself where export wrote it (its tokenizer.json is a conversion)
+    if raw and (_exported_tokenizer_type(path) in SENTENCEPIECE_TYPES
+                or not any(os.path.isfile(os.path.join(path, name))
+                           for name in TRANSFORMERS_TOKENIZER_FILES)):
         os.makedirs(directory, exist_ok=True)
         model = os.path.join(os.path.abspath(directory), "tokenizer.model")
         shutil.copyfile(os.path.join(path, raw[0]), model)

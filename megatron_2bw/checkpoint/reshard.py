@@ -34,6 +34,7 @@ class FullState:
     model: dict[str, torch.Tensor]
     iteration: int = 0
     consumed_samples: int = 0
+    consumed_valid_samples: int = 0
     versions: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)  # live 2BW versions
     optimizer: dict | None = None  # {"groups": [{..., "params": [names]}], "state": {name: {...}}}
     loss_scaler: dict | None = None
@@ -82,7 +83,8 @@ def read_full_state(root: str, iteration: int | None = None, with_optimizer: boo
     iteration, layout = metadata["iteration"], metadata["layout"]
     config = Config.from_dict(metadata["config"])
     vocab = config.model.vocab_size
-    state = FullState(config, {}, iteration, metadata["consumed_samples"])
+    state = FullState(config, {}, iteration, metadata["consumed_samples"],
+                      metadata.get("consumed_valid_samples", 0))
     groups: list[dict] = []
     optimizer_state: dict[str, dict] = {}
     for pp in tqdm(range(layout["pipeline"]), desc=f"reading {root}", unit="stage",
@@ -195,7 +197,8 @@ def write_full_state(state: FullState, root: str, tensor: int, pipeline: int,
 
             file = {
                 "format": FORMAT, "iteration": state.iteration,
-                "consumed_samples": state.consumed_samples, "config": config.to_dict(),
+                "consumed_samples": state.consumed_samples,
+                "consumed_valid_samples": state.consumed_valid_samples, "config": config.to_dict(),
                 "layout": {"tensor": tensor, "pipeline": pipeline, "data": 1},
                 "tp_rank": tp, "pp_rank": pp,
                 "specs": {n: {"full_shape": list(s.full_shape), "partition_dim": s.partition_dim,
@@ -209,7 +212,8 @@ def write_full_state(state: FullState, root: str, tensor: int, pipeline: int,
             atomic_save(file, model_file(root, state.iteration, tp, pp))
             progress.update()
     progress.close()
-    write_metadata(root, state.iteration, state.consumed_samples, config, tensor, pipeline, 1)
+    write_metadata(root, state.iteration, state.consumed_samples, config, tensor, pipeline, 1,
+                   state.consumed_valid_samples)
     write_marker(root, state.iteration)
 
 

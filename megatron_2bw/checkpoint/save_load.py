@@ -126,7 +126,8 @@ def resolve_iteration(root: str, iteration: int | None = None) -> int:
 
 
 def read_metadata(root: str, iteration: int | None = None) -> dict:
-    """{"format", "iteration", "consumed_samples", "layout": {tensor, pipeline, data}, "config"}."""
+    """{"format", "iteration", "consumed_samples", "consumed_valid_samples", "layout": {tensor,
+    pipeline, data}, "config"}."""
     iteration = resolve_iteration(root, iteration)
     with open(os.path.join(iteration_dir(root, iteration), METADATA_FILE)) as f:
         return json.load(f)
@@ -137,8 +138,9 @@ def saved_config(root: str, iteration: int | None = None) -> Config:
 
 
 def write_metadata(root: str, iteration: int, consumed_samples: int, config: Config,
-                   tensor: int, pipeline: int, data: int) -> None:
+                   tensor: int, pipeline: int, data: int, consumed_valid_samples: int = 0) -> None:
     metadata = {"format": FORMAT, "iteration": iteration, "consumed_samples": consumed_samples,
+                "consumed_valid_samples": consumed_valid_samples,
                 "layout": {"tensor": tensor, "pipeline": pipeline, "data": data},
                 "config": config.to_dict()}
     atomic_write_text(json.dumps(metadata, indent=2) + "\n",
@@ -215,6 +217,7 @@ def stage_state(stage, master: list[torch.Tensor], compensation: dict | None = N
         "format": FORMAT,
         "iteration": stage.iteration,
         "consumed_samples": stage.consumed_samples,
+        "consumed_valid_samples": stage.consumed_valid_samples,
         "config": stage.config.to_dict(),
         "layout": {"tensor": stage.layout.tensor, "pipeline": stage.layout.pipeline,
                    "data": stage.layout.data},
@@ -258,7 +261,8 @@ def save_checkpoint(stage) -> str:
         atomic_save(rng_state_dict(), rng_file(root, stage.iteration, c.tp, c.pp, c.dp))
         if layout.rank == 0:
             write_metadata(root, stage.iteration, stage.consumed_samples, stage.config,
-                           layout.tensor, layout.pipeline, layout.data)
+                           layout.tensor, layout.pipeline, layout.data,
+                           stage.consumed_valid_samples)
     except Exception as caught:  # noqa: BLE001 - every rank must learn of it before the marker
         error = caught
     if _any_rank_failed(error is not None, layout, stage.device):
@@ -339,6 +343,16 @@ def _schedule(config: Config) -> dict[str, object]:
     return values
 
 
+def check_optimizer(saved: Config, current: Config, root: str) -> None:
+    """An optimizer's state resumes only under the same rule (Muon's momentum buffer is not
+    Adam's moments)."""
+    was, now = saved.optimizer.optimizer, current.optimizer.optimizer
+    if was != now:
+        raise CheckpointError(f"checkpoint {root} holds the state of --optimizer {was}, this run "
+                              f"uses --optimizer {now}: pass --optimizer {was}, or --no-load-optim "
+                              f"to start a fresh optimizer from its weights")
+
+
 def resolve_schedule(saved: Config, current: Config, root: str) -> None:
     """A resumed run continues the checkpoint's schedule. Where this run's flags give another,
     --override-opt_param-scheduler keeps the flags', --use-checkpoint-opt_param-scheduler takes
@@ -411,7 +425,9 @@ def load_checkpoint(stage, root: str, iteration: int | None = None) -> dict | No
     # Megatron-LM: the schedule with the optimizer, where the checkpoint has one (a converted or
     # imported model has none, nor a schedule of its own)
     if not (ckpt.finetune or ckpt.no_load_optim) and state["optimizer"]["state"]:
-        resolve_schedule(Config.from_dict(metadata["config"]), stage.config, root)
+        saved_config = Config.from_dict(metadata["config"])
+        check_optimizer(saved_config, stage.config, root)
+        resolve_schedule(saved_config, stage.config, root)
     v.load_full_master([state["model"][name] for name in v.names])  # sharded: this rank's part
     if ckpt.finetune:  # weights only: training starts at iteration 0 with a fresh optimizer
         v.reset(0)
@@ -436,6 +452,7 @@ def load_checkpoint(stage, root: str, iteration: int | None = None) -> dict | No
             stage.updater.pipemare.load_state_dict(state.get("pipemare"))
     stage.iteration = state["iteration"]
     stage.consumed_samples = state["consumed_samples"]
+    stage.consumed_valid_samples = state.get("consumed_valid_samples", 0)
     _barrier(layout)  # "loaded" only once every rank has
     print_once(layout, f" loaded checkpoint {root} at iteration {stage.iteration}")
     return rng

@@ -7,11 +7,13 @@ fix the model's shape must agree with the checkpoint.
 from __future__ import annotations
 
 import argparse
+import os
 
 from megatron_2bw.arguments import ConfigError, config_from_args, explicit_fields
 from megatron_2bw.checkpoint.save_load import (ARCHITECTURE_FIELDS, MARKER, has_checkpoint,
                                                saved_config)
 from megatron_2bw.config import CheckpointConfig, Config, ParallelConfig
+from megatron_2bw.data.tokenizers import tokenizer_files
 
 
 def check_architecture_flags(args: argparse.Namespace, base: Config, source: str) -> None:
@@ -26,12 +28,37 @@ def check_architecture_flags(args: argparse.Namespace, base: Config, source: str
 
 
 def config_with_base(args: argparse.Namespace, base: Config, source: str,
-                     require_data: bool = False) -> Config:
-    """config_from_args over `base` (a checkpoint's or an imported model's configuration)."""
+                     require_data: bool = False, checkpoint: str | None = None) -> Config:
+    """config_from_args over `base` (a checkpoint's or an imported model's configuration). A tool
+    that builds the tokenizer passes the `checkpoint` directory: the tokenizer files it names are
+    then found from any folder (locate_tokenizer_files)."""
     check_architecture_flags(args, base, source)
     base = Config.from_dict(base.to_dict())
     base.parallel, base.checkpoint = ParallelConfig(), CheckpointConfig()
-    return config_from_args(args, base.model.model_type, base=base, require_data=require_data)
+    config = config_from_args(args, base.model.model_type, base=base, require_data=require_data)
+    if checkpoint is not None:
+        locate_tokenizer_files(config, checkpoint, explicit_fields(args))
+    return config
+
+
+def locate_tokenizer_files(config: Config, root: str, typed: set) -> None:
+    """The tokenizer files a checkpoint's configuration names, each where it is: the path as
+    recorded (training records it absolute), else that path under the checkpoint directory, else
+    a file of its name there (a checkpoint moved with its tokenizer beside it). A file found
+    nowhere is a ConfigError naming the flag that gives it; typed flags are the user's own."""
+    data = config.data
+    for field, flag in tokenizer_files(data.tokenizer_type):
+        path = getattr(data, field)
+        if not path or ("data", field) in typed or os.path.exists(path):
+            continue
+        found = next((candidate for candidate in (os.path.join(root, path),
+                                                  os.path.join(root, os.path.basename(path)))
+                      if os.path.exists(candidate)), None)
+        if found is None:
+            raise ConfigError(f"checkpoint {root} was trained with {flag} {path}, which is not "
+                              f"found (from {os.getcwd()}, nor in {root}): pass {flag} with "
+                              f"its path")
+        setattr(data, field, os.path.abspath(found))
 
 
 def with_checkpoint_model(args: argparse.Namespace, config: Config) -> Config:

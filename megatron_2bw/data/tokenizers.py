@@ -172,6 +172,17 @@ class NullTokenizer(Tokenizer):
         return " ".join(str(int(i)) for i in ids)
 
 
+def tokenizer_files(kind: str | None) -> list[tuple[str, str]]:
+    """(DataConfig field, flag) of each file or directory --tokenizer-type `kind` reads."""
+    if kind == "GPT2BPETokenizer":
+        return [("vocab_file", "--vocab-file"), ("merge_file", "--merge-file")]
+    if kind in ("BertWordPieceLowerCase", "BertWordPieceCase"):
+        return [("vocab_file", "--vocab-file")]
+    if kind in SENTENCEPIECE_TYPES or kind == "HuggingFaceTokenizer":
+        return [("tokenizer_model", "--tokenizer-model")]
+    return []
+
+
 def _existing_file(flag: str, path: str | None, tokenizer_type: str, expected: str) -> str:
     if path is None:
         raise ValueError(f"--tokenizer-type {tokenizer_type} needs {flag} ({expected})")

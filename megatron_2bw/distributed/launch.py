@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_2bw.config import ConfigError
+from megatron_2bw.distributed import strict_p2p
 
 
 @dataclass(frozen=True)
@@ -165,6 +166,7 @@ def init_distributed(backend: str | None, timeout_minutes: float, bind_cores_to_
         dist.init_process_group(backend, rank=info.rank, world_size=info.world_size,
                                 timeout=timedelta(minutes=timeout_minutes),
                                 device_id=device if device.type == "cuda" else None)
+        strict_p2p.install_from_env()  # MEGATRON_2BW_STRICT_P2P: the test suite's NCCL rules
     return info, device
 
 

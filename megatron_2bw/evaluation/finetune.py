@@ -47,6 +47,7 @@ from megatron_2bw.models.classification import (OPTIONAL_PREFIXES, BertClassifie
                                                 build_classifier, pretrained_name)
 from megatron_2bw.optim.grad_scaler import build_loss_scaler
 from megatron_2bw.optim.lr_schedule import apply_schedule
+from megatron_2bw.optim.muon import Muon, WholeMatrices
 from megatron_2bw.optim.optimizer import build_torch_optimizer
 from megatron_2bw.tensor_parallel.layers import sum_tensor_partial_grads
 from megatron_2bw.tensor_parallel.random import seed_everything
@@ -226,6 +227,8 @@ class ClassifierTrainer:
             p.grad = torch.zeros_like(p)
         self.optimizer = build_torch_optimizer(self.params, config.optimizer,
                                                [name for name, _ in named])
+        if isinstance(self.optimizer, Muon):  # orthogonalise whole matrices, not t-shards
+            self.optimizer.whole_matrices = WholeMatrices(layout.group("tensor"))
         self.scaler = build_loss_scaler(config.precision)
         # outside fp16 (whose loss scaler skips overflows) a non-finite norm stops the job
         self.stop_on_nonfinite_norm = config.training.check_for_nan_in_loss_and_grad and \

@@ -64,7 +64,7 @@ def load_text_model(args: argparse.Namespace, device: torch.device | None = None
         raise ConfigError("--load CHECKPOINT_DIR is required")
     state = read_full_state(args.load, getattr(args, "iteration", None), with_optimizer=False,
                             show_progress=show_progress)
-    config = config_with_base(args, state.config, f"checkpoint {args.load}")
+    config = config_with_base(args, state.config, f"checkpoint {args.load}", checkpoint=args.load)
     if config.model.model_type != "gpt":
         raise ConfigError(f"checkpoint {args.load} holds a {config.model.model_type} model; text "
                           f"generation needs a GPT")

@@ -64,20 +64,24 @@ class DistributedOptimizer:
         index_of = self._index_of()
         local = self.optimizer.state_dict()
         ordered = [p for g in self.optimizer.param_groups for p in g["params"]]
-        keys = sorted(k for k, v in local["state"].get(0, {}).items()
-                      if torch.is_tensor(v) and v.dim() > 0)  # per-element state (Adam's m and v)
+        # per-element state: Adam's m and v, Muon's momentum buffer (each parameter has the keys
+        # of its group's rule; every rank holds the same keys, for its parts)
+        keys = sorted({k for s in local["state"].values() for k, v in s.items()
+                       if torch.is_tensor(v) and v.dim() > 0})
         full_state = {i: dict(s) for i, s in local["state"].items()}
         for key in keys:
+            holders = [position for position in range(len(ordered))
+                       if key in local["state"].get(position, {})]
             shard = torch.zeros(versions.layout.shard_numel, dtype=torch.float32,
                                 device=versions.device)
-            for position, p in enumerate(ordered):
-                part = versions.layout.owned_part(index_of[id(p)])
+            for position in holders:
+                part = versions.layout.owned_part(index_of[id(ordered[position])])
                 shard[part.position:part.position + part.numel] = local["state"][position][key]
             full = gather_shards(shard, versions.layout, self.data_group, to)
             if full is not None:
                 views = versions.param_views(full)
-                for position, p in enumerate(ordered):
-                    full_state[position][key] = views[index_of[id(p)]].clone()
+                for position in holders:
+                    full_state[position][key] = views[index_of[id(ordered[position])]].clone()
         is_target = torch.distributed.get_rank() == to
         self._consolidated = ({"state": full_state, "param_groups": local["param_groups"]}
                               if is_target else None)

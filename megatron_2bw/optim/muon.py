@@ -71,41 +71,42 @@ def update_scale(shape: tuple[int, int], mode: str, extra: float) -> float:
 class WholeMatrices:
     """Assembles whole matrices from this rank's parts, and cuts this rank's part back out.
 
-    `versions` (pipeline/weights.WeightVersions): the stage's master weights, whose `specs` say how
-    tensor parallelism splits each one and whose layout, once sharded by the distributed
-    optimizer, says which flat slice of it this rank owns. Without it every parameter is whole."""
+    A parameter's `spec` (tensor_parallel/layers.ParamSpec) says how `tensor_group` splits it;
+    `versions` (pipeline/weights.WeightVersions), once the distributed optimizer has sharded the
+    master weights, says which flat slice of it this rank owns. Without either every parameter is
+    whole."""
 
-    def __init__(self, versions=None, tensor_group=None):
-        self.versions, self.tensor_group = versions, tensor_group
+    def __init__(self, tensor_group=None, versions=None):
+        self.tensor_group = tensor_group
+        self.sharded = versions if versions is not None and versions.sharded else None
         self.index = {} if versions is None else {id(m): i for i, m in enumerate(versions.master)}
 
-    def full_shape(self, param: torch.Tensor) -> tuple[int, int]:
-        i = self.index.get(id(param))
-        if i is None:
-            return tuple(param.shape)
-        return tuple(self.versions.specs[i].full_shape)
+    @staticmethod
+    def full_shape(param: torch.Tensor) -> tuple[int, int]:
+        spec = getattr(param, "spec", None)
+        return tuple(param.shape) if spec is None else tuple(spec.full_shape)
 
-    def _partition(self, i: int | None) -> int | None:
-        if i is None or group_size(self.tensor_group) == 1:
+    def _partition(self, param: torch.Tensor) -> int | None:
+        spec = getattr(param, "spec", None)
+        if spec is None or group_size(self.tensor_group) == 1:
             return None
-        return self.versions.specs[i].partition_dim
+        return spec.partition_dim
 
     def gather(self, params: list[torch.Tensor], parts: list[torch.Tensor]) -> list[torch.Tensor]:
         """Every param's whole matrix from this rank's `parts` of it (collectives over the data-
         and tensor-parallel groups, in the same order on every rank)."""
-        v = self.versions
-        if v is not None and v.sharded:
+        v = self.sharded
+        if v is not None:
             from megatron_2bw.pipeline.flat_layout import gather_shards
             shard = torch.zeros(v.layout.shard_numel, dtype=torch.float32, device=v.device)
             for p, part in zip(params, parts):
                 owned = v.layout.owned_part(self.index[id(p)])
                 shard[owned.position:owned.position + owned.numel] = part.reshape(-1)
-            flat = gather_shards(shard, v.layout, v.data_group, None)
-            views = v.param_views(flat)
+            views = v.param_views(gather_shards(shard, v.layout, v.data_group, None))
             parts = [views[self.index[id(p)]] for p in params]
         whole = []
         for p, part in zip(params, parts):
-            dim = self._partition(self.index.get(id(p)))
+            dim = self._partition(p)
             if dim is None:
                 whole.append(part)
                 continue
@@ -116,13 +117,12 @@ class WholeMatrices:
 
     def local(self, param: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
         """This rank's part of `whole`, shaped like `param`."""
-        i = self.index.get(id(param))
-        dim = self._partition(i)
+        dim = self._partition(param)
         if dim is not None:
             whole = whole.chunk(group_size(self.tensor_group), dim=dim)[
                 group_rank(self.tensor_group)]
-        if self.versions is not None and self.versions.sharded:
-            owned = self.versions.layout.owned_part(i)
+        if self.sharded is not None:
+            owned = self.sharded.layout.owned_part(self.index[id(param)])
             return whole.reshape(-1)[owned.lo:owned.hi]
         return whole
 
@@ -144,6 +144,13 @@ class Muon(torch.optim.AdamW):
                     raise ValueError(f"Muon updates 2-D matrices, not parameters of shape {flat}")
         super().__init__(groups, lr=lr, **adam)
         self.whole_matrices = WholeMatrices()
+
+    def __setstate__(self, state):
+        # (load_state_dict) Adam's setup reads every parameter's step count: show it its groups
+        groups = state["param_groups"]
+        super().__setstate__({**state, "param_groups": [g for g in groups
+                                                        if not g.get("use_muon")]})
+        self.param_groups = groups
 
     @torch.no_grad()
     def step(self, closure=None):

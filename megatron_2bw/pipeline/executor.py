@@ -52,13 +52,9 @@ class StageExecutor:
         return ", ".join(str(a) for a in self.history) or "(none)"
 
     # -- the loop --------------------------------------------------------------------------
-    def run(self, actions: Iterable[S.Action], next_microbatch: Callable[[int], dict],
-            receives: dict[str, int] | None = None) -> None:
-        """Execute actions in order; consecutive transfers are posted together. `receives`
-        (schedules.stage_receives of the segment) lets the transfers post receives ahead."""
+    def run(self, actions: Iterable[S.Action], next_microbatch: Callable[[int], dict]) -> None:
+        """Execute actions in order; consecutive transfers are posted together, as one batch."""
         self.module.train()
-        if self.p2p is not None and receives is not None:
-            self.p2p.expect(receives)
         for action in actions:
             try:
                 if action.kind in S.COMM_KINDS:
@@ -111,20 +107,24 @@ class StageExecutor:
         its last the bucket-by-bucket data-parallel reduction is armed."""
         self.updater.before_backward(a.microbatch // self.m, self.m * len(self.chunks))
 
-    def _flush_comm(self) -> None:
+    def _flush_comm(self) -> list[S.Action]:
+        """Post the transfers gathered since the last compute as one exchange (what
+        pipeline/nccl_replay.py replays as one batch); return them."""
         if not self._comm:
-            return
+            return []
         batch, self._comm = self._comm, []
         self.history.extend(batch)
         sends = [("act", self._outputs[_key(a)].detach()) if a.kind == S.SEND_ACT
                  else ("grad", self._grads_out.pop(_key(a)))
                  for a in batch if a.kind in (S.SEND_ACT, S.SEND_GRAD)]
         recv_actions = [a for a in batch if a.kind in (S.RECV_ACT, S.RECV_GRAD)]
+        send_actions = [a for a in batch if a.kind in (S.SEND_ACT, S.SEND_GRAD)]
+        labels = [(a.microbatch, self._sender_chunk(a)) for a in send_actions + recv_actions]
         timer = self._timer("p2p-wait")
         timer.start()
         try:
             received = self.p2p.exchange(sends, ["act" if a.kind == S.RECV_ACT else "grad"
-                                                 for a in recv_actions])
+                                                 for a in recv_actions], labels)
         except Exception as error:  # noqa: BLE001 - name the transfer that failed
             names = ", ".join(str(a) for a in batch)
             raise PipelineError(f"stage {self.stage} failed in transfer [{names}]: {error}; last "
@@ -136,6 +136,13 @@ class StageExecutor:
                 self._inputs[_key(a)] = tensor.requires_grad_()
             else:
                 self._grads_in[_key(a)] = tensor
+        return batch
+
+    def _sender_chunk(self, a: S.Action) -> int:
+        """The chunk whose output a transfer carries (a receive's: its sender's)."""
+        if a.kind in (S.RECV_ACT, S.RECV_GRAD):
+            return S.transfer_peer(self.stage, a.kind, a.chunk, self.stages)[2]
+        return a.chunk
 
     # -- compute ---------------------------------------------------------------------------
     def _is_first(self, a: S.Action) -> bool:
@@ -250,25 +257,25 @@ class StageExecutor:
         self.versions.install(self.versions.newest)
         totals: dict[str, float] = {}
         weight = 0.0
-        if self.p2p is not None:
-            self.p2p.expect(S.stage_receives(self.stages, microbatches, 1, self.stage,
-                                             len(self.chunks)) | {"grad": 0})
         for a in S.forward_only_actions(self.stages, microbatches, self.stage, len(self.chunks)):
-            if a.kind == S.RECV_ACT:
-                self._inputs[_key(a)] = self.p2p.exchange([], ["act"])[0]
-            elif a.kind == S.SEND_ACT:
-                self.p2p.exchange([("act", self._outputs.pop(_key(a)))], [])
+            if a.kind in S.COMM_KINDS:  # posted as in training: adjacent transfers in one batch
+                self._comm.append(a)
+                continue
+            for sent in self._flush_comm():
+                if sent.kind == S.SEND_ACT:
+                    del self._outputs[_key(sent)]
+            batch = self._microbatch(a, next_microbatch)
+            out = self.chunks[a.chunk](self._inputs.pop(_key(a), None), batch)
+            if self._is_last(a):
+                tokens = float(self.module.loss_tokens(batch)) \
+                    if self.updater.per_token_loss else 1.0
+                weight += tokens
+                for key, value in out[1].items():
+                    totals[key] = totals.get(key, 0.0) + float(value) * tokens
             else:
-                batch = self._microbatch(a, next_microbatch)
-                out = self.chunks[a.chunk](self._inputs.pop(_key(a), None), batch)
-                if self._is_last(a):
-                    tokens = float(self.module.loss_tokens(batch)) \
-                        if self.updater.per_token_loss else 1.0
-                    weight += tokens
-                    for key, value in out[1].items():
-                        totals[key] = totals.get(key, 0.0) + float(value) * tokens
-                else:
-                    self._outputs[_key(a)] = out
+                self._outputs[_key(a)] = out
+        self._flush_comm()
+        self._outputs.clear()  # the last forwards' outputs, sent
         if self.p2p is not None:
             self.p2p.wait_sends()
         self.module.train()

@@ -15,8 +15,10 @@ the updater waits for all of them where it waited before. Every replica runs the
 so the reductions start in the same order everywhere and reduce the same buckets: the result is
 exactly that of reducing after the backward.
 
-It does not apply where some gradients must first be summed over the tensor-parallel group
-(ParamSpec.tensor_partial_grad): that sum needs the whole backward.
+Gradients that are summed over the tensor-parallel group as well (ParamSpec.tensor_partial_grad:
+sequence-parallel norms, qk-layernorm) are averaged here like the others and summed once the
+average is in (GradientUpdater._averaged): the two commute, so the sum need not wait for the
+whole backward before the average starts.
 """
 from __future__ import annotations
 

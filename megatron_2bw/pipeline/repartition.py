@@ -33,6 +33,7 @@ import torch.distributed as dist
 from megatron_2bw.checkpoint.reshard import _merge_optimizer_groups
 from megatron_2bw.checkpoint.save_load import optimizer_state_by_index, stage_state
 from megatron_2bw.config import Config
+from megatron_2bw.distributed.p2p import recv_object, send_object
 from megatron_2bw.pipeline.layer_times import LayerTimes, StageTimes
 from megatron_2bw.pipeline.partition import layer_ranges
 from megatron_2bw.planner.stage_plan import LayerCosts, StagePlan, evaluate_plan, plan_stages
@@ -173,11 +174,9 @@ def _transfer(obj, source: int, destination: int, rank: int, what: str, device):
     peer = destination if rank == source else source
     try:
         if rank == source:
-            dist.send_object_list([obj], dst=destination, device=device)
+            send_object(obj, destination, device)
             return None
-        received = [None]
-        dist.recv_object_list(received, src=source, device=device)
-        return received[0]
+        return recv_object(source, device)
     except Exception as error:  # noqa: BLE001 - the peer's failure, named
         raise RepartitionError(f"{what}: the transfer with rank {peer} failed ({error}); "
                                f"rank {peer} stopped during the migration (nothing was written: the "
@@ -231,6 +230,7 @@ def migrate(stage, split, recompute, build):
     fresh = build(new_config)
     load_stage(fresh, kept, iteration)
     fresh.consumed_samples = stage.consumed_samples
+    fresh.consumed_valid_samples = stage.consumed_valid_samples
     fresh.step_results = stage.step_results
     load_rng_state_dict(rng)
     return fresh

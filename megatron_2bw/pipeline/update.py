@@ -7,9 +7,11 @@ reduce(b): start averaging the flat gradient buffer over the stage's data-parall
   own shard; with --overlap-grad-reduce most of them already started during the batch's last
   backward as their gradients became ready (pipeline/overlap.py).
 finish_data_reductions(): called before each backward, the first write to the buffer after
-  reduce(b), and by step. Once the average is in, it moves the buffer into the fp32 master
-  gradients (the buffer is free again for batch b+1), then starts the all-reduce of the tied
-  word-embedding gradient over the first+last stage and one all-reduce over the whole
+  reduce(b), and by step. Once the average is in, it sums over the tensor-parallel group the
+  gradients each rank computed in part (sequence-parallel norms, qk-layernorm), moves the buffer
+  into the fp32 master gradients where they are separate (the buffer is free again for batch
+  b+1), then starts the all-reduce of the tied word-embedding gradient over the first+last
+  stage and one all-reduce over the whole
   model-parallel group of the sum of squared gradients (non-finite if any rank overflowed; with
   the distributed optimizer over every replica too, adding up the shards' sums). So
   under 2BW the data-parallel transfer overlaps the forward that follows reduce(b), and the point
@@ -119,7 +121,7 @@ class GradientUpdater:
             optimizer.shard(versions)
         inner = optimizer.optimizer if isinstance(optimizer, DistributedOptimizer) else optimizer
         if isinstance(inner, Muon):  # orthogonalise whole matrices, not this rank's parts
-            inner.whole_matrices = WholeMatrices(versions, tensor_group)
+            inner.whole_matrices = WholeMatrices(tensor_group, versions)
         initialize_state(optimizer)
         self.pending: dict[int, _Pending] = {}
         self.version_scales = {0: loss_scaler.scale}  # version -> scale of the batches using it
@@ -130,8 +132,7 @@ class GradientUpdater:
         self.pipemare = None  # PipeMare's T1/T2 (pipeline/pipemare.py)
         # the data-parallel average started bucket by bucket in the batch's last backward
         self.backward_reducer = None
-        if overlap_grad_reduce and group_size(data_group) > 1 and \
-                not any(s.tensor_partial_grad for s in versions.specs):
+        if overlap_grad_reduce and group_size(data_group) > 1:
             self.backward_reducer = BackwardBucketReducer(versions, data_group, bucket_elements)
         self._backwards: dict[int, int] = {}  # batch -> backwards run of it
 
@@ -191,7 +192,6 @@ class GradientUpdater:
         timer and timer.start()
         v = self.versions
         buffer = v.main_grad_buffer
-        sum_tensor_partial_grads(v.main_grads, v.specs, self.tensor_group)
         if self.overflow_injection is not None and self.overflow_injection(batch):
             buffer[0] = float("inf")
         data_works = []
@@ -234,9 +234,13 @@ class GradientUpdater:
             timer and timer.stop()
 
     def _averaged(self, pending: _Pending) -> None:
-        """The batch's average is in the buffer: move it into the master gradients, then start
-        the tied-embedding all-reduce and this stage's part of the norm."""
+        """The batch's average is in the buffer: sum over the tensor-parallel group the
+        gradients each rank computed in part (sequence-parallel norms, qk-layernorm), in the
+        part this rank averaged (the sum commutes with the average, which can so start bucket
+        by bucket in the backward), move it into the master gradients, then start the
+        tied-embedding all-reduce and this stage's part of the norm."""
         v = self.versions
+        sum_tensor_partial_grads(v.averaged_grads(), v.specs, self.tensor_group)
         v.take_gradients()
         if self.tied and group_size(self.embedding_group) > 1:
             pending.tied = all_reduce(v.master_grad_regions[0], self.embedding_group,
@@ -373,7 +377,7 @@ class GradientUpdater:
         self.version_scales[batch + 1] = self.scaler.scale
         oldest_needed = v.version_for_batch(batch + 1)  # no batch before b+1 asks any more
         self.version_scales = {k: s for k, s in self.version_scales.items() if k >= oldest_needed}
-        if v.alias:  # the master gradients are the accumulation buffer itself
+        if v.shared_grads:  # the master gradients are the accumulation buffer itself
             v.main_grad_buffer.zero_()
 
 

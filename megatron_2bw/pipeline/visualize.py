@@ -20,7 +20,7 @@ class ScheduleShape:
     stages: int
     microbatches: int
     batches: int
-    chunks: int = 1  # interleaved: model chunks per rank
+    chunks: int = 1  # interleaved and the V schedules: model chunks per rank
 
     def title(self) -> str:
         names = {"2bw": "PipeDream-2BW", "flush": "PipeDream-Flush (1F1B)", "gpipe": "GPipe",
@@ -28,7 +28,9 @@ class ScheduleShape:
                  "pipedream-vs": "PipeDream with vertical sync (p versions per stage)",
                  "pipemare": "PipeMare (one version per stage: backwards read the newest)",
                  "zb-h1": "ZB-H1 (zero bubble: backward split into B and W)",
-                 "interleaved": f"interleaved 1F1B (v = {self.chunks} chunks per stage)"}
+                 "interleaved": f"interleaved 1F1B (v = {self.chunks} chunks per stage)",
+                 "zb-v": "ZB-V (zero bubble, two chunks per rank in a V)",
+                 "dualpipev": "DualPipeV (two chunks per rank in a V; F&B pairs)"}
         return (f"{names[self.schedule]}: p = {self.stages} stages, m = {self.microbatches} "
                 f"microbatches per batch, {self.batches} batches")
 
@@ -41,7 +43,8 @@ def timed_schedule(shape: ScheduleShape, forward_time: float = 1.0,
                                0, shape.chunks)
     durations = {S.FORWARD: forward_time, S.BACKWARD: backward_time,
                  S.BACKWARD_INPUT: backward_time / 2, S.BACKWARD_WEIGHT: backward_time / 2}
-    return S.timeline(actions, lambda stage, a: durations.get(a.kind, 0.0) / shape.chunks)
+    return S.timeline(actions, lambda stage, a: durations.get(a.kind, 0.0) / shape.chunks,
+                      shape=S.REGISTRY[shape.schedule].shape)
 
 
 def makespan(timed: list[list[S.TimedAction]]) -> float:

@@ -16,11 +16,15 @@ schedule's actions name, and the gradient-accumulation buffer.
   copy pass, which the new version would cost anyway), unless the schedule has just released
   their own copy, which the step then updates in place (the last stage's case: no copy at all).
 - Gradients of every version accumulate into one flat buffer (`main_grad_buffer`, views per
-  parameter): the schedule reduces a batch's gradients before any backward of the next batch runs,
-  and `take_gradients` then moves them into the master gradients (in fp32 2BW the two trade
-  storage), leaving the buffer zeroed for that backward.
-- With fp32 and a single-version schedule the master weights are the working weights and the flat
-  buffer is their .grad: no copy at all (Megatron's fp32 memory).
+  parameter): the schedule reduces a batch's gradients before any backward of the next batch runs.
+- With a single-version schedule and an fp32 buffer the master gradients are the buffer (its
+  owned part, sharded), as Megatron-LM's main_grad: no backward runs between a batch's reduction
+  and its step, which steps on the buffer; the updater zeroes it after the step. With fp32
+  weights too, the master weights are the working weights: no copy at all.
+- With more versions (2BW, PipeDream) the next batch's backwards accumulate into the buffer
+  before the step has read the batch's gradients, so `take_gradients` moves them into separate
+  master gradients (whole and fp32: the two trade storage; sharded, into the working copy that
+  is free until the step, where they fit: `grads_in_free_copy`), leaving the buffer zeroed.
 - `shard(group)` (the distributed optimizer) keeps only this rank's 1/d of the master weights and
   of their gradients; a new version is then assembled by an all-gather over the group (in place
   where the master weights are part of the copy: fp32), one per region, in the background and
@@ -39,7 +43,7 @@ from torch import nn
 
 from megatron_2bw.distributed.comm import all_gather_into_tensor, group_rank, group_size
 from megatron_2bw.pipeline.flat_layout import FlatLayout, gather_shards
-from megatron_2bw.pipeline.schedules import VersionRule
+from megatron_2bw.pipeline.version_rules import VersionRule
 
 class WorkingCopy(list):
     """The leaves of one working copy (what the module holds) and the flat tensor they view."""
@@ -86,6 +90,9 @@ class WeightVersions:
                                        bucket_elements)
         fp32 = working_dtype == torch.float32 and grad_dtype == torch.float32
         self.alias = self.single_version and fp32
+        # the master gradients are (this rank's part of) the fp32 accumulation buffer, unless a
+        # backward of the next batch accumulates before the step has read them (more versions)
+        self.shared_grads = self.single_version and grad_dtype == torch.float32
         self.device = named[0][1].device
         self.data_group = None  # set by shard()
         self._gathers = None  # sharded: the new versions' all-gathers in flight
@@ -101,7 +108,7 @@ class WeightVersions:
             first.flat.to(torch.float32, copy=True)
         # (region index, this rank's master region) -> what a new version's part is filled from
         self.version_source = lambda index, master: master
-        master_grad_flat = self.main_grad_buffer if self.alias else \
+        master_grad_flat = self.main_grad_buffer if self.shared_grads else \
             self._zeros(self.layout.total, torch.float32)
         self.master_regions = [master_flat[a:b] for a, b in self.layout.owned]
         self.master = [nn.Parameter(view) for view in self.param_views(master_flat)]
@@ -124,15 +131,23 @@ class WeightVersions:
     def _new_copy(self) -> WorkingCopy:
         flat = self._zeros(self.layout.total, self.working_dtype)
         leaves = [nn.Parameter(view) for view in self.param_views(flat)]
-        for leaf, grad in zip(leaves, self.main_grads):
+        for i, (leaf, grad) in enumerate(zip(leaves, self.main_grads)):
             if grad.dtype == leaf.dtype:
                 leaf.grad = grad  # autograd accumulates in place into the flat buffer
             else:  # e.g. bf16 weights with fp32 accumulation: add each microbatch's gradient
-                leaf.register_post_accumulate_grad_hook(_accumulate_into(grad))
+                leaf.register_post_accumulate_grad_hook(self._accumulate_into(i))
         copy = WorkingCopy(leaves, flat)
         for listener in self.new_copy_listeners:
             listener(copy)
         return copy
+
+    def _accumulate_into(self, index: int):
+        """A post-accumulate-grad hook adding parameter `index`'s gradient into the buffer (the
+        buffer of the moment: where it trades storage with the master gradients, it moves)."""
+        def hook(param: torch.Tensor) -> None:
+            self.main_grads[index].add_(param.grad)
+            param.grad = None
+        return hook
 
     def _point_master_grads_at(self, flat: torch.Tensor) -> None:
         """The (unsharded) master gradients become views of `flat`."""
@@ -147,6 +162,11 @@ class WeightVersions:
         self.master_regions = [copy.flat[a:b] for a, b in self.layout.owned]
         for m, view in zip(self.master, self._owned_views(self.master_regions)):
             m.data = view
+
+    def averaged_grads(self) -> list[torch.Tensor]:
+        """Each parameter's elements of the buffer that this rank averages over the replicas:
+        all of them, or sharded the part it owns (flattened)."""
+        return self._owned_views([self.main_grad_buffer[a:b] for a, b in self.layout.owned])
 
     def _owned_views(self, regions: list[torch.Tensor]) -> list[torch.Tensor]:
         """Each parameter's elements in `regions` (this rank's part of every region): the whole
@@ -194,8 +214,9 @@ class WeightVersions:
     @property
     def swaps_gradients(self) -> bool:
         """The buffer and the (separate, unsharded) master gradients trade storage instead of
-        copying: in fp32 2BW, unless sharded (a 1/d shard cannot trade with the full buffer)."""
-        return self.master_follows_newest and not self.sharded
+        copying: both fp32 and whole (a 1/d shard cannot trade with the full buffer)."""
+        return not self.shared_grads and not self.sharded and \
+            self.main_grad_buffer.dtype == torch.float32
 
     @torch.no_grad()
     def take_gradients(self) -> None:
@@ -203,8 +224,10 @@ class WeightVersions:
         zeroed for the next batch. Where the two are alike (swaps_gradients) they trade storage:
         a zeroing pass instead of a copy and a zeroing pass, and the working leaves' .grad move
         to the new buffer (the master gradients were consumed by the previous step)."""
-        if self.alias:
+        if self.shared_grads:
             return
+        if self.grads_in_free_copy:  # the copy the schedule has just released
+            self._point_master_grad_shard_at(self._free_copy_as_fp32_shard())
         if not self.swaps_gradients:
             for grad, (a, b) in zip(self.master_grad_regions, self.layout.owned):
                 grad.copy_(self.main_grad_buffer[a:b])
@@ -215,7 +238,8 @@ class WeightVersions:
         self.main_grad_buffer, self.main_grads = buffer, self.param_views(buffer)
         for copy in self.working_copies():
             for leaf, grad in zip(copy, self.main_grads):
-                leaf.grad = grad
+                if leaf.dtype == grad.dtype:  # else a hook adds into the buffer of the moment
+                    leaf.grad = grad
         self._point_master_grads_at(gradients)
 
     def _add_spare_copies(self) -> None:
@@ -262,17 +286,49 @@ class WeightVersions:
             for (start, _), (a, b), region, full in zip(self.layout.regions, owned,
                                                         self.master_regions, unsharded):
                 region.copy_(full[a - start:b - start])
-        if self.alias:  # the master gradients are the buffer
-            self.master_grad_regions = [self.main_grad_buffer[a:b] for a, b in owned]
+        for m, weights in zip(self.master, self._owned_views(self.master_regions)):
+            m.data = weights
+        if self.shared_grads:  # the master gradients are the buffer's owned part
+            self._point_master_grad_shard_at([self.main_grad_buffer[a:b] for a, b in owned])
+        elif self.grads_in_free_copy:
+            self._point_master_grad_shard_at(self._free_copy_as_fp32_shard(zero=True))
         else:
-            self.master_grad_regions = list(self._zeros(self.layout.shard_numel, torch.float32)
-                                            .split(sizes))
-        for m, weights, grad in zip(self.master, self._owned_views(self.master_regions),
-                                    self._owned_views(self.master_grad_regions)):
-            m.data, m.grad = weights, grad
+            self._point_master_grad_shard_at(list(
+                self._zeros(self.layout.shard_numel, torch.float32).split(sizes)))
         from megatron_2bw.pipeline.param_gather import ParameterGathers
         self._gathers = ParameterGathers(self.module, self._slots, self.layout,
                                          lambda: self._installed)
+
+    @property
+    def grads_in_free_copy(self) -> bool:
+        """Sharded, with several versions and master weights apart from the working copies: the
+        master-gradient shard (4/d bytes per parameter) lives in a free working copy when it
+        fits (2 bytes per parameter in fp16/bf16 at d >= 2). Every multi-version schedule
+        leaves a copy free from a batch's reduction to its step (the copy of the version the
+        batch read, released at its end), and that step fills it with the new version only
+        after the optimizer has read the gradients."""
+        return self.sharded and self.capacity > 1 and self._master_copy is None and \
+            4 * self.layout.shard_numel <= self.working_dtype.itemsize * self.layout.total
+
+    def _free_copy_as_fp32_shard(self, zero: bool = False) -> list[torch.Tensor]:
+        """This rank's master-gradient regions in the first free working copy's storage
+        (reinterpreted as fp32), once its all-gathers are in."""
+        if not self._free:
+            raise RuntimeError("no free working copy to hold the master gradients: the "
+                               "schedule must release a batch's version before reducing it")
+        copy = self._free[0]
+        self.wait_gathers(copy)
+        shard = torch.empty(0, dtype=torch.float32, device=self.device).set_(
+            copy.flat.untyped_storage(), 0, (self.layout.shard_numel,))
+        if zero:
+            shard.zero_()
+        return list(shard.split([b - a for a, b in self.layout.owned]))
+
+    def _point_master_grad_shard_at(self, regions: list[torch.Tensor]) -> None:
+        """The (sharded) master gradients become `regions`, this rank's part of each region."""
+        self.master_grad_regions = regions
+        for m, grad in zip(self.master, self._owned_views(regions)):
+            m.grad = grad
 
     def wait_gathers(self, copy: WorkingCopy | None = None) -> None:
         """Wait for the all-gathers still filling `copy` (None: every copy): before anything
@@ -397,10 +453,3 @@ def _untracked(view: torch.Tensor) -> torch.Tensor:
     (nothing reads a region before its wait: pipeline/param_gather.py)."""
     return torch.empty(0, dtype=view.dtype, device=view.device).set_(
         view.untyped_storage(), view.storage_offset(), view.shape, view.stride())
-
-
-def _accumulate_into(main_grad: torch.Tensor):
-    def hook(param: torch.Tensor) -> None:
-        main_grad.add_(param.grad)
-        param.grad = None
-    return hook

@@ -16,34 +16,28 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from megatron_2bw.pipeline import schedules as S
+from megatron_2bw.pipeline.actions import (BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action,
+                                           flushed_batches)
 
 
 def zb_h1_order(stages: int, microbatches: int, stage: int) -> list[tuple[str, int]]:
     """(kind, j) of one batch on `stage`: j is the microbatch's index in the batch."""
     m = microbatches
     warmup = min(stages - stage - 1, m)
-    order = [(S.FORWARD, j) for j in range(warmup)]
+    order = [(FORWARD, j) for j in range(warmup)]
     pending_w = 0
     for i in range(m):
         if warmup + i < m:
-            order.append((S.FORWARD, warmup + i))
-        order.append((S.BACKWARD_INPUT, i))
+            order.append((FORWARD, warmup + i))
+        order.append((BACKWARD_INPUT, i))
         if i >= stage:
-            order.append((S.BACKWARD_WEIGHT, pending_w))
+            order.append((BACKWARD_WEIGHT, pending_w))
             pending_w += 1
-    order += [(S.BACKWARD_WEIGHT, j) for j in range(pending_w, m)]
+    order += [(BACKWARD_WEIGHT, j) for j in range(pending_w, m)]
     return order
 
 
 def zb_h1_actions(stages: int, microbatches: int, batches: int, stage: int, first_batch: int,
-                  chunks: int = 1) -> Iterator[S.Action]:
-    m = microbatches
-    order = zb_h1_order(stages, m, stage)
-    for b in range(first_batch, first_batch + batches):
-        for kind, j in order:
-            before, compute, after = S.transfer_actions(kind, stages, stage, 1, b * m + j, 0, b)
-            yield from before
-            yield compute
-            yield from after
-        yield from S.end_of_flushed_batch(b)
+                  chunks: int = 1) -> Iterator[Action]:
+    order = [(kind, 0, j) for kind, j in zb_h1_order(stages, microbatches, stage)]
+    yield from flushed_batches(order, stages, stage, 1, microbatches, batches, first_batch)

@@ -47,10 +47,11 @@ from functools import lru_cache
 from megatron_2bw.config import ModelConfig, ParallelConfig, PrecisionConfig
 from megatron_2bw.distributed.layout import ParallelLayout
 from megatron_2bw.pipeline.partition import layer_ranges
-from megatron_2bw.pipeline.schedules import NEVER_DRAINED
+from megatron_2bw.pipeline.schedules import NEVER_DRAINED, live_versions
 from megatron_2bw.planner.hardware import HardwareSpec
-from megatron_2bw.planner.memory import (dtype_bytes, grad_buffer_bytes,
-                                         stage_parameters, stage_tensor_partial_grad_parameters)
+from megatron_2bw.planner.memory import (dtype_bytes, grad_buffer_bytes, layer_matrix_shapes,
+                                         stage_hidden_matrix_parameters, stage_parameters,
+                                         stage_tensor_partial_grad_parameters)
 from megatron_2bw.planner.profile import ComputeCosts
 from megatron_2bw.planner.stage_plan import LayerCosts
 
@@ -262,7 +263,32 @@ def _network(hardware: HardwareSpec, tensor: int, pipeline: int, data: int) -> N
 # ---------------------------------------------------------------------------------------------
 # Durations of one configuration
 
-OPTIMIZER_STEP_BYTES = {"adam": 28, "sgd": 20}  # fp32 bytes read+written per parameter
+# fp32 bytes read+written per parameter (Muon's matrices: gradient, buffer, Nesterov's update,
+# weights; AdamW for the rest)
+OPTIMIZER_STEP_BYTES = {"adam": 28, "sgd": 20, "muon": 28}
+MUON_NS_STEPS = 5  # --muon-num-ns-steps' default (the planner takes the optimizer's name only)
+
+
+def newton_schulz_flops(shape: tuple[int, int], steps: int = MUON_NS_STEPS) -> float:
+    """One orthogonalisation of a matrix (optim/muon.newton_schulz): per step X X^T, the Gram
+    matrix squared and the product with X, m = the smaller side."""
+    m, n = min(shape), max(shape)
+    return steps * (4.0 * m * m * n + 2.0 * m ** 3)
+
+
+def muon_step_times(model: ModelConfig, hardware: HardwareSpec, net, stage: int, layers: int,
+                    matrices: int, parameters: int, tensor: int, shards: int) -> tuple[float, float]:
+    """(compute, communication) seconds Muon adds to a stage's step (modelled): every rank
+    orthogonalises each of its layers' matrices whole, in bf16; the matrices' fp32 updates are
+    all-gathered over the tensor-parallel group, and under the distributed optimizer the stage's
+    flat shard over the data-parallel group (an all-gather: half an all-reduce's time)."""
+    rate = hardware.peak_flops.get("bfloat16") or max(hardware.peak_flops.values())
+    compute = layers * sum(newton_schulz_flops(shape) for shape in layer_matrix_shapes(model)) / (
+        rate * hardware.efficiency)
+    comm = net.allreduce_time("tensor", 4 * matrices, stage) / 2 if tensor > 1 else 0.0
+    if shards > 1:
+        comm += net.allreduce_time("data", 4 * parameters, stage) / 2
+    return compute, comm
 
 
 @dataclass(frozen=True)
@@ -424,13 +450,10 @@ def stage_costs(model: ModelConfig, hardware: HardwareSpec, costs: ComputeCosts,
     tied_ar = net.allreduce_time("embedding", tied_bytes) if tied else 0.0
     shards = d if parallel.use_distributed_optimizer else 1
     # as in memory.py: in fp32 the master weights are (this rank's part of) a working copy, under
-    # 2BW the newest version's; the master gradients are separate unless fp32 Flush/GPipe, and
-    # in fp32 2BW, unsharded, they trade storage with the buffer (WeightVersions)
+    # 2BW the newest version's
     fp32 = e == 4 and g == 4
     fp32_versions = fp32 and candidate.schedule in NEVER_DRAINED and \
         candidate.schedule != "pipemare"  # PipeMare's one version is the master weights
-    separate_master_grads = not fp32 or fp32_versions
-    swaps_gradients = fp32_versions and shards == 1
     layer_counts = list(candidate.layer_split) if candidate.layer_split else \
         [len(r) for r in layer_ranges(model.num_layers, p)]
 
@@ -479,13 +502,17 @@ def stage_costs(model: ModelConfig, hardware: HardwareSpec, costs: ComputeCosts,
             + (hardware.allreduce_processor_s(2, tied_bytes) if tied and (first or last) else 0.0) \
             + hardware.allreduce_processor_s(t * p, 4) \
             + (hardware.allreduce_processor_s(d, 4) if shards > 1 else 0.0)
-        # the buffer into the master gradients: a copy and a zeroing pass, or where the two trade
-        # storage the zeroing alone; the grad norm
-        move = (g if swaps_gradients else 2 * g + 4) if separate_master_grads else 0
+        # the buffer into the master gradients unless they are the buffer (one version, fp32
+        # gradients: WeightVersions.shared_grads): a copy and a zeroing pass, or where both are
+        # whole and fp32 and trade storage the zeroing alone; the grad norm
+        shared_grads = live_versions(candidate.schedule, p, s) == 1 and g == 4
+        swaps_gradients = g == 4 and shards == 1
+        move = 0 if shared_grads else g if swaps_gradients else 2 * g + 4
         local = move * P + 12 * P
         # the blocking all-reduce over the tensor-parallel group of the replicated parameters'
-        # gradients each rank computes in part (update.py, sum_tensor_partial_grads)
-        summed = g * stage_tensor_partial_grad_parameters(model, t, layers, first, last)
+        # gradients each rank computes in part, after the data-parallel average: of the part
+        # this rank averaged (update.py, sum_tensor_partial_grads)
+        summed = g * stage_tensor_partial_grad_parameters(model, t, layers, first, last) / shards
         partial_ar = net.allreduce_time("tensor", summed, s) if summed else 0.0
         # optimizer + unscaling, and the new working version: written from the master weights or,
         # where they are the newest version, a copy of this rank's part of it before the step;
@@ -505,13 +532,19 @@ def stage_costs(model: ModelConfig, hardware: HardwareSpec, costs: ComputeCosts,
             # not modelled)
             if candidate.schedule not in NEVER_DRAINED:
                 step_comm = net.allreduce_time("data", e * P, s) / 2
+        muon_compute = 0.0
+        if optimizer == "muon":
+            matrices = stage_hidden_matrix_parameters(model, t, layers, first, last)
+            muon_compute, muon_comm = muon_step_times(model, hardware, net, s, layers, matrices,
+                                                      P, t, shards)
+            step_comm += muon_comm
         result.append(StageCost(
             forward_s=forward, backward_s=backward,
             send_act_s=0.0 if last else net.transfer_time(s, s + 1, message),
             send_grad_s=0.0 if first else net.transfer_time(s, s - 1, message),
             reduce_s=local / memory_rate + partial_ar,
             reduce_async_s=stats_ar,
-            step_s=step / memory_rate + step_comm,
+            step_s=step / memory_rate + muon_compute + step_comm,
             tied_async_s=tied_ar if first and not last else 0.0,
             forward_comm_s=forward_comm, backward_comm_s=backward_comm, step_comm_s=step_comm,
             forward_collectives=forward_collectives, backward_collectives=backward_collectives,

@@ -579,9 +579,9 @@ def probe_p2p_processor_time(group=None, message_bytes: int = 128 << 10, rounds:
                              repeats: int = 5) -> float:
     """Processor seconds (all of a rank's threads) per pipeline message sent or received, beyond
     the computation around it: ranks in pairs (0-1, 2-3, ...), every rank at once, alternate a
-    compute segment with one send and one receive (the receive posted ahead, as the runtime does
-    under gloo), against the same segments without messages; blocks of both interleaved, the
-    median over blocks and ranks. Collective; CPU ranks of one node (0 otherwise, and for an odd
+    compute segment with one send and one receive (one batch, as the runtime posts an exchange),
+    against the same segments without messages; blocks of both interleaved, the median over
+    blocks and ranks. Collective; CPU ranks of one node (0 otherwise, and for an odd
     rank without a partner)."""
     group = group or dist.group.WORLD
     device = _device_for(group)
@@ -593,21 +593,16 @@ def probe_p2p_processor_time(group=None, message_bytes: int = 128 << 10, rounds:
     peer = dist.get_global_rank(group, partner) if partner is not None else None
     compute = _compute_segment()
     outgoing = torch.zeros(max(message_bytes // 4, 1))
-    pending: list = []
-
-    def post_receive() -> None:
-        pending.append(dist.irecv(torch.empty_like(outgoing), peer, group=group))
+    incoming = torch.empty_like(outgoing)
 
     def exchange_round() -> None:
         compute()
-        send = dist.isend(outgoing, peer, group=group)
-        pending.pop(0).wait()
-        post_receive()
-        send.wait()
+        for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, outgoing, peer, group),
+                                            dist.P2POp(dist.irecv, incoming, peer, group)]):
+            work.wait()
 
     extras = []
     if partner is not None:
-        post_receive()
         for _ in range(3):
             exchange_round()
     for _ in range(repeats):
@@ -619,10 +614,6 @@ def probe_p2p_processor_time(group=None, message_bytes: int = 128 << 10, rounds:
                 body()
             blocks.append((time.process_time() - start) / rounds)
         extras.append((blocks[1] - blocks[0]) / 2)  # two messages per exchange round
-    if partner is not None:  # the receive posted last: the partner's final send
-        send = dist.isend(outgoing, peer, group=group)
-        pending.pop(0).wait()
-        send.wait()
     gathered: list = [None] * size
     dist.all_gather_object(gathered, extras if partner is not None else [], group=group)
     return max(0.0, statistics.median(value for extras in gathered for value in extras))

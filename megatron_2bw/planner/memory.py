@@ -5,16 +5,18 @@ start-up log both call it. P below is the parameter count of this rank's shard o
 stage's parameters / t, vocabulary padded to a multiple of 128*t), counted from the model code
 itself (built on the meta device), so it follows the model exactly.
 
-Weights and gradients (pipeline/weights.py, pipeline/update.py):
-- fp32, one version (flush/gpipe): the master weights are the working weights (4P) and the flat
-  gradient buffer is their .grad (4P).
-- otherwise (fp16/bf16, or fp32 2BW): fp32 master weights 4P, their gradient 4P, a working copy per
-  live version (2P or 4P each; 2 versions for 2BW) and the gradient-accumulation buffer (working
-  precision, or 4P with fp32 gradients: PrecisionConfig.fp32_gradients).
+Weights and gradients (pipeline/weights.py, pipeline/update.py; `held_bytes_per_parameter`, the
+table of docs/precision_memory.md, which a test checks against the live tensors):
+- a working copy per live version (2P or 4P each; 2 versions for 2BW) and the
+  gradient-accumulation buffer (working precision, or 4P with fp32 gradients:
+  PrecisionConfig.fp32_gradients).
+- fp32 master weights 4P, except in fp32, where they are (part of) a working copy.
+- fp32 master gradients 4P, except with one version and an fp32 buffer, where they are the buffer.
 - optimizer state: Adam 8P, SGD with momentum 4P, Muon 4 bytes per hidden-matrix parameter (its
   momentum buffer) and AdamW's 8 for the others, plus 4P for --delay-compensation's delta
   (8P for ef: pipeline/compensation.py; with predict the master weights are separate also in fp32).
-  use_distributed_optimizer divides the master weights, master gradients and optimizer state by d.
+  use_distributed_optimizer divides the master weights, master gradients and optimizer state by d
+  (Muon's: the most a rank's P/d elements can hold, its AdamW parameters all counted at 8).
 
 Activations: the bytes one layer stashes per microbatch (`activation_bytes_per_layer`, measured by
 measured_profile.py on the device at hand, else the analytic count below) x layers x microbatches
@@ -79,6 +81,48 @@ class StageMemory:
         parts = ", ".join(f"{f.name} {getattr(self, f.name) / 2**30:.2f}"
                           for f in dataclasses.fields(self))
         return f"{self.total / 2**30:.2f} GiB ({parts})"
+
+
+@dataclass(frozen=True)
+class HeldBytes:
+    """Bytes per parameter one rank holds of a stage's weights and their state."""
+    working: float  # the working copies, one per live version
+    buffer: float  # the gradient-accumulation buffer
+    master: float  # fp32 master weights held apart from the working copies
+    master_grads: float  # fp32 master gradients held apart from the buffer
+    optimizer: float  # the optimizer's state (and --delay-compensation's)
+
+    @property
+    def total(self) -> float:
+        return self.working + self.buffer + self.master + self.master_grads + self.optimizer
+
+
+def held_bytes_per_parameter(element_bytes: int, grad_bytes: int, versions: int, shards: int,
+                             optimizer: str, compensation_buffers: int = 0,
+                             predicted: bool = False) -> HeldBytes:
+    """What WeightVersions and the optimizer hold per parameter: `versions` working copies of
+    `element_bytes`, a buffer of `grad_bytes`, the master state divided by `shards` (the
+    distributed optimizer's d). The master weights are a working copy in fp32 (unless
+    `predicted`: weight prediction fills the versions from elsewhere); the master gradients are
+    the buffer with one version and an fp32 buffer: with more, a backward of the next batch
+    accumulates into the buffer before the step has read them, and they are a tensor of their
+    own unless sharded (then in a free working copy, where they fit). `compensation_buffers`:
+    the fp32 buffers --delay-compensation keeps per master element (compensation.STATE_BUFFERS)."""
+    if optimizer not in OPTIMIZER_STATE_BYTES:
+        raise ValueError(f"unknown optimizer {optimizer!r}; expected one of "
+                         f"{list(OPTIMIZER_STATE_BYTES)}")
+    fp32 = element_bytes == 4 and grad_bytes == 4
+    separate_master = not fp32 or predicted
+    separate_master_grads = versions > 1 or grad_bytes != 4
+    # sharded, several versions: the shard lives in the working copy that is free from a
+    # batch's reduction to its step, where it fits (WeightVersions.grads_in_free_copy)
+    if shards > 1 and versions > 1 and separate_master and 4 / shards <= element_bytes:
+        separate_master_grads = False
+    return HeldBytes(
+        working=element_bytes * versions, buffer=grad_bytes,
+        master=4 / shards if separate_master else 0.0,
+        master_grads=4 / shards if separate_master_grads else 0.0,
+        optimizer=(OPTIMIZER_STATE_BYTES[optimizer] + 4 * compensation_buffers) / shards)
 
 
 def memory_limit_bytes(hardware: HardwareSpec) -> float:
@@ -155,6 +199,23 @@ def stage_hidden_matrix_parameters(model: ModelConfig, tensor_parallel: int, lay
     """Parameters of that shard in the hidden matrices Muon updates (optim/optimizer.py)."""
     return _count(model, tensor_parallel, layers, first, last,
                   lambda tensors: sum(n for n, _, matrix in tensors if matrix))
+
+
+@lru_cache(maxsize=64)
+def _layer_matrix_shapes(model_key: tuple) -> tuple[tuple[int, int], ...]:
+    from megatron_2bw.models import MODELS
+    from megatron_2bw.optim.optimizer import is_hidden_matrix
+    model = ModelConfig(**dict(model_key))
+    with torch.device("meta"):
+        module = MODELS[model.model_type](model, None, model.padded_vocab_size(1), range(1),
+                                          False, False)
+    return tuple(tuple(p.shape) for name, p in module.named_parameters()
+                 if is_hidden_matrix(name, p))
+
+
+def layer_matrix_shapes(model: ModelConfig) -> tuple[tuple[int, int], ...]:
+    """The whole (unsharded) shapes of one layer's hidden matrices, which Muon orthogonalises."""
+    return _layer_matrix_shapes(_model_key(model))
 
 
 def largest_hidden_matrix(model: ModelConfig, tensor_parallel: int, layers: int) -> int:
@@ -374,9 +435,6 @@ def estimate_stage_memory(model: ModelConfig, parallel: ParallelConfig, precisio
     None uses the analytic `layer_activation_bytes` of the attention kernels `device_type`
     ("cuda" or "cpu") runs. A per-stage recompute plan
     (RecomputeConfig.num_layers_per_stage) counts this stage's own."""
-    if optimizer not in OPTIMIZER_STATE_BYTES:
-        raise ValueError(f"unknown optimizer {optimizer!r}; expected one of "
-                         f"{list(OPTIMIZER_STATE_BYTES)}")
     t, p = parallel.tensor_parallel, parallel.pipeline_parallel
     if not 0 <= stage < p:
         raise ValueError(f"stage {stage} out of range for {p} pipeline stages")
@@ -388,25 +446,24 @@ def estimate_stage_memory(model: ModelConfig, parallel: ParallelConfig, precisio
     e, g = dtype_bytes(precision), grad_buffer_bytes(precision)
     versions = live_versions(schedule, p, stage)  # working copies: 2BW 2, PipeDream p - s
     shards = data_parallel if parallel.use_distributed_optimizer else 1
-    # weights.py: in fp32 the master weights are (part of) a working copy (2BW's newest), and
-    # the master gradients the accumulation buffer unless a second version accumulates
-    fp32 = e == 4 and g == 4
     compensation_buffers = STATE_BUFFERS[parallel.delay_compensation]
-    separate_master = not fp32 or parallel.delay_compensation == "predict"
-    separate_master_grads = not fp32 or versions > 1
-
-    params = e * P + (4 * P / shards if separate_master else 0)
-    grads = g * P + (4 * P / shards if separate_master_grads else 0)
-    state = OPTIMIZER_STATE_BYTES[optimizer] * P
+    held = held_bytes_per_parameter(e, g, versions, shards, optimizer,
+                                    compensation_buffers=compensation_buffers,
+                                    predicted=parallel.delay_compensation == "predict")
+    params = (e + held.master) * P
+    grads = (held.buffer + held.master_grads) * P
+    optimizer_bytes = held.optimizer * P
     muon_step = 0.0
     if optimizer == "muon":
-        matrices = stage_hidden_matrix_parameters(model, t, layers, first, last)
-        state = OPTIMIZER_STATE_BYTES["muon"] * matrices + OPTIMIZER_STATE_BYTES["adam"] * (
-            P - matrices)
+        # a rank's shard holds P / d elements, matrices' (4 bytes) or AdamW's (8 bytes): at most
+        # all of the AdamW parameters, as the flat layout may give them to one rank
+        adamw = P - stage_hidden_matrix_parameters(model, t, layers, first, last)
+        state = OPTIMIZER_STATE_BYTES["muon"] * P / shards + (
+            OPTIMIZER_STATE_BYTES["adam"] - OPTIMIZER_STATE_BYTES["muon"]) * min(adamw, P / shards)
+        optimizer_bytes = state + 4 * compensation_buffers * P / shards
         muon_step = (4 * P if shards > 1 else 0) + \
             MUON_STEP_BYTES * t * largest_hidden_matrix(model, t, layers)
-    optimizer_bytes = (state + 4 * compensation_buffers * P) / shards
-    stash = e * P * (versions - 1)
+    stash = (held.working - e) * P
     if schedule == "pipemare" and parallel.pipemare_discrepancy_decay > 0 and \
             stage_delay(microbatches, stage, p) >= 1:
         stash += 4 * P  # T2's delta in place of a stash: fp32, whole on every replica

@@ -27,7 +27,9 @@ from megatron_2bw.pipeline.schedules import SCHEDULES, VersionRule
 # what --pipeline-schedule offers (PipeDream's vertical sync is a flag of its own, not planned)
 # PipeMare's update rule differs from the others' (and its time is 2BW's): planned only where
 # --pipeline-schedule pipemare pins it, never chosen in place of another schedule
-PLANNED_SCHEDULES = tuple(s for s in SCHEDULES if s not in ("pipedream-vs", "pipemare"))
+# the V schedules are not planned: the runtime does not run them yet
+PLANNED_SCHEDULES = tuple(s for s in SCHEDULES if s not in ("pipedream-vs", "pipemare", "zb-v",
+                                                            "dualpipev"))
 from megatron_2bw.planner.cost import (RECOMPUTE_OPTIONS, Candidate, CoreSharing, StageCost,
                                        balanced_split, bottleneck_label, busiest_stage,
                                        core_sharing, layer_costs, paper_breakdown, stage_costs,

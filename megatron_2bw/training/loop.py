@@ -32,6 +32,9 @@ def evaluate(stage: Stage, iterator, log: ProgressLog, iteration: int,
     microbatches = stage.microbatches * config.training.eval_iters
     feed = MicrobatchFeed(iterator, stage.device, 0)
     sums, weight = stage.executor.evaluate(microbatches, feed)
+    if split == "validation":  # the stream goes on from here at the next evaluation, or resume
+        stage.consumed_valid_samples += microbatches * config.training.micro_batch_size * \
+            stage.layout.data_replicas
     metrics = {}
     if stage.layout.is_last_stage and sums:
         values = torch.tensor([*sums.values(), weight], dtype=torch.float64, device=stage.device)
@@ -74,9 +77,8 @@ def report_memory(stage: Stage) -> None:
 def pretrain(config: Config, typed: set = frozenset()) -> Stage:
     """Train to --train-iters (or an exit request); returns this rank's stage. `typed`: the
     (section, field) pairs given on the command line, which --auto-parallel keeps pinned."""
-    from megatron_2bw.checkpoint import maybe_load_checkpoint, save_checkpoint
+    from megatron_2bw.checkpoint.ownership import claim_save_directory
     from megatron_2bw.checkpoint.save_load import adopt_checkpoint_layout
-    from megatron_2bw.tensor_parallel.random import load_rng_state_dict
     check_inputs(config)
     tokenizer = build_checked_tokenizer(config)
     config.model.vocab_size = tokenizer.vocab_size  # before --auto-parallel profiles the model
@@ -86,6 +88,18 @@ def pretrain(config: Config, typed: set = frozenset()) -> Stage:
         print_rank0(layout, f" --load {config.checkpoint.load}: continuing with the checkpoint's "
                             f"{' '.join(adopted)} (flags set otherwise win)")
     FAILURE_CONTEXT["layout"] = layout
+    save_lock = claim_save_directory(config, layout, device)  # before the first write to --save
+    try:
+        return train_and_evaluate(config, layout, device, plan, tokenizer)
+    finally:
+        if save_lock is not None:
+            save_lock.release()
+
+
+def train_and_evaluate(config: Config, layout, device: torch.device, plan, tokenizer) -> Stage:
+    """pretrain() once the processes are up: build the stage, load, train, evaluate, save."""
+    from megatron_2bw.checkpoint import maybe_load_checkpoint, save_checkpoint
+    from megatron_2bw.tensor_parallel.random import load_rng_state_dict
     synchronize = torch.cuda.synchronize if device.type == "cuda" else None
     timers = Timers(config.logging.timing_log_level, synchronize)
     log = ProgressLog(config, layout, timers, 0)
@@ -100,16 +114,23 @@ def pretrain(config: Config, typed: set = frozenset()) -> Stage:
     FAILURE_CONTEXT["stage"] = stage
     log.memory = stage.memory
     resumed_rng = maybe_load_checkpoint(stage)
+    check_iterations_left(config, layout, stage.iteration)
+    train = config.training
+    # the samples read before this run's first iteration, as the checkpoint counted them, over
+    # the schedule's count: nonzero when a resumed run has another --global-batch-size, whose
+    # data then continue where the checkpoint's stopped (Megatron-LM's consumed_train_samples)
+    log.consumed_offset = stage.consumed_samples - batch_schedule(train).consumed(stage.iteration)
     log.start_iteration = log.last_logged = stage.iteration
     stage.memory.set_static(static_tensors(stage))
     print_rank0(layout, startup_summary(stage))
     if layout.coords.dp == 0:  # one line per model-parallel rank, as Megatron's memory report
         print(startup_memory_report(stage), flush=True)
-    train_data, valid_data, test_data = build_data(config, layout, tokenizer)
-    train = config.training
-    train_iterator = None if train.skip_train else \
-        train_data(batch_schedule(train).consumed(stage.iteration))
-    valid_iterator = valid_data(0) if valid_data is not None else None
+    train_data, valid_data, test_data = build_data(
+        config, layout, tokenizer, log.consumed_offset, stage.consumed_valid_samples)
+    train_iterator = None if train.skip_train else train_data(stage.consumed_samples)
+    # --skip-train evaluates the weights on the validation set from its start
+    valid_start = 0 if train.skip_train else stage.consumed_valid_samples
+    valid_iterator = valid_data(valid_start) if valid_data is not None else None
     if resumed_rng is not None:  # only now: creating the data loaders drew from the torch RNG
         load_rng_state_dict(resumed_rng)
     exit_request = ExitRequest(config, log.start_time, announce=layout.rank == 0)
@@ -135,7 +156,7 @@ def pretrain(config: Config, typed: set = frozenset()) -> Stage:
             log.end_segment()
             profiler.end_segment(end)
             stage.iteration = end
-            stage.consumed_samples = batch_schedule(train).consumed(end)
+            stage.consumed_samples = batch_schedule(train).consumed(end) + log.consumed_offset
             if valid_iterator is not None and (end % train.eval_interval == 0
                                                or end == train.train_iters):
                 with housekeeping.around_evaluation():
@@ -172,9 +193,30 @@ def pretrain(config: Config, typed: set = frozenset()) -> Stage:
     return stage
 
 
+def check_iterations_left(config: Config, layout, iteration: int) -> None:
+    """A resumed run with no iteration left to train says so; one whose --train-iters is below
+    the checkpoint's iteration is refused (it would train nothing and exit 0). The same on every
+    rank: all loaded the same iteration."""
+    from megatron_2bw.checkpoint.save_load import CheckpointError
+    train, root = config.training, config.checkpoint.load
+    flag = "--train-samples" if train.train_samples else "--train-iters"
+    if train.skip_train or iteration < train.train_iters:
+        return
+    if iteration > train.train_iters:
+        raise CheckpointError(f"{flag} gives {train.train_iters} iterations, below the iteration "
+                              f"of the --load {root} checkpoint ({iteration}): nothing to train; "
+                              f"pass more to continue it")
+    print_rank0(layout, f" --load {root} is at iteration {iteration}, the last of {flag}: "
+                        f"nothing left to train")
+
+
 def startup_summary(stage: Stage) -> str:
-    c, layout = stage.config, stage.layout
-    n = sum(p.numel() for p in stage.versions.master)
+    c, layout, versions = stage.config, stage.layout, stage.versions
+    held = sum(versions.layout.numels)  # every parameter of the rank's shard, in working copies
+    owned = ""
+    if versions.sharded:  # the distributed optimizer: its part of the master weights and state
+        owned = (f" and owns {sum(m.numel() for m in versions.master) / 1e6:.2f} M of their "
+                 f"master weights and optimizer state (1/{versions.layout.shards})")
     first = microbatches_of(stage, 0)
     ramp = f" (first {first}: the batch size changes)" if first != stage.microbatches else ""
     context = f" x cp {layout.context}" if layout.context > 1 else ""
@@ -183,7 +225,7 @@ def startup_summary(stage: Stage) -> str:
             f"schedule {c.parallel.pipeline_schedule}, m = {stage.microbatches} "
             f"microbatches of {c.training.micro_batch_size}{ramp}, "
             f"{c.precision.working_dtype_name}; "
-            f"stage 0 holds {n / 1e6:.2f} M parameters on rank 0")
+            f"stage 0 holds {held / 1e6:.2f} M parameters on rank 0{owned}")
 
 
 def main(model_type: str, description: str = "") -> None:

@@ -48,6 +48,9 @@ class ProgressLog:
         self.segment_end: float | None = None
         self.between_segments = 0.0  # seconds outside segments since interval_start
         self.start_iteration = self.last_logged = start_iteration
+        # samples read beyond the batch schedule's count: a resumed run's whose checkpoint was
+        # trained with other batch sizes (training/loop.py)
+        self.consumed_offset = 0
         self.memory: MemoryTracker | None = None
         self.results: list[StepResult] = []
         self.interval_throughputs: list[float] = []  # samples/s per log interval
@@ -98,7 +101,7 @@ class ProgressLog:
             "tflops": samples * model_flops_per_sample(self.config) / seconds
             / self.layout.world_size / 1e12,
             "time-per-iter-ms": seconds * 1000,
-            "consumed-samples": batches.consumed(iteration),
+            "consumed-samples": batches.consumed(iteration) + self.consumed_offset,
             "global-batch-size": batches.global_batch(result.batch),
         })
         # the last step's, as Megatron logs them (--log-params-norm, --log-num-zeros-in-grad)

@@ -7,7 +7,7 @@ import torch
 
 from megatron_2bw.batch_schedule import batch_schedule
 from megatron_2bw.config import Config
-from megatron_2bw.pipeline.schedules import stage_actions, stage_receives
+from megatron_2bw.pipeline.schedules import stage_actions
 from megatron_2bw.training.stage import Stage
 
 
@@ -38,8 +38,7 @@ def run_segment(stage: Stage, first_batch: int, batches: int, feed: MicrobatchFe
     m = stage.executor.m = microbatches_of(stage, first_batch)
     actions = stage_actions(par.pipeline_schedule, par.pipeline_parallel, m, batches,
                             stage.layout.stage, first_batch, par.model_chunks)
-    stage.executor.run(actions, feed, stage_receives(par.pipeline_parallel, m, batches,
-                                                     stage.layout.stage, par.model_chunks))
+    stage.executor.run(actions, feed)
 
 
 def segment_ends(config: Config, start: int) -> list[int]:

@@ -66,7 +66,8 @@ class Stage:
     timers: Timers
     microbatches: int
     iteration: int = 0  # batches completed (and stepped)
-    consumed_samples: int = 0
+    consumed_samples: int = 0  # training samples read, as Megatron-LM's consumed_train_samples
+    consumed_valid_samples: int = 0  # validation samples read (the stream continues on resume)
     step_results: list = field(default_factory=list)
     applied_steps: AppliedSteps = field(default_factory=AppliedSteps)
 

@@ -66,16 +66,19 @@ def setup(config: Config, typed: set) -> tuple[Config, ParallelLayout, torch.dev
     return config, layout, device, plan
 
 
-def build_data(config: Config, layout: ParallelLayout, tokenizer):
+def build_data(config: Config, layout: ParallelLayout, tokenizer, train_offset: int = 0,
+               valid_consumed: int = 0):
     """Train, validation and test iterator factories (consumed_samples -> iterator of
     microbatches; None for a split without data). Rank 0 builds the index caches first; the others
-    then load them."""
+    then load them. A resumed run's streams start where the checkpoint's stopped: `train_offset`
+    more training samples than the batch schedule counts, `valid_consumed` validation samples
+    read, so each split is built long enough to go on from there without wrapping."""
     from megatron_2bw.data.builder import build_pretraining_datasets
     from megatron_2bw.data.samplers import build_data_iterator
     train = config.training
     evaluations = train.train_iters // train.eval_interval + 1
-    counts = (batch_schedule(train).consumed(train.train_iters),
-              evaluations * train.eval_iters * train.global_batch_size,
+    counts = (batch_schedule(train).consumed(train.train_iters) + train_offset,
+              valid_consumed + evaluations * train.eval_iters * train.global_batch_size,
               train.eval_iters * train.global_batch_size)
     datasets = None
     for building_rank in (True, False):
@@ -118,7 +121,12 @@ def check_inputs(config: Config) -> None:
     exists, so that a mistake ends the job with one line naming the flag (ConfigError), not a
     traceback after start-up or an unwritable --save after the first interval of training."""
     from megatron_2bw.data.builder import check_data_flags
+    from megatron_2bw.data.tokenizers import tokenizer_files
     check_data_flags(config.data)
+    for field, _ in tokenizer_files(config.data.tokenizer_type):
+        path = getattr(config.data, field)
+        if path and os.path.exists(path):  # as the checkpoint records it: usable from any folder
+            setattr(config.data, field, os.path.abspath(path))
     for flag, path, directory in (("--save", config.checkpoint.save, True),
                                   ("--tensorboard-dir", config.logging.tensorboard_dir, True),
                                   ("--log-file", config.logging.log_file, False)):

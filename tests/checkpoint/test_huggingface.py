@@ -375,3 +375,10 @@ def test_a_sentencepiece_run_comes_back_from_export_with_its_own_tokenizer(
     assert ids == build_tokenizer(data).tokenize(text)
     bos = sentencepiece.SentencePieceProcessor(model_file=str(tmp_path / "spm.model")).bos_id()
     assert (ids[0] == bos) == (kind == "Llama2Tokenizer")
+    # transformers' own loader reads the same ids from the export (its tokenizer.json)
+    auto = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf", local_files_only=True)
+    for text in ("the queen spoke of war", "  The King, 1601!\nünknown"):
+        assert auto.encode(text) == build_tokenizer(data).tokenize(text)
+    (tmp_path / "any_file").touch()  # the mode of the other files written (not safetensors' 0600)
+    assert (tmp_path / "hf" / "model.safetensors").stat().st_mode & 0o777 == \
+        (tmp_path / "any_file").stat().st_mode & 0o777

@@ -28,7 +28,24 @@ def muon_config(t=1, p=1, schedule="flush", zero=False, precision="fp32", clip=0
 
 
 def trained(config, world, before=None):
-    return full_weights(run_ranks(world, train_stage, config, BATCHES, before))
+    ranks = run_ranks(world, train_stage, config, BATCHES, before)
+    # the planner's estimate: Muon's buffers and AdamW's moments; sharded, a bound on each rank
+    sharded = config.parallel.use_distributed_optimizer
+    for rank in ranks:
+        if sharded:
+            assert rank["optimizer_bytes"] <= rank["estimate"]["optimizer"]
+        else:
+            assert rank["optimizer_bytes"] == rank["estimate"]["optimizer"]
+    if sharded:  # the replicas' shards add up to the unsharded state
+        unsharded = run_ranks(world // 2, train_stage, with_changes(
+            config, parallel={"use_distributed_optimizer": False}), 0)
+        by_coords = {r["coords"][0::2]: r["optimizer_bytes"] for r in unsharded}
+        totals = {}
+        for rank in ranks:
+            key = rank["coords"][0::2]
+            totals[key] = totals.get(key, 0) + rank["optimizer_bytes"]
+        assert totals == by_coords
+    return full_weights(ranks)
 
 
 def blockwise(stage):
@@ -81,3 +98,21 @@ def test_with_the_bf16_iteration_tensor_parallel_stays_near_one_process(monkeypa
     monkeypatch.setattr(muon, "newton_schulz", BF16_NEWTON_SCHULZ)  # whatever ran before
     reference, t2 = trained(muon_config(), 1), trained(muon_config(t=2), 2)
     assert max_difference(t2, reference, VOCAB) < 5e-3
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_half_precision_keeps_fp32_master_weights_and_state_and_trains_like_fp32(precision,
+                                                                                 monkeypatch):
+    monkeypatch.setattr(muon, "newton_schulz", BF16_NEWTON_SCHULZ)
+    fp32 = run_ranks(2, train_stage, muon_config(p=2, schedule="2bw", clip=0.5), BATCHES)
+    half = run_ranks(2, train_stage, muon_config(p=2, schedule="2bw", precision=precision,
+                                                 clip=0.5), BATCHES)
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    for a, b in zip(fp32, half):
+        assert b["working_dtype"] == dtype
+        assert all(w.dtype == torch.float32 for w, _ in b["weights"].values())
+        # Muon's momentum buffers and AdamW's moments: fp32, as many bytes as in fp32
+        assert b["optimizer_bytes"] == a["optimizer_bytes"] == b["estimate"]["optimizer"]
+        assert not any(skipped for _, skipped, *_ in b["results"])
+    losses = [[r[4]["lm loss"] for r in ranks[1]["results"]] for ranks in (fp32, half)]
+    assert losses[1] == pytest.approx(losses[0], rel=1e-4)

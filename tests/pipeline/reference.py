@@ -77,7 +77,7 @@ def per_stage_delay_reference(config, batches: int, feed, microbatches: int, rul
     stage_of = [_stage_of_parameter(n, layer_stages) for n in names]
     newest = [p.detach().clone().requires_grad_() for p in model.parameters()]
     versions = [[p.detach().clone() for p in newest]]  # versions[v]: W(v)
-    optimizer = build_torch_optimizer(newest, config.optimizer)
+    optimizer = build_torch_optimizer(newest, config.optimizer, names)
     read = RULES[rule]
     for k in range(batches):
         reads = [read(k, s, stages) for s in range(stages)]

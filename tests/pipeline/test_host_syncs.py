@@ -8,9 +8,11 @@ the microbatches. No wait on the device's work passes a host timeout (the proces
 and watchdog bound it instead)."""
 import collections
 
+import pytest
 import torch
 import torch.distributed as dist
 
+from megatron_2bw.distributed import strict_p2p
 from megatron_2bw.distributed.forked import run_forked
 from megatron_2bw.training.segments import run_segment
 from tests.pipeline.harness import gpt_feed, stage_on_rank, tiny_config
@@ -20,9 +22,14 @@ BATCHES = 5
 STEADY = slice(2, None)  # 2BW's first steps come at its warm-up
 
 
-def _count(rank: int, world: int, global_batch: int):
-    config = tiny_config(p=2, global_batch=global_batch, micro=2, optimizer="adam", layers=2,
+def _count(rank: int, world: int, global_batch: int, optimizer: str = "adam",
+           sharded: bool = False):
+    # strict transfers (distributed/strict_p2p.py) read each message's header on the host and
+    # bound their waits: test machinery this count must not see (every rank, before any transfer)
+    strict_p2p.uninstall()
+    config = tiny_config(p=2, global_batch=global_batch, micro=2, optimizer=optimizer, layers=2,
                          vocab_size=61)  # padded to 64: the last rows are padding
+    config.parallel.use_distributed_optimizer = sharded
     config.training.calculate_per_token_loss = True
     calls = collections.Counter()
     after_step = []
@@ -47,9 +54,12 @@ def _count(rank: int, world: int, global_batch: int):
     return per_step[STEADY], calls["wait with a host timeout"]
 
 
-def test_the_steady_state_reads_the_device_twice_per_step_and_never_per_microbatch():
-    two = run_forked(4, _count, 8, timeout=120)  # m = 2 per replica
-    four = run_forked(4, _count, 16, timeout=120)  # m = 4
+@pytest.mark.parametrize("optimizer,sharded", [("adam", False),
+                                               ("muon", True)])  # Muon's whole-matrix gathers
+def test_the_steady_state_reads_the_device_twice_per_step_and_never_per_microbatch(optimizer,
+                                                                                  sharded):
+    two = run_forked(4, _count, 8, optimizer, sharded, timeout=120)  # m = 2 per replica
+    four = run_forked(4, _count, 16, optimizer, sharded, timeout=120)  # m = 4
     for (per_step, timed_waits), (per_step_4, timed_waits_4) in zip(two, four):
         assert timed_waits == timed_waits_4 == 0
         assert per_step == per_step_4

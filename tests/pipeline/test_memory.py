@@ -1,4 +1,4 @@
-"""Memory accounting: the CPU tracker's counts, 2BW's one extra working copy (fp16/bf16), and the
+"""Memory accounting: the CPU tracker's counts, what 2BW holds beyond Flush (fp16/bf16), and the
 planner's estimator against the measured peak."""
 import re
 
@@ -97,9 +97,12 @@ def test_2bw_holds_one_more_working_copy_and_the_estimate_fits(precision, layout
     for a, b in zip(two_bw, flush):
         assert a["distinct_versions"] <= 2
         assert a["working_dtype"] == b["working_dtype"] != torch.float32
-        one_copy = 2 * a["parameters"]
+        # one more working copy; with bf16's fp32 buffer also the master gradients, which Flush
+        # steps on in the buffer itself (docs/precision_memory.md)
+        extra_bytes = 2 + (4 if precision == "bf16" else 0)
+        expected = extra_bytes * a["parameters"]
         extra = a["peak_bytes"] - b["peak_bytes"]
-        assert abs(extra - one_copy) <= 0.1 * one_copy, (extra, one_copy)
+        assert abs(extra - expected) <= 0.1 * expected, (extra, expected)
         for run in (a, b):
             estimate = run["estimate"]
             static = sum(estimate[k] for k in ("params", "grads", "optimizer", "versions_stash"))

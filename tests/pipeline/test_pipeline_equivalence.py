@@ -15,6 +15,7 @@ from megatron_2bw.data.mock import MockGPTDataset
 from megatron_2bw.distributed.layout import ParallelLayout
 from tests.distributed_helpers import run_ranks
 from tests.pipeline.harness import full_weights, gpt_feed, max_difference, tiny_config, train_on_ranks
+from tests.pipeline.precision_harness import train_stage
 from tests.pipeline.reference import delayed_update_reference
 
 VOCAB = 101
@@ -176,6 +177,42 @@ def test_qk_layernorm_matches_one_process(sequence_parallel):
     two_bw = check_flush_and_2bw(QK_NORMED, position_reset_feed, 2, 2, 4,
                                  {"sequence_parallel": sequence_parallel})
     assert two_bw["transformer.layers.0.attention.q_norm.weight"].abs().max() > 0
+
+
+def _overlapped_sharded(rank: int, world: int, config, batches: int) -> dict:
+    """train_stage (the full master weights gathered from the shards), checking that the
+    data-parallel average starts during each batch's last backward."""
+    def watch(stage):
+        reducer = stage.updater.backward_reducer
+        assert reducer is not None, "the data-parallel average is not overlapped"
+        finish = reducer.finish
+
+        def checked():
+            assert any(reducer._started), "no bucket started during the backward"
+            return finish()
+        reducer.finish = checked
+    return train_stage(rank, world, config, batches, before=watch)
+
+
+@pytest.mark.parametrize("architecture", [{}, QK_NORMED], ids=["gpt2", "qk-layernorm"])
+def test_sequence_parallel_overlaps_the_sharded_average_and_matches_one_process(architecture):
+    """t2 x d2 with --sequence-parallel, the distributed optimizer and --overlap-grad-reduce: the
+    gradients summed over the tensor-parallel group (norms, biases, positions; the q/k gains)
+    are averaged over the replicas bucket by bucket during the last backward, then summed over
+    the tensor group. Flush reaches one process's weights, 2BW the delayed-update reference's."""
+    def parallel_config(optimizer: str, schedule: str):
+        c = config(optimizer, t=2, schedule=schedule, sequence_parallel=True, **architecture)
+        c.parallel.use_distributed_optimizer = True
+        c.parallel.overlap_grad_reduce = True
+        c.parallel.ddp_bucket_size = 1000  # several buckets
+        return c
+    single = run_ranks(1, train_on_ranks, config("adam", schedule="flush", **architecture), 3)
+    flushed = run_ranks(4, _overlapped_sharded, parallel_config("adam", "flush"), 3)
+    assert max_difference(full_weights(flushed), full_weights(single), VOCAB) < 1e-5
+    c = config("sgd", **architecture)
+    reference = delayed_update_reference(c, 5, gpt_feed(c, ParallelLayout(1, 1, 1)), 4)
+    two_bw = run_ranks(4, _overlapped_sharded, parallel_config("sgd", "2bw"), 5)
+    assert max_difference(full_weights(two_bw), reference, VOCAB) < 1e-5
 
 
 @pytest.mark.parametrize("architecture,feed,t,p,world,parallel_only", [

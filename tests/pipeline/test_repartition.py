@@ -60,6 +60,8 @@ CASES = {  # name: (config kwargs, world, split before, split after, recompute a
     "2bw": (dict(p=2, schedule="2bw"), 2, [3, 1], [2, 2], [0, 0]),
     "flush-t2-recompute": (dict(t=2, p=2, schedule="flush"), 4, [3, 1], [1, 3], [1, 2]),
     "2bw-d2-distributed-optimizer": (dict(p=2, schedule="2bw"), 4, [1, 3], [3, 1], [0, 0]),
+    # Muon's momentum buffers move with their layers, consolidated from the ZeRO-1 shards
+    "2bw-d2-distributed-optimizer-muon": (dict(p=2, schedule="2bw"), 4, [1, 3], [3, 1], [0, 0]),
     "pipedream-vertical-sync": (dict(p=2, schedule="pipedream",
                                      untie_embeddings_and_output_weights=True),
                                 2, [3, 1], [1, 3], [0, 0]),
@@ -69,8 +71,8 @@ CASES = {  # name: (config kwargs, world, split before, split after, recompute a
 @pytest.mark.parametrize("case", CASES)
 def test_a_migrated_run_equals_the_final_split_from_the_start(case):
     kwargs, world, before, after, recompute = CASES[case]
-    config = tiny_config(optimizer="adam", lr=0.01, global_batch=8 if world == 2 else 16,
-                         **kwargs)
+    config = tiny_config(optimizer="muon" if "muon" in case else "adam", lr=0.01,
+                         global_batch=8 if world == 2 else 16, **kwargs)
     config.parallel.layer_split = before
     config.parallel.use_distributed_optimizer = "distributed" in case
     config.parallel.vertical_sync = "vertical-sync" in case

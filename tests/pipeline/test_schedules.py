@@ -13,14 +13,17 @@ SHAPES = [(1, 1, 3, 0), (2, 2, 4, 0), (4, 4, 3, 0), (4, 6, 3, 5), (3, 5, 2, 1), 
 
 @pytest.mark.parametrize("schedule,stages,microbatches,batches,first",
                          [(s, *shape) for s in S.SCHEDULES for shape in SHAPES
-                          if s != "interleaved" or shape[1] % shape[0] == 0]  # m a multiple of p
+                          if (s != "interleaved" or shape[1] % shape[0] == 0)  # m a multiple of p
+                          and shape[1] >= S.REGISTRY[s].min_microbatches(shape[0])]
                          + [("gpipe", 4, 2, 3, 0)])  # GPipe alone allows m < p
 def test_generated_schedules_are_valid(schedule, stages, microbatches, batches, first):
-    actions = S.build_schedule(schedule, stages, microbatches, batches, first)
+    spec = S.REGISTRY[schedule]
+    chunks = spec.chunks or 1
+    actions = S.build_schedule(schedule, stages, microbatches, batches, first, chunks)
     S.validate(actions, schedule, microbatches, first)
     for stage, stage_list in enumerate(actions):  # what the transfers post ahead
         kinds = [a.kind for a in stage_list]
-        assert S.stage_receives(stages, microbatches, batches, stage) == \
+        assert S.stage_receives(stages, microbatches, batches, stage, chunks, spec.shape) == \
             {"act": kinds.count(S.RECV_ACT), "grad": kinds.count(S.RECV_GRAD)}
 
 
@@ -234,3 +237,38 @@ def test_validator_rejects_a_batch_never_stepped():
     dropped = [[a for a in stage if not (a.kind == S.STEP and a.batch == 2)] for stage in actions]
     with pytest.raises(S.ScheduleError, match="stage 0: batch 2 is never stepped"):
         S.validate(dropped, "2bw", 2)
+
+
+@pytest.mark.parametrize("schedule,stages,microbatches,batches,first",
+                         [(s, *shape) for s in S.SCHEDULES for shape in SHAPES
+                          if s != "interleaved" or shape[1] % shape[0] == 0])
+def test_a_backward_runs_between_reduce_and_step_exactly_where_a_stage_holds_two_versions(
+        schedule, stages, microbatches, batches, first):
+    """WeightVersions lets the master gradients be the accumulation buffer on a stage with one
+    weight version: no backward may write the buffer between a batch's reduction and its step.
+    With more versions (2BW, PipeDream) one does, on every stage, for every batch followed by
+    another: why those stages keep the master gradients apart (docs/precision_memory.md), and
+    sharded, in a working copy, which is free throughout that window."""
+    chunks = stages if schedule == "interleaved" else 1
+    for stage in range(stages):
+        capacity = S.live_versions(schedule, stages, stage)
+        several = capacity > 1
+        between, reduced = {}, set()
+        alive = set(range(S.version_for_batch(schedule, first, stage, stages), first + 1))
+        actions = S.stage_actions(schedule, stages, microbatches, batches, stage, first, chunks)
+        for a in actions:
+            if a.kind == S.REDUCE_GRADS:
+                reduced.add(a.batch)
+                between[a.batch] = 0
+            elif a.kind == S.STEP:
+                reduced.discard(a.batch)
+                alive.add(a.version)
+            elif a.kind == S.RELEASE_VERSION:
+                alive.discard(a.version)
+            elif a.kind in (S.BACKWARD, S.BACKWARD_WEIGHT):
+                for b in reduced:
+                    between[b] += 1
+            assert not (several and reduced) or len(alive) < capacity, (stage, a, alive)
+        followed = [b for b in between if b + 1 in between]
+        assert all(between[b] == 0 for b in between) if not several else \
+            all(between[b] > 0 for b in followed), (stage, between)

@@ -1,5 +1,6 @@
 """WeightVersions: after a batch, take_gradients leaves the batch's gradients in the master
-gradients and a zeroed buffer (fp32 2BW trades the two storages instead of copying); in fp32 2BW
+gradients and a zeroed buffer (an fp32 buffer trades storage with them instead of copying; one
+version: the master gradients are the buffer, bf16 included); in fp32 2BW
 the master weights are the newest version's working copy, and a step never writes a version in
 use."""
 import pytest
@@ -33,7 +34,7 @@ def expected_gradients(module: Tiny, batch: torch.Tensor) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("working, grads, swaps", [
     (torch.float32, torch.float32, True),  # fp32 2BW
-    (torch.bfloat16, torch.float32, False),  # bf16 weights, fp32 accumulation: a copy
+    (torch.bfloat16, torch.float32, True),  # bf16 weights, fp32 accumulation: traded too
     (torch.bfloat16, torch.bfloat16, False),  # bf16 gradients into fp32 masters: a cast copy
 ])
 def test_take_gradients_leaves_each_batch_in_the_master_and_a_zeroed_buffer(working, grads, swaps):
@@ -58,6 +59,26 @@ def test_take_gradients_leaves_each_batch_in_the_master_and_a_zeroed_buffer(work
         assert traded == swaps
     # trading alternates between two storages; copying keeps one buffer
     assert len(storages) == (2 if swaps else 1)
+
+
+@pytest.mark.parametrize("working", [torch.float32, torch.bfloat16, torch.float16])
+def test_one_version_with_an_fp32_buffer_steps_on_the_buffer_itself(working):
+    """Flush/GPipe: no backward runs between a batch's reduction and its step, so the master
+    gradients are the accumulation buffer (no second fp32 gradient tensor, no copy)."""
+    module = Tiny()
+    versions = WeightVersions(module, working, torch.float32, single_version=True)
+    assert versions.shared_grads and not versions.swaps_gradients
+    buffer = versions.main_grad_buffer
+    batch = torch.randn(2, 4, generator=torch.Generator().manual_seed(0))
+    expected = expected_gradients(module, batch.to(working))
+    module(batch.to(working)).backward()
+    versions.take_gradients()
+    for master, want in zip(versions.master, expected):
+        assert _storage(master.grad) == _storage(buffer)
+        torch.testing.assert_close(master.grad, want, atol=2e-2, rtol=2e-2)
+    fp32_grads = [t for t in versions.tensors() if t.dtype == torch.float32 and
+                  _storage(t) not in {_storage(m) for m in versions.master_regions}]
+    assert storage_bytes(fp32_grads) == 4 * versions.layout.total  # the buffer alone
 
 
 def _storage(tensor: torch.Tensor) -> int:

@@ -151,18 +151,18 @@ def _p2p_processor(rank, world_size):
     more (the real transfers still run), so a message costs SEND_S / 2 beyond the computation
     (one send and one receive per round)."""
     clock = VirtualClock()
-    real_isend = dist.isend
+    real_batch = dist.batch_isend_irecv
 
-    def costly_isend(*args, **kwargs):
-        clock.advance(SEND_S)
-        return real_isend(*args, **kwargs)
+    def costly_batch(ops):
+        clock.advance(SEND_S * sum(op.op is dist.isend for op in ops))
+        return real_batch(ops)
     with installed(clock, hardware):
         hardware._compute_segment = lambda: (lambda: clock.advance(COMPUTE_S))
-        hardware.dist.isend = costly_isend
+        hardware.dist.batch_isend_irecv = costly_batch
         try:
             return probe_p2p_processor_time(rounds=4, repeats=3)
         finally:
-            hardware.dist.isend = real_isend
+            hardware.dist.batch_isend_irecv = real_batch
 
 
 @pytest.mark.parametrize("world", [2, 3])  # with 3, the last rank has no partner and computes

@@ -350,9 +350,11 @@ P0 = EMBEDDING + 2 * LAYER  # stage 0 of 2
     (PrecisionConfig(), "gpipe", 4, 4, 0),
     (PrecisionConfig(), "2bw", 4, 8, 4),  # master = newest; master grad + accumulation; 2nd copy
     (PrecisionConfig(fp16=True), "2bw", 6, 6, 2),
-    (PrecisionConfig(bf16=True), "flush", 6, 8, 0),  # bf16: fp32 gradients by default
+    # bf16: fp32 gradients by default; under Flush the master gradients are that buffer
+    (PrecisionConfig(bf16=True), "flush", 6, 4, 0),
+    (PrecisionConfig(bf16=True), "2bw", 6, 8, 2),  # a backward of b+1 runs before step(b)
     (PrecisionConfig(bf16=True, grad_reduce_in_bf16=True), "flush", 6, 6, 0),
-    (PrecisionConfig(fp16=True, accumulate_allreduce_grads_in_fp32=True), "flush", 6, 8, 0),
+    (PrecisionConfig(fp16=True, accumulate_allreduce_grads_in_fp32=True), "flush", 6, 4, 0),
 ])
 def test_weights_gradients_and_versions(precision, schedule, params, grads, stash):
     m = memory(precision, schedule)
@@ -362,7 +364,10 @@ def test_weights_gradients_and_versions(precision, schedule, params, grads, stas
 
 def test_optimizer_and_distributed_optimizer():
     assert memory(optimizer="sgd").optimizer == 4 * P0
+    # fp16 2BW: the master-gradient shard lives in the free working copy
     m = memory(data_parallel=4, distributed=True)
+    assert (m.params, m.grads, m.optimizer) == (2 * P0 + P0, 2 * P0, 2 * P0)
+    m = memory(schedule="flush", data_parallel=4, distributed=True)  # fp16 gradients: a shard
     assert (m.params, m.grads, m.optimizer) == (2 * P0 + P0, 2 * P0 + P0, 2 * P0)
     assert memory(data_parallel=4).optimizer == 8 * P0  # d alone shards nothing
     # fp32 2BW: the master weights are this rank's part of the newest version; their gradients
