@@ -98,6 +98,8 @@ RULES = [
     Rule("pipemare-t1-t2", "2bw", delay="stage", stashing=False, per_stage_clip=True,
          lr_warmup_iters=-1, discrepancy_decay=T2_DECAY),
 ]
+# the rules the study runs by default (--rules adds pipedream, pipemare-t1-t2)
+STUDIED = ("flush", "2bw", "2bw-predict", "2bw-dc", "2bw-ef", "2bw-nesterov", "pipemare")
 # schedules timed: GPipe shares Flush's arithmetic, not its time
 TIMED = {"flush": "flush", "gpipe": "gpipe", "2bw": "2bw"}
 
@@ -114,7 +116,7 @@ class Study:
     seed: int = 1234  # seeds seed, seed+1, ...
     seeds: int = 5
     hidden_size: int = 64
-    rules: list = field(default_factory=lambda: list(RULES))
+    rules: list = field(default_factory=lambda: [r for r in RULES if r.name in STUDIED])
 
 
 def model_config(vocab_size: int, hidden_size: int = Study.hidden_size) -> ModelConfig:
@@ -733,7 +735,7 @@ def main(argv=None) -> None:
                         help="--optimizer values every rule runs with")
     parser.add_argument("--seeds", type=int, default=Study.seeds, help="seeds per grid point")
     parser.add_argument("--rules", nargs="+", choices=[r.name for r in RULES],
-                        default=[r.name for r in RULES], help="the rules to run")
+                        default=list(STUDIED), help="the rules to run")
     parser.add_argument("--workers", type=int, default=1,
                         help="runs side by side, one process of one thread each")
     parser.add_argument("--quick", action="store_true",
