@@ -1,42 +1,49 @@
-"""Time to quality of the pipeline schedules: validation loss against samples and against time.
+"""Time to quality of the pipeline schedules at an equal tuning budget: validation loss against
+samples and against modelled time.
 
     python benchmarks/convergence.py --workers 2        # docs/convergence.json + docs/images/convergence.png
     python benchmarks/convergence.py --quick --json /tmp/c.json --plot /tmp/c.png   # a smoke run
 
-The same GPT (4 layers, hidden 128, 4 heads, sequence 64, untied output layer, no dropout), the
-same Shakespeare data (tools/prepare_shakespeare.py, examples/quickstart.sh) and seed for every
-schedule, p = 4 stages of one layer each (embeddings on the first, final norm and output layer on
-the last), m = 4 microbatches of 1 per update, AdamW, warm-up then cosine decay to lr/10, clipping;
-600 updates. Flush at each peak rate on the first seed, then every rule on three seeds at Flush's
-best rate (each seed fixes the initial weights and the batches for every rule, so the gaps are
-paired), then the rate sweep of the other rules on the first seed.
+The same GPT (4 layers, hidden 64, 4 heads, sequence 64, untied output layer, no dropout), the
+same Shakespeare data (tools/prepare_shakespeare.py, examples/quickstart.sh) for every rule,
+p = 4 stages of one layer each (embeddings on the first, final norm and output layer on the
+last), m = 4 microbatches of 1 per update, warm-up then cosine decay to lr/10, weight decay 0.1,
+clipping at 1.0; 100 updates. The model and run length are sized so that the whole grid (2 rates
+x 2 warm-ups x 5 seeds per rule) runs in tens of minutes on two shared cores: short runs of a
+small model, so the comparison holds for this protocol, not for long pretraining.
+
+The protocol, fixed before any run: every rule and optimizer gets the same grid (every peak
+rate in --lrs times every warm-up in --warmups, a fraction of the updates) on the same seeds
+(each seed fixes the initial weights and the batches, the same for every rule, so gaps are
+paired). A rule's best point is the grid point with the lowest validation loss at the end,
+averaged over the seeds (a run that diverges makes its point lose). Loss and perplexity
+(exp(loss)) are reported at each rule's best point.
 
 Loss against samples comes from a single-process simulation of each schedule's update rule: every
 stage's parameters read, for update b, the weight version the rule names, exactly the rules that
-tests/pipeline (test_compensation.py, and the PipeDream reference) prove the multi-process
-executor follows. Nothing here runs a pipeline of processes: on a 2-core machine a 4-process
-pipeline measures core contention, not the schedule. Rules (tau_s = p - 1 - s):
+tests/pipeline (test_compensation.py, test_pipemare.py and the PipeDream reference) prove the
+multi-process executor follows. Nothing here runs a pipeline of processes: on a 2-core machine a
+4-process pipeline measures core contention, not the schedule. Rules (w_s = p - 1 - s):
 
 - flush    every batch on the newest weights W(b) (Flush and GPipe: the same arithmetic)
-- 2bw      version max(b-1, 0) on every stage; with --delay-compensation predict or dc
-           (megatron_2bw/pipeline/compensation.py)
-- 2bw-predict-warmup2x  2bw-predict with twice the study's warm-up (a recipe change only)
-- 2bw-predict-warmup2x-equal-time  the same recipe given Flush's modelled time instead of its
-           samples: as many updates as 2BW makes in that time, warm-up and decay stretched alike
-- pipedream  weight stashing: stage s reads version max(b - tau_s, 0) at forward and backward,
+- 2bw      version max(b-1, 0) on every stage; with --delay-compensation predict, dc, ef or
+           nesterov (megatron_2bw/pipeline/compensation.py)
+- pipedream  weight stashing: stage s reads version max(b - w_s, 0) at forward and backward,
            clipping by each stage's own norm
-- pipemare no stashing: stage s's forward reads version max(b - tau_s, 0), its backward the
-           newest weights W(b) (the weights at backward time, with the forward's activations);
-           T1 (pipemare-t1) divides stage s's rate by tau_s^(1 - min(b/K, 1)); T2
-           (pipemare-t2) keeps delta_s <- g*delta_s + (1-g)*(W_new - W_old), g = D^(1/tau_s),
-           and the backward reads W(b) - tau_s * delta_s; clipping per stage; K = 120 (a
-           fifth of the run), D = 0.9; the -long rules stretch T1 over the whole run (K = 600)
+- pipemare no stashing: the forward of microbatch k = b*m + j on stage s reads version
+           max(floor((k - w_s) / m), 0) (the runtime's rule, megatron_2bw/pipeline/pipemare.py),
+           its backward the newest weights W(b); T1 (pipemare-t1-t2) divides stage s's rate by
+           tau_s^(1 - min(b/K, 1)), tau_s = ceil(w_s / m); T2 keeps
+           delta_s <- g*delta_s + (1-g)*(W_new - W_old), g = D^(1/tau_s), and the backward of
+           microbatch k reads W(b) - d_k * delta_s (d_k its own delay); clipping per stage;
+           K = a fifth of the run, D = 0.9
 
 Time per sample comes from replaying each schedule's own action lists
 (megatron_2bw.pipeline.schedules.timeline) with per-stage forward, backward and optimizer-step
 durations measured here on this model (one process, one thread, each stage on its own device
-assumed, transfers free): a throughput model of the schedules, not a measurement of a pipeline.
-PipeDream and PipeMare run 2BW's never-drained 1F1B order, so they take 2BW's action lists.
+assumed, transfers free): a throughput model of the schedules, not a measurement of a pipeline
+(benchmarks/time_to_quality.py measures real processes). PipeDream and PipeMare run 2BW's
+never-drained 1F1B order, so they take 2BW's action lists.
 """
 from __future__ import annotations
 
@@ -59,11 +66,10 @@ from megatron_2bw.models import build_stage_model  # noqa: E402
 from megatron_2bw.optim.lr_schedule import apply_schedule  # noqa: E402
 from megatron_2bw.optim.optimizer import build_torch_optimizer  # noqa: E402
 from megatron_2bw.pipeline import schedules as S  # noqa: E402
-from megatron_2bw.pipeline.compensation import DC_DEFAULT_LAMBDA  # noqa: E402
+from megatron_2bw.pipeline.compensation import DEFAULT_COEFFICIENT  # noqa: E402
 
 STAGES, MICROBATCHES, MICRO_BATCH = 4, 4, 1
-T1_WARMUP, T2_DECAY = 120, 0.9  # PipeMare's K (updates) and D
-T1_WHOLE_RUN = 600  # K over the whole run: the delayed stages' rates reach lr only at its end
+T2_DECAY = 0.9  # PipeMare's D; T1's K is a fifth of the run
 
 
 @dataclass(frozen=True)
@@ -71,18 +77,13 @@ class Rule:
     """One schedule's update rule, as the simulation applies it."""
     name: str
     schedule: str  # whose action lists time it
-    delay: str = "none"  # "none" | "uniform" (2BW) | "stage" (tau_s)
+    delay: str = "none"  # "none" | "uniform" (2BW) | "stage" (w_s; PipeMare: per microbatch)
     stashing: bool = True  # False: the backward reads the newest weights (PipeMare)
-    compensation: str = "none"  # 2BW: "none" | "predict" | "dc"
+    compensation: str = "none"  # 2BW: "none" | "predict" | "dc" | "ef" | "nesterov"
     per_stage_clip: bool = False
-    lr_warmup_iters: int = 0  # PipeMare T1's K (0: off)
+    lr_warmup_iters: int = 0  # PipeMare T1's K (0: off; -1: a fifth of the run)
     discrepancy_decay: float = 0.0  # PipeMare T2's D (0: off)
-    dc_lambda: float = DC_DEFAULT_LAMBDA
-    warmup_scale: float = 1.0  # the rate's warm-up, in multiples of the study's
-    # True: as many updates as this schedule makes in the modelled time Flush takes for the
-    # study's updates (its warm-up and decay stretched alike), at Flush's best rate only: the
-    # run a user with a fixed time budget gets
-    equal_time: bool = False
+    coefficient: float | None = None  # dc's lambda, ef's beta, nesterov's gamma (None: default)
 
 
 RULES = [
@@ -90,25 +91,15 @@ RULES = [
     Rule("2bw", "2bw", delay="uniform"),
     Rule("2bw-predict", "2bw", delay="uniform", compensation="predict"),
     Rule("2bw-dc", "2bw", delay="uniform", compensation="dc"),
-    Rule("2bw-predict-warmup2x", "2bw", delay="uniform", compensation="predict", warmup_scale=2.0),
-    Rule("2bw-predict-warmup2x-equal-time", "2bw", delay="uniform", compensation="predict",
-         warmup_scale=2.0, equal_time=True),
+    Rule("2bw-ef", "2bw", delay="uniform", compensation="ef"),
+    Rule("2bw-nesterov", "2bw", delay="uniform", compensation="nesterov"),
     Rule("pipedream", "2bw", delay="stage", per_stage_clip=True),
     Rule("pipemare", "2bw", delay="stage", stashing=False, per_stage_clip=True),
-    Rule("pipemare-t1", "2bw", delay="stage", stashing=False, per_stage_clip=True,
-         lr_warmup_iters=T1_WARMUP),
-    Rule("pipemare-t2", "2bw", delay="stage", stashing=False, per_stage_clip=True,
-         discrepancy_decay=T2_DECAY),
     Rule("pipemare-t1-t2", "2bw", delay="stage", stashing=False, per_stage_clip=True,
-         lr_warmup_iters=T1_WARMUP, discrepancy_decay=T2_DECAY),
-    Rule("pipemare-t1-long", "2bw", delay="stage", stashing=False, per_stage_clip=True,
-         lr_warmup_iters=T1_WHOLE_RUN),
-    Rule("pipemare-t1-t2-long", "2bw", delay="stage", stashing=False, per_stage_clip=True,
-         lr_warmup_iters=T1_WHOLE_RUN, discrepancy_decay=T2_DECAY),
+         lr_warmup_iters=-1, discrepancy_decay=T2_DECAY),
 ]
-# the rules the targets are about: their seeds and their rate sweep run before the others
-FIRST = ("flush", "2bw", "2bw-predict", "2bw-predict-warmup2x", "2bw-predict-warmup2x-equal-time",
-         "pipemare", "pipemare-t1-t2", "pipemare-t1-t2-long")
+# the rules the study runs by default (--rules adds pipedream, pipemare-t1-t2)
+STUDIED = ("flush", "2bw", "2bw-predict", "2bw-dc", "2bw-ef", "2bw-nesterov", "pipemare")
 # schedules timed: GPipe shares Flush's arithmetic, not its time
 TIMED = {"flush": "flush", "gpipe": "gpipe", "2bw": "2bw"}
 
@@ -116,18 +107,20 @@ TIMED = {"flush": "flush", "gpipe": "gpipe", "2bw": "2bw"}
 @dataclass
 class Study:
     data_dir: str = "data/shakespeare"
-    iterations: int = 600
-    warmup: int = 60
-    lrs: tuple = (1e-3, 2e-3, 5e-4)
-    eval_interval: int = 50
+    iterations: int = 100
+    warmups: tuple = (0.05, 0.2)  # warm-up lengths, fractions of the updates
+    lrs: tuple = (2e-3, 4e-3)
+    optimizers: tuple = ("adam",)
+    eval_interval: int = 25
     eval_sequences: int = 32
-    seed: int = 1234  # the first seed: the rate sweep's
-    seeds: int = 3  # at Flush's best rate, every rule runs seeds seed, seed+1, ...
-    rules: list = field(default_factory=lambda: list(RULES))
+    seed: int = 1234  # seeds seed, seed+1, ...
+    seeds: int = 5
+    hidden_size: int = 64
+    rules: list = field(default_factory=lambda: [r for r in RULES if r.name in STUDIED])
 
 
-def model_config(vocab_size: int) -> ModelConfig:
-    return ModelConfig(num_layers=4, hidden_size=128, num_attention_heads=4, seq_length=64,
+def model_config(vocab_size: int, hidden_size: int = Study.hidden_size) -> ModelConfig:
+    return ModelConfig(num_layers=4, hidden_size=hidden_size, num_attention_heads=4, seq_length=64,
                        max_position_embeddings=64, vocab_size=vocab_size,
                        make_vocab_size_divisible_by=128, hidden_dropout=0.0,
                        attention_dropout=0.0, untie_embeddings_and_output_weights=True)
@@ -180,14 +173,24 @@ def validation_loss(model, windows: Windows) -> float:
     return loss
 
 
+def pipemare_forward_version(b: int, j: int, stage: int, m: int = MICROBATCHES) -> int:
+    """The version microbatch j of batch b reads at its forward on `stage` under PipeMare: its
+    forward follows the backwards of microbatches 0 .. k - w_s - 1 (k = b*m + j), and a stage
+    steps after each batch's last backward."""
+    return max((b * m + j - (STAGES - 1 - stage)) // m, 0)
+
+
 class Simulation:
     """One rule at one learning rate: per-stage optimizers over the master weights W(b), the
-    recent versions, and the rule's extra state (2BW's delta, PipeMare's discrepancy)."""
+    recent versions, and the rule's extra state (2BW's delta and ef's last step, PipeMare's
+    discrepancy)."""
 
     def __init__(self, rule: Rule, lr: float, study: Study, model_cfg: ModelConfig,
-                 opt: OptimizerConfig | None = None, seed: int | None = None):
-        """`opt`: the optimizer and rate schedule (default: the study's, peak rate `lr`, the
-        rule's warm-up); `seed`: the initial weights' (default: the study's first)."""
+                 opt: OptimizerConfig | None = None, seed: int | None = None,
+                 warmup: float | None = None, optimizer: str = "adam"):
+        """`opt`: the optimizer and rate schedule (default: `optimizer` at peak rate `lr`, a
+        warm-up of `warmup` of the updates (default the study's first)); `seed`: the initial
+        weights' (default: the study's first)."""
         self.rule, self.study = rule, study
         seed = study.seed if seed is None else seed
         torch.manual_seed(seed)
@@ -196,8 +199,9 @@ class Simulation:
         named = list(self.model.named_parameters())
         self.stage = [stage_of_parameter(n, model_cfg.num_layers) for n, _ in named]
         self.master = [p.detach().clone().requires_grad_() for _, p in named]
-        self.opt = opt or OptimizerConfig(optimizer="adam", lr=lr, min_lr=lr / 10,
-                                          lr_warmup_iters=round(study.warmup * rule.warmup_scale),
+        warmup = study.warmups[0] if warmup is None else warmup
+        self.opt = opt or OptimizerConfig(optimizer=optimizer, lr=lr, min_lr=lr / 10,
+                                          lr_warmup_iters=round(study.iterations * warmup),
                                           lr_decay_style="cosine",
                                           weight_decay=0.1, clip_grad=1.0)
         self.train = TrainingConfig(train_iters=study.iterations)
@@ -209,8 +213,16 @@ class Simulation:
         self.history = [[m.detach().clone() for m in self.master]]  # W(b-window) .. W(b)
         self.first_version = 0  # the version history[0] holds
         self.delta = [torch.zeros_like(m) for m in self.master]  # 2BW's W(b)-W(b-1); T2's EMA
+        self.last_step = [torch.zeros_like(m) for m in self.master]  # ef's u_{b-1}
+        self.coefficient = rule.coefficient if rule.coefficient is not None \
+            else DEFAULT_COEFFICIENT.get(rule.compensation)
+        self.t1_iters = study.iterations // 5 if rule.lr_warmup_iters < 0 else rule.lr_warmup_iters
+        self.m = MICROBATCHES  # per update; step() takes it from its microbatches
 
     def tau(self, s: int) -> int:
+        """The stage's delay in updates (PipeMare: its largest, ceil(w_s / m), for T1 and T2)."""
+        if not self.rule.stashing:
+            return -(-(STAGES - 1 - s) // self.m)
         return {"none": 0, "uniform": 1, "stage": STAGES - 1 - s}[self.rule.delay]
 
     def weights(self, version: int) -> list[torch.Tensor]:
@@ -226,25 +238,39 @@ class Simulation:
             out.append(w)
         return out
 
-    def backward_weights(self, b: int) -> list[torch.Tensor]:
-        """PipeMare: the newest weights; T2 predicts them back to forward time, over the updates
-        since the forward (min(b, tau_s): fewer in the first batches)."""
-        return [m.detach() - min(b, self.tau(s)) * d if self.rule.discrepancy_decay > 0
-                else m.detach() for m, d, s in zip(self.master, self.delta, self.stage)]
+    def _copy_in(self, weights: list[torch.Tensor], storage: bool = False) -> None:
+        with torch.no_grad():
+            for p, w in zip(self.model.parameters(), weights):
+                (p.data if storage else p).copy_(w)
+
+    def _pipemare_loss(self, b: int, microbatches: list[torch.Tensor]) -> float:
+        """Microbatch by microbatch: the forward on the version the runtime's rule names, the
+        backward on W(b) (T2: predicted back by the microbatch's own delay d_k)."""
+        total = 0.0
+        for j, tokens in enumerate(microbatches):
+            versions = [pipemare_forward_version(b, j, s, self.m) for s in self.stage]
+            self._copy_in([self.weights(v)[i] for i, v in enumerate(versions)])
+            loss = loss_of(self.model, tokens) / len(microbatches)
+            # autograd reads the weights' storage at backward time
+            self._copy_in([m.detach() - (b - v) * d if self.rule.discrepancy_decay > 0
+                           else m.detach() for m, d, v in zip(self.master, self.delta, versions)],
+                          storage=True)
+            loss.backward()
+            total += float(loss.detach())
+        return total
 
     def step(self, b: int, microbatches: list[torch.Tensor]) -> float:
         rule = self.rule
-        with torch.no_grad():
-            for p, w in zip(self.model.parameters(), self.forward_weights(b)):
-                p.copy_(w)
+        self.m = len(microbatches)
         self.model.zero_grad()
-        # one pass over the update's microbatches: their mean loss (equal sizes), fewer kernels
-        loss = loss_of(self.model, torch.cat(microbatches))
-        if not rule.stashing:  # autograd reads the weights' storage at backward time
-            with torch.no_grad():
-                for p, w in zip(self.model.parameters(), self.backward_weights(b)):
-                    p.data.copy_(w)
-        loss.backward()
+        if rule.stashing:
+            self._copy_in(self.forward_weights(b))
+            # one pass over the update's microbatches: their mean loss (equal sizes), fewer kernels
+            loss = loss_of(self.model, torch.cat(microbatches))
+            loss.backward()
+            loss = float(loss.detach())
+        else:
+            loss = self._pipemare_loss(b, microbatches)
         grads = [p.grad.detach().clone() for p in self.model.parameters()]
         groups = [[i for i, s in enumerate(self.stage) if s == st] for st in range(STAGES)] \
             if rule.per_stage_clip else [list(range(len(grads)))]
@@ -254,12 +280,16 @@ class Simulation:
                 for i in group:
                     grads[i] = grads[i] * (self.opt.clip_grad / (norm + 1e-6))
         if rule.compensation == "dc":
-            grads = [g + rule.dc_lambda * g * g * d for g, d in zip(grads, self.delta)]
+            grads = [g + self.coefficient * g * g * d for g, d in zip(grads, self.delta)]
         old = [m.detach().clone() for m in self.master]
+        if rule.compensation == "nesterov":  # the step starts from the look-ahead point
+            with torch.no_grad():
+                for m, d in zip(self.master, self.delta):
+                    m.add_(d, alpha=self.coefficient)
         for s, optimizer in enumerate(self.optimizers):
             apply_schedule(optimizer.param_groups, b, self.opt, self.train)
-            if rule.lr_warmup_iters and self.tau(s) >= 1:  # T1
-                exponent = 1.0 - min(b / rule.lr_warmup_iters, 1.0)
+            if self.t1_iters and self.tau(s) >= 1:  # T1
+                exponent = 1.0 - min(b / self.t1_iters, 1.0)
                 for group in optimizer.param_groups:
                     group["lr"] /= self.tau(s) ** exponent
         for m, g in zip(self.master, grads):
@@ -267,6 +297,11 @@ class Simulation:
         for optimizer in self.optimizers:
             optimizer.step()
         with torch.no_grad():
+            if rule.compensation == "ef":  # W(b+1) = W(b) + u + beta * (u - u_previous)
+                for i, (m, w_old) in enumerate(zip(self.master, old)):
+                    u = m - w_old
+                    m.add_(u - self.last_step[i], alpha=self.coefficient)
+                    self.last_step[i] = u
             for i, (m, w_old) in enumerate(zip(self.master, old)):
                 change = m - w_old
                 if rule.discrepancy_decay > 0:  # T2's moving average of the updates
@@ -280,11 +315,13 @@ class Simulation:
         if len(self.history) > keep:
             self.history = self.history[-keep:]
             self.first_version = b + 2 - keep
-        return float(loss.detach())
+        return loss
 
 
-def run_rule(rule: Rule, lr: float, seed: int, study: Study, windows: Windows, batches) -> dict:
-    sim = Simulation(rule, lr, study, model_config(windows.vocab_size), seed=seed)
+def run_rule(rule: Rule, optimizer: str, lr: float, warmup: float, seed: int, study: Study,
+             windows: Windows, batches) -> dict:
+    sim = Simulation(rule, lr, study, model_config(windows.vocab_size, study.hidden_size),
+                     seed=seed, warmup=warmup, optimizer=optimizer)
     samples_per_update = MICROBATCHES * MICRO_BATCH
     curve = [(0, validation_loss(sim.model, windows))]
     for b in range(study.iterations):
@@ -297,34 +334,25 @@ def run_rule(rule: Rule, lr: float, seed: int, study: Study, windows: Windows, b
                 for p, m in zip(sim.model.parameters(), sim.master):
                     p.copy_(m)
             curve.append(((b + 1) * samples_per_update, validation_loss(sim.model, windows)))
-    return {"rule": rule.name, "lr": lr, "seed": seed, "iterations": study.iterations,
-            "curve": curve}
-
-
-def as_run_by(rule: Rule, study: Study, time_per_sample: dict[str, float]) -> Study:
-    """The study as `rule` runs it: an equal-time rule makes as many updates as its schedule
-    fits in Flush's modelled time for the study's, its warm-up stretched in proportion."""
-    if not rule.equal_time:
-        return study
-    updates = int(study.iterations * time_per_sample["flush"] / time_per_sample[rule.schedule])
-    return replace(study, iterations=updates,
-                   warmup=round(study.warmup * updates / study.iterations))
+    return {"rule": rule.name, "optimizer": optimizer, "lr": lr, "warmup": warmup, "seed": seed,
+            "iterations": study.iterations, "curve": curve}
 
 
 _DATA: dict = {}  # per process: the windows and each seed's batches
 
 
 def run_job(job: tuple) -> dict:
-    """One (rule, lr, seed) run, in this process or a worker of the pool."""
-    rule, lr, seed, study = job
+    """One (rule, optimizer, lr, warm-up, seed) run, in this process or a worker of the pool."""
+    rule, optimizer, lr, warmup, seed, study = job
     torch.set_num_threads(1)
     if "windows" not in _DATA:
         _DATA["windows"] = Windows(study.data_dir, 64, study.eval_sequences)
     windows = _DATA["windows"]
-    if (seed, study.iterations) not in _DATA:  # a longer run's first batches are a shorter's
+    if (seed, study.iterations) not in _DATA:
         _DATA[(seed, study.iterations)] = windows.batches(study.iterations, seed)
     start = time.perf_counter()
-    run = run_rule(rule, lr, seed, study, windows, _DATA[(seed, study.iterations)])
+    run = run_rule(rule, optimizer, lr, warmup, seed, study, windows,
+                   _DATA[(seed, study.iterations)])
     run["wall_s"] = time.perf_counter() - start
     return run
 
@@ -405,12 +433,30 @@ def seeds_of(study: Study) -> list[int]:
     return [study.seed + i for i in range(study.seeds)]
 
 
-def flush_best_lr(runs: list[dict], study: Study) -> float | None:
-    """Flush's rate with the lowest final validation loss on the first seed (NaN loses)."""
-    finals = {r["lr"]: final_loss(r["curve"]) for r in runs
-              if r["rule"] == "flush" and r["seed"] == study.seed}
-    finals = {lr: loss for lr, loss in finals.items() if math.isfinite(loss)}
-    return min(finals, key=finals.get) if finals else None
+def grid_of(study: Study) -> list[tuple[float, float]]:
+    return [(lr, warmup) for lr in study.lrs for warmup in study.warmups]
+
+
+def point_key(lr: float, warmup: float) -> str:
+    return f"lr {lr:g}, warm-up {warmup:g}"
+
+
+def grid_means(runs: list[dict], rule: str, optimizer: str, study: Study) -> dict:
+    """Mean final validation loss over the seeds at every grid point all seeds ran (a diverged
+    run makes its point's mean NaN)."""
+    finals: dict = {}
+    for r in runs:
+        if r["rule"] == rule and r.get("optimizer", "adam") == optimizer:
+            finals.setdefault((r["lr"], r["warmup"]), {})[r["seed"]] = final_loss(r["curve"])
+    seeds = seeds_of(study)
+    return {point: float(np.mean([by_seed[s] for s in seeds]))
+            for point, by_seed in finals.items() if all(s in by_seed for s in seeds)}
+
+
+def best_point(means: dict) -> tuple[float, float] | None:
+    """The grid point with the lowest mean final loss (NaN loses)."""
+    finite = {p: x for p, x in means.items() if math.isfinite(x)}
+    return min(finite, key=finite.get) if finite else None
 
 
 def samples_to_reach(curve, target: float) -> float | None:
@@ -443,95 +489,109 @@ def spread(values: list[float]) -> dict:
 
 
 def summarize(runs: list[dict], time_per_sample: dict[str, float], study: Study) -> dict:
-    """Each rule against Flush at Flush's best rate, seed by seed (every seed gives every rule
-    the same initial weights and batches, so the gaps are paired), and each rule's own best
-    rate on the first seed."""
-    flush_lr = flush_best_lr(runs, study)
-    run_of = {(r["rule"], r["lr"], r["seed"]): r for r in runs}
-    seeds = [s for s in seeds_of(study) if ("flush", flush_lr, s) in run_of]
-    flush_finals = {s: final_loss(run_of[("flush", flush_lr, s)]["curve"]) for s in seeds}
-    target = float(np.mean(list(flush_finals.values()))) if seeds else float("nan")
+    """Every rule and optimizer at its own best grid point; gaps to Flush's best point (same
+    optimizer) paired seed by seed; the targets' comparison: 2BW's best (any correction, any
+    optimizer) against Flush's best (any optimizer), mean over the seeds."""
+    seeds = seeds_of(study)
+    run_of = {(r["rule"], r.get("optimizer", "adam"), r["lr"], r["warmup"], r["seed"]): r
+              for r in runs}
+
+    def at(rule, optimizer, point):
+        return [run_of[(rule, optimizer, *point, s)] for s in seeds] if point else []
+
+    flush = {}  # optimizer -> (point, runs)
+    for optimizer in study.optimizers:
+        point = best_point(grid_means(runs, "flush", optimizer, study))
+        flush[optimizer] = (point, at("flush", optimizer, point))
     rows = []
-    for rule in study.rules:
-        own = [run_of[(rule.name, flush_lr, s)] for s in seeds
-               if (rule.name, flush_lr, s) in run_of]
-        sweep = {lr: final_loss(run_of[(rule.name, lr, study.seed)]["curve"]) for lr in study.lrs
-                 if (rule.name, lr, study.seed) in run_of}
-        finite = {lr: x for lr, x in sweep.items() if math.isfinite(x)}
-        best_lr = min(finite, key=finite.get) if finite else None
-        curve = mean_curve([r["curve"] for r in own]) if own else None
-        # Flush's final loss on the seeds this rule ran
-        own_target = float(np.mean([flush_finals[r["seed"]] for r in own])) if own else None
-        reach = samples_to_reach(curve, own_target) if curve else None
-        # the seeds whose own run reaches their own Flush run's final loss
-        reaching = sum(samples_to_reach(r["curve"], flush_finals[r["seed"]]) is not None
-                       for r in own)
-        gaps = [final_loss(r["curve"]) / flush_finals[r["seed"]] - 1.0 for r in own]
-        paired = [[loss / f - 1.0 for (_, loss), (_, f) in
-                   zip(r["curve"], run_of[("flush", flush_lr, r["seed"])]["curve"])] for r in own]
-        gap_along = [(s, float(np.mean([p[i] for p in paired if i < len(p)])))
-                     for i, (s, _) in enumerate(curve)
-                     if s > 0 and any(i < len(p) for p in paired)] if curve else []
-        flush_curve = mean_curve([run_of[("flush", flush_lr, r["seed"])]["curve"] for r in own]) \
-            if own else None
-        for timing in ([rule.name] if rule.name != "flush" else ["flush", "gpipe"]):
-            seconds = time_per_sample["gpipe" if timing == "gpipe" else rule.schedule]
-            # Flush's loss (same seeds) at the modelled time this schedule ends its run
-            flush_then = loss_at(flush_curve, curve[-1][0] * seconds / time_per_sample["flush"]) \
-                if curve else None
-            rows.append({
-                "schedule": timing, "sweep_final_loss": {str(lr): x for lr, x in sweep.items()},
-                "best_lr": best_lr, "seeds": len(own),
-                "updates": max((r.get("iterations", study.iterations) for r in own), default=None),
-                "final_loss": spread([final_loss(r["curve"]) for r in own]) if own else None,
-                "gap": spread(gaps) if gaps else None, "gap_along_samples": gap_along,
-                "mean_curve": curve, "samples_to_flush_final": reach,
-                "seeds_reaching_flush_final": reaching,
-                "seconds_to_flush_final": reach * seconds if reach is not None else None,
-                "seconds_per_sample": seconds,
-                "flush_loss_at_end_time": flush_then,
-            })
-    return {"flush_best_lr": flush_lr, "flush_final_loss": target, "table": rows}
+    for optimizer in study.optimizers:
+        flush_point, flush_runs = flush[optimizer]
+        flush_finals = [final_loss(r["curve"]) for r in flush_runs]
+        target = float(np.mean(flush_finals)) if flush_runs else None
+        flush_curve = mean_curve([r["curve"] for r in flush_runs]) if flush_runs else None
+        for rule in study.rules:
+            means = grid_means(runs, rule.name, optimizer, study)
+            point = best_point(means)
+            own = at(rule.name, optimizer, point)
+            finals = [final_loss(r["curve"]) for r in own]
+            curve = mean_curve([r["curve"] for r in own]) if own else None
+            gaps = [x / f - 1.0 for x, f in zip(finals, flush_finals)] if flush_runs else []
+            reach = samples_to_reach(curve, target) if curve and target else None
+            for timing in ([rule.name] if rule.name != "flush" else ["flush", "gpipe"]):
+                seconds = time_per_sample["gpipe" if timing == "gpipe" else rule.schedule]
+                flush_then = loss_at(flush_curve, curve[-1][0] * seconds /
+                                     time_per_sample["flush"]) if curve and flush_curve else None
+                rows.append({
+                    "schedule": timing, "optimizer": optimizer,
+                    "grid_mean_final_loss": {point_key(*p): x for p, x in sorted(means.items())},
+                    "best_lr": point and point[0], "best_warmup": point and point[1],
+                    "seeds": len(own),
+                    "final_loss": spread(finals) if own else None,
+                    "perplexity": spread([math.exp(x) for x in finals]) if own else None,
+                    "gap": spread(gaps) if gaps else None,
+                    "mean_curve": curve, "samples_to_flush_final": reach,
+                    "seconds_to_flush_final": reach * seconds if reach is not None else None,
+                    "seconds_per_sample": seconds, "flush_loss_at_end_time": flush_then})
+    finals = {(row["schedule"], row["optimizer"]): row["final_loss"]["mean"] for row in rows
+              if row["final_loss"] and math.isfinite(row["final_loss"]["mean"])}
+    flush_best = min(((k, x) for k, x in finals.items() if k[0] == "flush"),
+                     key=lambda kx: kx[1], default=None)
+    async_best = min(((k, x) for k, x in finals.items() if k[0].startswith("2bw")),
+                     key=lambda kx: kx[1], default=None)
+    targets = None
+    if flush_best and async_best:
+        gap = async_best[1] / flush_best[1] - 1.0
+        targets = {"flush_best": {"rule": flush_best[0][0], "optimizer": flush_best[0][1],
+                                  "loss": flush_best[1], "perplexity": math.exp(flush_best[1])},
+                   "2bw_best": {"rule": async_best[0][0], "optimizer": async_best[0][1],
+                                "loss": async_best[1], "perplexity": math.exp(async_best[1])},
+                   "loss_gap": gap,
+                   "perplexity_gap": math.exp(async_best[1] - flush_best[1]) - 1.0,
+                   "within_half_percent": gap <= 0.005}
+    return {"flush_best_point": {o: flush[o][0] for o in study.optimizers}, "table": rows,
+            "targets": targets}
 
 
 def render_markdown(result: dict) -> str:
     summary = result["summary"]
-    lrs = result["setup"]["lrs"]
+    setup = result["setup"]
+    points = [point_key(lr, w) for lr in setup["lrs"] for w in setup["warmups"]]
     fmt = lambda x, f: "-" if x is None or (isinstance(x, float) and not math.isfinite(x)) \
         else format(x, f)  # noqa: E731
-    pct = lambda x: "-" if x is None else f"{100 * x:+.1f}%"  # noqa: E731
-    sweep = ["| schedule | " + " | ".join(f"lr {lr:g}" for lr in lrs) + " |",
-             "|---|" + "---|" * len(lrs)]
+    pct = lambda x: "-" if x is None else f"{100 * x:+.2f}%"  # noqa: E731
+    grid = ["| rule | optimizer | " + " | ".join(points) + " |",
+            "|---|---|" + "---|" * len(points)]
+    best = ["| rule | optimizer | best lr | best warm-up | final loss mean [min, max] "
+            "| perplexity mean | vs Flush's best (paired) | samples to Flush's final "
+            "| modelled s to Flush's final | modelled ms/sample | Flush at its end time |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in summary["table"]:
+        final, gap, ppl = row["final_loss"], row["gap"], row["perplexity"]
         if row["schedule"] != "gpipe":
-            sweep.append(f"| {row['schedule']} | " + " | ".join(
-                fmt(row["sweep_final_loss"].get(str(lr)), ".3f") for lr in lrs) + " |")
-    lines = [f"Final validation loss by peak rate (first seed, {result['setup']['seeds'][0]}):",
-             "", *sweep, "",
-             f"At Flush's best rate ({fmt(summary['flush_best_lr'], 'g')}), over "
-             f"{len(result['setup']['seeds'])} seeds: mean [min, max]; gaps paired seed by seed; "
-             f"time from each schedule's replayed action lists:", "",
-             "| schedule | best lr | seeds | updates | final loss | vs Flush (final) "
-             "| vs Flush at 1/4, 1/2, 3/4 | samples to Flush's final (mean curve; seeds that reach it) "
-             "| modelled s to Flush's final | modelled ms/sample | Flush at its end time |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for row in summary["table"]:
-        final, gap = row["final_loss"], row["gap"]
-        along = row["gap_along_samples"]
-        quarters = [along[max(0, round(len(along) * q) - 1)][1] for q in (0.25, 0.5, 0.75)] \
-            if along else []
-        lines.append(
-            f"| {row['schedule']} | {fmt(row['best_lr'], 'g')} | {row['seeds']} "
-            f"| {fmt(row['updates'], 'd')} "
-            f"| {fmt(final and final['mean'], '.3f')} [{fmt(final and final['min'], '.3f')}, "
-            f"{fmt(final and final['max'], '.3f')}] "
+            grid.append(f"| {row['schedule']} | {row['optimizer']} | " + " | ".join(
+                fmt(row["grid_mean_final_loss"].get(p), ".4f") for p in points) + " |")
+        best.append(
+            f"| {row['schedule']} | {row['optimizer']} | {fmt(row['best_lr'], 'g')} "
+            f"| {fmt(row['best_warmup'], 'g')} "
+            f"| {fmt(final and final['mean'], '.4f')} [{fmt(final and final['min'], '.4f')}, "
+            f"{fmt(final and final['max'], '.4f')}] | {fmt(ppl and ppl['mean'], '.1f')} "
             f"| {pct(gap and gap['mean'])} [{pct(gap and gap['min'])}, {pct(gap and gap['max'])}] "
-            f"| {', '.join(pct(q) for q in quarters) or '-'} "
             f"| {fmt(row['samples_to_flush_final'], '.0f')} "
-            f"({row['seeds_reaching_flush_final']} of {row['seeds']} seeds) "
-            f"| {fmt(row['seconds_to_flush_final'], '.1f')} "
-            f"| {fmt(row['seconds_per_sample'] * 1e3, '.2f')} "
-            f"| {fmt(row['flush_loss_at_end_time'], '.3f')} |")
+            f"| {fmt(row['seconds_to_flush_final'], '.2f')} "
+            f"| {fmt(row['seconds_per_sample'] * 1e3, '.3f')} "
+            f"| {fmt(row['flush_loss_at_end_time'], '.4f')} |")
+    lines = [f"Mean final validation loss over {len(setup['seeds'])} seeds at every grid point "
+             f"(peak rate, warm-up as a fraction of {setup['iterations']} updates):", "", *grid, "",
+             "Each rule at its best grid point:", "", *best]
+    t = summary["targets"]
+    if t:
+        lines += ["", f"2BW's best ({t['2bw_best']['rule']}, {t['2bw_best']['optimizer']}): "
+                  f"loss {t['2bw_best']['loss']:.4f}, "
+                  f"perplexity {t['2bw_best']['perplexity']:.1f}; "
+                  f"Flush's best ({t['flush_best']['optimizer']}): loss "
+                  f"{t['flush_best']['loss']:.4f}, perplexity {t['flush_best']['perplexity']:.1f}; "
+                  f"gap {pct(t['loss_gap'])} in loss, {pct(t['perplexity_gap'])} in perplexity: "
+                  f"within 0.5%: {'yes' if t['within_half_percent'] else 'no'}"]
     return "\n".join(lines)
 
 
@@ -541,38 +601,37 @@ def plot(result: dict, path: str) -> None:
     import matplotlib.pyplot as plt
     summary = result["summary"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(14, 5.5))
-    names = [rule["name"] for rule in result["setup"]["rules"]]
-    # PipeMare's rules dashed, in colours of their own: more rules than ten colours
-    dashed = [name for name in names if name.startswith("pipemare")]
-    solid = [name for name in names if name not in dashed]
-    colors = {name: f"C{i % 10}" for group in (solid, dashed) for i, name in enumerate(group)}
-    lines = {name: "--" if name in dashed else "-" for name in names}
+    names = sorted({(row["schedule"], row["optimizer"]) for row in summary["table"]
+                    if row["schedule"] != "gpipe"})
+    colors = {name: f"C{i % 10}" for i, name in enumerate(names)}
     lowest = []
     for row in summary["table"]:
         curve = row["mean_curve"]
         if not curve:
             continue
-        name = "flush" if row["schedule"] == "gpipe" else row["schedule"]
+        name = ("flush" if row["schedule"] == "gpipe" else row["schedule"], row["optimizer"])
+        label = f"{row['schedule']} ({row['optimizer']})"
         samples = [s for s, _ in curve]
         losses = [loss for _, loss in curve]
         lowest.append(np.nanmin(losses))
-        style = ":" if row["schedule"] == "gpipe" else lines[name]
+        style = ":" if row["schedule"] == "gpipe" else "--" if name[0].startswith("pipe") else "-"
         if row["schedule"] != "gpipe":
-            left.plot(samples, losses, label=name, color=colors[name], linestyle=style)
-        right.plot([s * row["seconds_per_sample"] for s in samples], losses,
-                   label=row["schedule"], color=colors[name], linestyle=style)
+            left.plot(samples, losses, label=label, color=colors[name], linestyle=style)
+        right.plot([s * row["seconds_per_sample"] for s in samples], losses, label=label,
+                   color=colors[name], linestyle=style)
     for axis in (left, right):
-        axis.axhline(summary["flush_final_loss"], color="gray", linewidth=0.8, linestyle=":")
-        axis.set_ylabel("validation loss (mean over seeds)")
+        t = summary["targets"]
+        if t:
+            axis.axhline(t["flush_best"]["loss"], color="gray", linewidth=0.8, linestyle=":")
+        axis.set_ylabel("validation loss (mean over seeds, each at its best grid point)")
         if lowest:
-            axis.set_ylim(min(lowest) - 0.05, min(lowest) + 1.2)
+            axis.set_ylim(min(lowest) - 0.05, min(lowest) + 1.0)
         axis.grid(alpha=0.3)
         axis.legend(fontsize=7, ncol=2)
     left.set_xlabel("samples")
     right.set_xlabel("modelled seconds (p = 4, replayed action lists)")
-    lr = summary["flush_best_lr"]
-    left.set_title(f"validation loss vs samples (lr {lr:g}, Flush's best)")
-    right.set_title("validation loss vs time (gray: Flush's final loss)")
+    left.set_title("validation loss vs samples")
+    right.set_title("validation loss vs modelled time (gray: Flush's best final loss)")
     fig.tight_layout()
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -593,71 +652,65 @@ def run_jobs(jobs: list[tuple], workers: int, done: callable) -> None:
 
 def run_study(study: Study, json_path: str | None = None, new_runs: bool = True,
               workers: int = 1) -> dict:
-    """Flush at every rate on the first seed; then at Flush's best rate every rule on the first
-    seed; then the other seeds there and the other rates on the first seed (the sweep), the
-    rules in FIRST before the rest, all in one pool so no worker waits for a phase. With
-    `json_path` the result so far is written after each run and runs already there are kept;
-    `new_runs=False` only summarizes those."""
+    """Every rule and optimizer at every grid point on every seed, seed by seed (so an
+    interrupted study holds whole seeds). With `json_path` the result so far is written after
+    each run and runs already there are kept; `new_runs=False` only summarizes those."""
     torch.set_num_threads(1)
     windows = Windows(study.data_dir, 64, study.eval_sequences)
-    setup = {"iterations": study.iterations, "warmup": study.warmup, "lrs": list(study.lrs),
-             "stages": STAGES, "microbatches": MICROBATCHES, "micro_batch_size": MICRO_BATCH,
-             "seeds": seeds_of(study), "eval_interval": study.eval_interval,
-             "eval_sequences": study.eval_sequences, "rules": [r.__dict__ for r in study.rules]}
+    setup = {"iterations": study.iterations, "warmups": list(study.warmups),
+             "lrs": list(study.lrs), "optimizers": list(study.optimizers),
+             "hidden_size": study.hidden_size, "stages": STAGES, "microbatches": MICROBATCHES,
+             "micro_batch_size": MICRO_BATCH, "seeds": seeds_of(study),
+             "eval_interval": study.eval_interval, "eval_sequences": study.eval_sequences,
+             "rules": [r.__dict__ for r in study.rules]}
     result = {"setup": setup, "runs": []}
     if json_path and os.path.exists(json_path):
         with open(json_path) as f:
             saved = json.load(f)
         result = kept_from(saved, setup)
     if "stage_costs" not in result:
-        costs = measure_stage_costs(study, model_config(windows.vocab_size), windows)
+        costs = measure_stage_costs(study, model_config(windows.vocab_size, study.hidden_size),
+                                    windows)
         result["stage_costs"] = costs
         result["time_per_sample_s"] = {
             name: seconds_per_update(schedule, costs) / (MICROBATCHES * MICRO_BATCH)
             for name, schedule in TIMED.items()}
-    flush = next(rule for rule in study.rules if rule.name == "flush")
     started = time.perf_counter()
 
     def done(run: dict) -> None:
         result["runs"].append(run)
         print(f"[{len(result['runs'])} runs, {time.perf_counter() - started:.0f} s] "
-              f"{run['rule']:22s} lr {run['lr']:g} seed {run['seed']}: final validation loss "
-              f"{final_loss(run['curve']):.4f} ({run['wall_s']:.0f} s)", flush=True)
+              f"{run['rule']:15s} {run['optimizer']} lr {run['lr']:g} warm-up {run['warmup']:g} "
+              f"seed {run['seed']}: final validation loss {final_loss(run['curve']):.4f} "
+              f"({run['wall_s']:.0f} s)", flush=True)
         if json_path:
             write_json(result, json_path)
 
-    def pending(jobs):
-        have = {(r["rule"], r["lr"], r["seed"]) for r in result["runs"]}
-        return [j for j in jobs if (j[0].name, j[1], j[2]) not in have] if new_runs else []
-
-    run_jobs(pending([(flush, lr, study.seed, study) for lr in study.lrs]), workers, done)
-    flush_lr = flush_best_lr(result["runs"], study)
-    if flush_lr is not None:
-        first = [rule for rule in study.rules if rule.name in FIRST]
-        rest = [rule for rule in study.rules if rule.name not in FIRST]
-        later_seeds = seeds_of(study)[1:]
-        other_lrs = [lr for lr in study.lrs if lr != flush_lr]
-        timed = result["time_per_sample_s"]
-        jobs = [(rule, flush_lr, study.seed, as_run_by(rule, study, timed))
-                for rule in study.rules]
-        for rules in (first, rest):
-            jobs += [(rule, flush_lr, seed, as_run_by(rule, study, timed))
-                     for seed in later_seeds for rule in rules]
-            jobs += [(rule, lr, study.seed, study) for lr in other_lrs for rule in rules
-                     if not rule.equal_time]
-        run_jobs(pending(jobs), workers, done)
+    have = {(r["rule"], r["optimizer"], r["lr"], r["warmup"], r["seed"]) for r in result["runs"]}
+    jobs = [(rule, optimizer, lr, warmup, seed, study) for seed in seeds_of(study)
+            for optimizer in study.optimizers for rule in study.rules
+            for lr, warmup in grid_of(study)
+            if (rule.name, optimizer, lr, warmup, seed) not in have]
+    run_jobs(jobs if new_runs else [], workers, done)
     result["summary"] = summarize(result["runs"], result["time_per_sample_s"], study)
     return result
 
 
 def kept_from(saved: dict, setup: dict) -> dict:
-    """What a saved study still holds for `setup`: with the same setup but for its list of rules,
-    the saved runs (and stage timings) of the rules whose definition is unchanged; else nothing."""
-    others = lambda d: {k: v for k, v in d.items() if k != "rules"}  # noqa: E731
+    """What a saved study still holds for `setup`: with the same setup but for its lists of
+    rules, optimizers and seeds (runs are keyed by those), the saved runs (and stage timings) of
+    the rules whose definition is unchanged; else nothing."""
+    others = lambda d: {k: v for k, v in d.items()  # noqa: E731
+                        if k not in ("rules", "optimizers", "seeds")}
     if others(saved.get("setup", {})) != others(setup):
         return {"setup": setup, "runs": []}
-    # a field added since the save reads as its default
-    rule_then = {r["name"]: Rule(**r) for r in saved["setup"]["rules"]}
+
+    def rule(fields: dict) -> Rule | None:  # a field added since reads as its default
+        try:
+            return Rule(**fields)
+        except TypeError:  # a field removed since: the rule has changed
+            return None
+    rule_then = {r["name"]: rule(r) for r in saved["setup"]["rules"]}
     unchanged = {r["name"] for r in setup["rules"] if rule_then.get(r["name"]) == Rule(**r)}
     kept = {k: v for k, v in saved.items() if k not in ("setup", "runs", "summary")}
     return {**kept, "setup": setup, "runs": [r for r in saved["runs"] if r["rule"] in unchanged]}
@@ -674,26 +727,31 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--data-dir", default="data/shakespeare")
     parser.add_argument("--iterations", type=int, default=Study.iterations)
-    parser.add_argument("--warmup", type=int, default=Study.warmup)
     parser.add_argument("--lrs", type=float, nargs="+", default=list(Study.lrs),
-                        help="peak rates of the sweep")
-    parser.add_argument("--seeds", type=int, default=Study.seeds,
-                        help="seeds per rule at Flush's best rate")
+                        help="peak rates of the grid")
+    parser.add_argument("--warmups", type=float, nargs="+", default=list(Study.warmups),
+                        help="warm-up lengths of the grid, fractions of the updates")
+    parser.add_argument("--optimizers", nargs="+", default=list(Study.optimizers),
+                        help="--optimizer values every rule runs with")
+    parser.add_argument("--seeds", type=int, default=Study.seeds, help="seeds per grid point")
+    parser.add_argument("--rules", nargs="+", choices=[r.name for r in RULES],
+                        default=list(STUDIED), help="the rules to run")
     parser.add_argument("--workers", type=int, default=1,
                         help="runs side by side, one process of one thread each")
     parser.add_argument("--quick", action="store_true",
-                        help="a few iterations at one rate (a smoke test of the whole path)")
+                        help="a few iterations on a 2 x 2 grid (a smoke test of the whole path)")
     parser.add_argument("--json", default="docs/convergence.json",
                         help="the result; runs already in it (same setup) are kept, not rerun")
     parser.add_argument("--report-only", action="store_true",
                         help="no new runs: the table and the picture from the runs in --json")
     parser.add_argument("--plot", default="docs/images/convergence.png")
     args = parser.parse_args(argv)
-    study = Study(data_dir=args.data_dir, iterations=args.iterations, warmup=args.warmup,
-                  lrs=tuple(args.lrs), seeds=args.seeds)
+    study = Study(data_dir=args.data_dir, iterations=args.iterations, lrs=tuple(args.lrs),
+                  warmups=tuple(args.warmups), optimizers=tuple(args.optimizers),
+                  seeds=args.seeds, rules=[r for r in RULES if r.name in args.rules])
     if args.quick:
-        study = replace(study, iterations=4, warmup=1, lrs=(1e-3, 2e-3), eval_interval=2,
-                        eval_sequences=4, seeds=2)
+        study = replace(study, iterations=4, warmups=(0.25, 0.5), lrs=(1e-3, 2e-3),
+                        eval_interval=2, eval_sequences=4, seeds=2)
     if not os.path.exists(os.path.join(study.data_dir, "train_text_document.idx")):
         print(f"convergence.py: error: no prepared data in {study.data_dir}: run "
               f"examples/quickstart.sh's data steps (tools/prepare_shakespeare.py, "

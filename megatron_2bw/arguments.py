@@ -160,12 +160,15 @@ def build_parser(description: str = "", extra_args_provider=None) -> argparse.Ar
           "num_layers_per_virtual_pipeline_stage", type=int,
           help="interleaved: layers per model chunk (v = num-layers / p / this)")
     _flag(g, "--delay-compensation", "parallel", "delay_compensation",
-          choices=["none", "predict", "dc"],
+          choices=["none", "predict", "dc", "ef", "nesterov"],
           help="asynchronous schedules: 'predict' (2bw, pipedream) runs each batch on the newest "
                "weights extrapolated along the last update over the stage's delay, 'dc' (2bw) "
-               "corrects each stale gradient (DC-ASGD); default none")
+               "corrects each stale gradient (DC-ASGD), 'ef' (2bw) adds beta*(u_b - u_{b-1}) to "
+               "the optimizer's step u_b (error feedback), 'nesterov' (2bw) steps from the "
+               "look-ahead W + gamma*(W - W_previous); default none")
     _flag(g, "--delay-compensation-lambda", "parallel", "delay_compensation_lambda", type=float,
-          help="--delay-compensation dc: lambda of g + lambda*g*g*(W_new - W_read) (default 0.04)")
+          help="the correction's coefficient: dc's lambda of g + lambda*g*g*(W_new - W_read) "
+               "(default 0.04), ef's beta (default 1), nesterov's gamma in [0, 1) (default 0.5)")
     _flag(g, "--pipemare-lr-warmup-iters", "parallel", "pipemare_lr_warmup_iters", type=int,
           help="pipemare T1: stage s's learning rate is divided by tau_s^(1 - min(it/K, 1)) "
                "(tau_s its delay in updates); K iterations, 0 (default) off")

@@ -143,9 +143,11 @@ class ParallelConfig:
     # reaches min_gain (a fraction)
     repartition_interval: int | None = None
     repartition_min_gain: float = 0.05
-    # asynchronous schedules: "none" | "predict" | "dc" (pipeline/compensation.py)
+    # asynchronous schedules: "none" | "predict" | "dc" | "ef" | "nesterov"
+    # (pipeline/compensation.py)
     delay_compensation: str = "none"
-    delay_compensation_lambda: float | None = None  # dc's lambda; None: DC_DEFAULT_LAMBDA
+    # dc's lambda, ef's beta, nesterov's gamma; None: the mode's DEFAULT_COEFFICIENT
+    delay_compensation_lambda: float | None = None
     # PipeMare (pipeline/pipemare.py): T1's K (0: off) and T2's D (0: off; 0 <= D < 1)
     pipemare_lr_warmup_iters: int = 0
     pipemare_discrepancy_decay: float = 0.0

@@ -425,9 +425,12 @@ def _validate_delay_compensation(par) -> None:
              f"--pipeline-schedule {schedule}")
     lam = par.delay_compensation_lambda
     if lam is not None:
-        _require(mode == "dc", f"--delay-compensation-lambda applies to --delay-compensation dc "
-                               f"only, got --delay-compensation {mode}")
+        _require(mode in ("dc", "ef", "nesterov"),
+                 f"--delay-compensation-lambda applies to --delay-compensation dc, ef or nesterov "
+                 f"only, got --delay-compensation {mode}")
         _require(lam >= 0, f"--delay-compensation-lambda must be >= 0, got {lam}")
+        _require(mode != "nesterov" or lam < 1,
+                 f"--delay-compensation-lambda (nesterov's gamma) must be < 1, got {lam}")
 
 
 def validate_for_world(config: Config, world_size: int) -> int:

@@ -14,7 +14,7 @@ table of docs/precision_memory.md, which a test checks against the live tensors)
 - fp32 master gradients 4P, except with one version and an fp32 buffer, where they are the buffer.
 - optimizer state: Adam 8P, SGD with momentum 4P, Muon 4 bytes per hidden-matrix parameter (its
   momentum buffer) and AdamW's 8 for the others, plus 4P for --delay-compensation's delta
-  (pipeline/compensation.py; with predict the master weights are separate also in fp32).
+  (8P for ef: pipeline/compensation.py; with predict the master weights are separate also in fp32).
   use_distributed_optimizer divides the master weights, master gradients and optimizer state by d
   (Muon's: the most a rank's P/d elements can hold, its AdamW parameters all counted at 8).
 
@@ -46,6 +46,7 @@ import torch
 
 from megatron_2bw.config import ModelConfig, ParallelConfig, PrecisionConfig, RecomputeConfig
 from megatron_2bw.distributed.comm import ShardShapeGroup
+from megatron_2bw.pipeline.compensation import STATE_BUFFERS
 from megatron_2bw.pipeline.partition import layer_ranges, stage_recompute
 from megatron_2bw.pipeline.pipemare import stage_delay
 from megatron_2bw.pipeline.schedules import live_versions, max_in_flight
@@ -97,7 +98,7 @@ class HeldBytes:
 
 
 def held_bytes_per_parameter(element_bytes: int, grad_bytes: int, versions: int, shards: int,
-                             optimizer: str, compensated: bool = False,
+                             optimizer: str, compensation_buffers: int = 0,
                              predicted: bool = False) -> HeldBytes:
     """What WeightVersions and the optimizer hold per parameter: `versions` working copies of
     `element_bytes`, a buffer of `grad_bytes`, the master state divided by `shards` (the
@@ -105,7 +106,8 @@ def held_bytes_per_parameter(element_bytes: int, grad_bytes: int, versions: int,
     `predicted`: weight prediction fills the versions from elsewhere); the master gradients are
     the buffer with one version and an fp32 buffer: with more, a backward of the next batch
     accumulates into the buffer before the step has read them, and they are a tensor of their
-    own unless sharded (then in a free working copy, where they fit)."""
+    own unless sharded (then in a free working copy, where they fit). `compensation_buffers`:
+    the fp32 buffers --delay-compensation keeps per master element (compensation.STATE_BUFFERS)."""
     if optimizer not in OPTIMIZER_STATE_BYTES:
         raise ValueError(f"unknown optimizer {optimizer!r}; expected one of "
                          f"{list(OPTIMIZER_STATE_BYTES)}")
@@ -120,7 +122,7 @@ def held_bytes_per_parameter(element_bytes: int, grad_bytes: int, versions: int,
         working=element_bytes * versions, buffer=grad_bytes,
         master=4 / shards if separate_master else 0.0,
         master_grads=4 / shards if separate_master_grads else 0.0,
-        optimizer=(OPTIMIZER_STATE_BYTES[optimizer] + (4 if compensated else 0)) / shards)
+        optimizer=(OPTIMIZER_STATE_BYTES[optimizer] + 4 * compensation_buffers) / shards)
 
 
 def memory_limit_bytes(hardware: HardwareSpec) -> float:
@@ -459,8 +461,9 @@ def estimate_stage_memory(model: ModelConfig, parallel: ParallelConfig, precisio
     e, g = dtype_bytes(precision), grad_buffer_bytes(precision)
     versions = live_versions(schedule, p, stage)  # working copies: 2BW 2, PipeDream p - s
     shards = data_parallel if parallel.use_distributed_optimizer else 1
-    compensated = parallel.delay_compensation != "none"
-    held = held_bytes_per_parameter(e, g, versions, shards, optimizer, compensated=compensated,
+    compensation_buffers = STATE_BUFFERS[parallel.delay_compensation]
+    held = held_bytes_per_parameter(e, g, versions, shards, optimizer,
+                                    compensation_buffers=compensation_buffers,
                                     predicted=parallel.delay_compensation == "predict")
     params = (e + held.master) * P
     grads = (held.buffer + held.master_grads) * P
@@ -472,7 +475,7 @@ def estimate_stage_memory(model: ModelConfig, parallel: ParallelConfig, precisio
         adamw = P - stage_hidden_matrix_parameters(model, t, layers, first, last)
         state = OPTIMIZER_STATE_BYTES["muon"] * P / shards + (
             OPTIMIZER_STATE_BYTES["adam"] - OPTIMIZER_STATE_BYTES["muon"]) * min(adamw, P / shards)
-        optimizer_bytes = state + (4 * P / shards if compensated else 0)
+        optimizer_bytes = state + 4 * compensation_buffers * P / shards
         muon_step = (4 * P if shards > 1 else 0) + \
             MUON_STEP_BYTES * t * largest_hidden_matrix(model, t, layers)
     stash = (held.working - e) * P

@@ -1,6 +1,7 @@
-"""--delay-compensation predict|dc under 2BW against tests/pipeline/compensation_reference.py (fp32,
-dropout 0, clipping on): p = 2, p = 4, t = 2 x p = 2 and p = 2 x d = 2 with the distributed optimizer,
-SGD and Adam, to 1e-5; each a different trajectory from uncompensated 2BW. bf16 trains like fp32;
+"""--delay-compensation predict|dc|ef|nesterov under 2BW against
+tests/pipeline/compensation_reference.py (fp32, dropout 0, clipping on): p = 2, p = 4,
+t = 2 x p = 2 and p = 2 x d = 2 with the distributed optimizer, SGD, Adam and (ef, nesterov)
+Muon, to 1e-5; each a different trajectory from uncompensated 2BW. bf16 trains like fp32;
 an fp16 overflow skips the step with compensation on; a resumed run equals a straight one bit for
 bit (the saved versions and delta)."""
 import functools
@@ -11,8 +12,10 @@ import sys
 import pytest
 
 from megatron_2bw.distributed.layout import ParallelLayout
+import megatron_2bw.optim.muon as muon
 from tests.checkpoint.conftest import ResumeRun, assert_resume_is_bit_identical
 from tests.distributed_helpers import run_ranks
+from tests.optim.test_muon_parallel import newton_schulz_float64
 from tests.pipeline.compensation_reference import compensated_reference
 from tests.pipeline.harness import full_weights, gpt_feed, max_difference, tiny_config
 from tests.pipeline.precision_harness import precise_config, train_stage
@@ -23,13 +26,15 @@ VOCAB = 101
 BATCHES = 5
 # large enough that a missing or wrong correction moves the weights far beyond 1e-5
 DC_LAMBDA = 5000.0
+# ef's beta and nesterov's gamma: the defaults (None), written out for the reference
+COEFFICIENT = {"dc": DC_LAMBDA, "ef": 1.0, "nesterov": 0.5, "predict": None, "none": None}
 
 
 def config(optimizer: str, mode: str, t: int = 1, p: int = 1, distributed_optimizer=False):
     c = tiny_config(t=t, p=p, schedule="2bw" if p > 1 else None, optimizer=optimizer,
                     lr=0.05 if optimizer == "sgd" else 0.01, clip=0.5)
     c.parallel.delay_compensation = mode
-    c.parallel.delay_compensation_lambda = DC_LAMBDA if mode == "dc" else None
+    c.parallel.delay_compensation_lambda = DC_LAMBDA if mode == "dc" else None  # else default
     c.parallel.use_distributed_optimizer = distributed_optimizer
     return c
 
@@ -38,7 +43,7 @@ def config(optimizer: str, mode: str, t: int = 1, p: int = 1, distributed_optimi
 def reference(optimizer: str, mode: str):
     c = config(optimizer, mode)
     return compensated_reference(c, BATCHES, gpt_feed(c, ParallelLayout(1, 1, 1)), 4, mode,
-                                 dc_lambda=DC_LAMBDA)
+                                 coefficient=COEFFICIENT[mode])
 
 
 @functools.lru_cache(maxsize=None)
@@ -71,14 +76,22 @@ def test_predicted_pipedream_matches_its_reference(vertical_sync):
 
 LAYOUTS = {"p2": (1, 2, 2, False), "p4": (1, 4, 4, False), "t2p2": (2, 2, 4, False),
            "p2d2-distributed-optimizer": (1, 2, 4, True)}
-# every layout with Adam and predict; SGD and dc where they add a code path (suite time)
-CASES = [(mode, optimizer, layout) for layout in LAYOUTS for mode in ("predict", "dc")
-         for optimizer in ("sgd", "adam")
-         if layout == "p2" or optimizer == "adam" or mode == "predict"]
+# every layout with Adam and predict, ef, nesterov; SGD and dc where they add a code path
+# (suite time)
+CASES = [(mode, optimizer, layout) for layout in LAYOUTS
+         for mode in ("predict", "dc", "ef", "nesterov") for optimizer in ("sgd", "adam")
+         if layout == "p2" or optimizer == "adam" or mode == "predict"
+         or (mode in ("ef", "nesterov") and optimizer == "adam")]
+# Muon (the hidden matrices orthogonalised whole, over t and ZeRO shards) with ef everywhere the
+# layout changes how a matrix is held, nesterov on p2
+CASES += [("ef", "muon", layout) for layout in ("p2", "t2p2", "p2d2-distributed-optimizer")]
+CASES += [("nesterov", "muon", "p2")]
 
 
 @pytest.mark.parametrize("mode,optimizer,layout", CASES)
-def test_compensated_2bw_matches_its_reference(mode, optimizer, layout):
+def test_compensated_2bw_matches_its_reference(mode, optimizer, layout, monkeypatch):
+    if optimizer == "muon":  # Newton-Schulz in float64: layouts compared exactly (see there)
+        monkeypatch.setattr(muon, "newton_schulz", newton_schulz_float64)
     t, p, world, sharded = LAYOUTS[layout]
     c = config(optimizer, mode, t, p, sharded)
     weights = full_weights(run_ranks(world, train_stage, c, BATCHES))
@@ -87,10 +100,12 @@ def test_compensated_2bw_matches_its_reference(mode, optimizer, layout):
     assert max_difference(reference(optimizer, mode), reference(optimizer, "none"), VOCAB) > 1e-4
 
 
-@pytest.mark.parametrize("mode", ["predict", "dc"])
+@pytest.mark.parametrize("mode", ["predict", "dc", "ef", "nesterov"])
 def test_bf16_compensated_2bw_trains_like_fp32(mode):
     def run(precision):
-        c = precise_config(precision, p=2, schedule="2bw", optimizer="adam", lr=0.01)
+        # nesterov's look-ahead lengthens Adam's step by up to 1/(1 - gamma): half the rate
+        lr = 0.005 if mode == "nesterov" else 0.01
+        c = precise_config(precision, p=2, schedule="2bw", optimizer="adam", lr=lr)
         c.parallel.delay_compensation = mode
         return run_ranks(2, train_stage, c, 8, None, True)
     fp32, bf16 = run("fp32"), run("bf16")
@@ -113,28 +128,35 @@ class CompensatedResume(ResumeRun):
 
 @pytest.mark.parametrize("mode,extra", [
     ("dc", ("--delay-compensation-lambda", str(DC_LAMBDA), "--use-distributed-optimizer")),
-    ("predict", ())], ids=["dc-p2d2-distributed-optimizer", "predict-p2d2"])
+    ("predict", ()), ("ef", ("--use-distributed-optimizer",)), ("nesterov", ())],
+    ids=["dc-p2d2-distributed-optimizer", "predict-p2d2", "ef-p2d2-distributed-optimizer",
+         "nesterov-p2d2"])
 def test_resumed_compensated_training_is_bit_identical(tmp_path, mode, extra):
     """Train 2N iterations straight, or N, save, load and N more (2BW, p = 2 x d = 2, dropout on):
     the same losses and weights bit for bit, so the saved versions and delta are the ones used."""
     assert_resume_is_bit_identical(CompensatedResume(tmp_path, mode, *extra))
 
 
+def refused(mode: str, schedule: str, applies: str = "2bw") -> tuple[list[str], str]:
+    """A p = 2 run of `schedule` with --delay-compensation `mode`, and the line it must print."""
+    return (["--pipeline-model-parallel-size", "2", "--pipeline-schedule", schedule,
+             "--untie-embeddings-and-output-weights", "--delay-compensation", mode],
+            f"--delay-compensation {mode} applies to --pipeline-schedule {applies} only, not to "
+            f"--pipeline-schedule {schedule}")
+
+
 @pytest.mark.parametrize("extra,expected", [
-    (["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "flush",
-      "--delay-compensation", "predict"],
-     "--delay-compensation predict applies to --pipeline-schedule 2bw or pipedream only, not to "
-     "--pipeline-schedule flush"),
+    refused("predict", "flush", "2bw or pipedream"), refused("dc", "pipedream"),
+    refused("ef", "flush"), refused("nesterov", "pipemare"),
     (["--delay-compensation", "dc"],  # p = 1: the schedule is flush
      "--delay-compensation dc applies to --pipeline-schedule 2bw only, not to "
      "--pipeline-schedule flush"),
-    (["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "pipedream",
-      "--untie-embeddings-and-output-weights", "--delay-compensation", "dc"],
-     "--delay-compensation dc applies to --pipeline-schedule 2bw only, not to "
-     "--pipeline-schedule pipedream"),
     (["--pipeline-model-parallel-size", "2", "--delay-compensation", "predict",
       "--delay-compensation-lambda", "0.1"],
-     "--delay-compensation-lambda applies to --delay-compensation dc only"),
+     "--delay-compensation-lambda applies to --delay-compensation dc, ef or nesterov only"),
+    (["--pipeline-model-parallel-size", "2", "--delay-compensation", "nesterov",
+      "--delay-compensation-lambda", "1"],
+     "--delay-compensation-lambda (nesterov's gamma) must be < 1, got 1.0"),
     (["--pipeline-model-parallel-size", "2", "--delay-compensation", "dc",
       "--delay-compensation-lambda", "-1"], "--delay-compensation-lambda must be >= 0, got -1.0"),
     (["--delay-compensation", "guess"], "argument --delay-compensation: invalid choice"),
@@ -148,10 +170,11 @@ def test_bad_compensation_flags_give_one_line(extra, expected):
 
 
 @pytest.mark.parametrize("precision,mode,distributed", [
-    ("fp32", "predict", False), ("fp32", "dc", True), ("bf16", "predict", True)])
+    ("fp32", "predict", False), ("fp32", "dc", True), ("bf16", "predict", True),
+    ("fp32", "ef", False), ("bf16", "nesterov", True)])
 def test_the_memory_estimate_counts_the_compensation_state(precision, mode, distributed):
     """What a stage holds at start, by kind, equals the estimate: delta (one fp32 copy of this
-    rank's master-weight shard) and, for predict in fp32, master weights of their own."""
+    rank's master-weight shard; ef two) and, for predict in fp32, master weights of their own."""
     config = precise_config(precision, schedule="2bw", optimizer="adam", layers=2)
     config.parallel.use_distributed_optimizer = distributed
     plain = run_ranks(2, _startup_report, config)
