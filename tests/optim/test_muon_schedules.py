@@ -75,7 +75,7 @@ def test_delay_compensation_follows_its_rule(mode):
                delay_compensation_lambda=DC_LAMBDA if mode == "dc" else None)
     reference_config = config(None, p=1)
     feed = gpt_feed(reference_config, ParallelLayout(1, 1, 1))
-    expected = compensated_reference(reference_config, BATCHES, feed, 2, mode, dc_lambda=DC_LAMBDA)
+    expected = compensated_reference(reference_config, BATCHES, feed, 2, mode, coefficient=DC_LAMBDA)
     weights = run(c)
     assert max_difference(weights, expected, VOCAB) < 1e-5
     assert max_difference(weights, rule_reference("2bw"), VOCAB) > 1e-4
