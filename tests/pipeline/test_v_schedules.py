@@ -50,8 +50,12 @@ def _accepted(schedule, p):
 @pytest.mark.parametrize("schedule", V_SCHEDULES)
 @pytest.mark.parametrize("stages", [1, 2, 3, 4, 8])
 def test_v_schedules_are_valid_for_every_accepted_shape(schedule, stages):
+    """Every accepted m up to 4p; at p = 8 the smallest, 2p, 3p and 4p (regrouping each m's lists
+    for NCCL takes seconds there, and the orders change shape only at those bounds)."""
     shapes = list(_accepted(schedule, stages))
     assert shapes, "some m must be accepted"
+    if stages == 8:
+        shapes = sorted({shapes[0], *(m for m in shapes if m % stages == 0 and m >= 2 * stages)})
     for m in shapes:
         actions = S.build_schedule(schedule, stages, m, 2, first_batch=1, chunks=2)
         S.validate(actions, schedule, m, first_batch=1)
